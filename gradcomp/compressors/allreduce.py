@@ -1,0 +1,17 @@
+"""Plain fp32 allreduce through gradcomp's hook: the baseline every method must match.
+
+Sends every element as fp32 (4 bytes each). Use it to compare against, or with ``delay``
+to hide latency without compressing.
+"""
+from __future__ import annotations
+
+from .base import Compressor, register_method
+
+
+@register_method
+class AllReduce(Compressor):
+    name = "allreduce"
+    description = "uncompressed fp32 allreduce (baseline)"
+
+    def reduce(self, x, ctx):
+        return self.dense(x, ctx)

@@ -1,0 +1,100 @@
+"""Method configurations: frozen dataclasses validated on construction."""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+
+# Buckets (and, for PowerSGD, tensors) with fewer elements than this go as one plain fp32
+# allreduce: below it the compressed message plus its metadata saves less than a round trip
+# costs. 4096 elements = 16 KiB, about 0.13 ms at 1 Gbit/s.
+DEFAULT_MIN_NUMEL = 4096
+
+
+def check(ok: bool, name: str, value, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"invalid {name}={value!r}: allowed {allowed}")
+
+
+@dataclass(frozen=True)
+class MethodConfig:
+    """Options every method has.
+
+    min_numel: buckets smaller than this many elements are sent uncompressed.
+    error_feedback: keep what compression dropped and add it to the next step's gradient.
+    seed: seeds every random stream of the method (same on all ranks).
+    """
+
+    min_numel: int = DEFAULT_MIN_NUMEL
+    error_feedback: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            t = _field_type(type(self), f.name)
+            if t is float and isinstance(v, int) and not isinstance(v, bool):
+                object.__setattr__(self, f.name, float(v))
+            elif v is not None and not _isinstance(v, t):
+                raise TypeError(f"invalid {f.name}={v!r}: expected {_type_name(t)}")
+        check(self.min_numel >= 0, "min_numel", self.min_numel, "an integer >= 0")
+        self.validate()
+
+    def validate(self) -> None:
+        """Method-specific checks; raise ValueError naming the bad value."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MethodConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown option(s) {', '.join(unknown)}: allowed {', '.join(sorted(names))}")
+        return cls(**d)
+
+    @classmethod
+    def options(cls) -> dict:
+        """{name: (type name, default)} for every option."""
+        return {f.name: (_type_name(_field_type(cls, f.name)), f.default) for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def parse_value(cls, name: str, text: str):
+        """Convert a spec-string value to the option's type."""
+        t = _field_type(cls, name)
+        base = [a for a in typing.get_args(t) if a is not type(None)][0] if typing.get_args(t) else t
+        if text.lower() == "none" and base is not t:
+            return None
+        try:
+            if base is bool:
+                if text.lower() in ("1", "true", "yes", "on"):
+                    return True
+                if text.lower() in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError(text)
+            return base(text)
+        except ValueError:
+            raise ValueError(f"invalid {name}={text!r}: expected {_type_name(t)}") from None
+
+
+def _field_type(cls, name):
+    return typing.get_type_hints(cls)[name]
+
+
+def _isinstance(v, t) -> bool:
+    args = typing.get_args(t)
+    if args:
+        return any(_isinstance(v, a) for a in args if a is not type(None))
+    if t is int:
+        return isinstance(v, int) and not isinstance(v, bool)
+    if t is float:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return isinstance(v, t)
+
+
+def _type_name(t) -> str:
+    args = typing.get_args(t)
+    if args:
+        return " or ".join(_type_name(a) for a in args)
+    return getattr(t, "__name__", str(t))

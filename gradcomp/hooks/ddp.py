@@ -1,0 +1,142 @@
+"""The DDP adapter: ``hook(state, bucket)`` and the one-line ``register``."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ..compressors import METHODS
+from .state import GradcompState
+
+# Options register() consumes itself; everything else goes to the method's config.
+_MOMENTUM_KEYS = ("momentum", "nesterov", "weight_decay")
+
+
+def hook(state: GradcompState, bucket: dist.GradBucket) -> torch.futures.Future:
+    """DDP communication hook: queue the bucket's exchange, return its future at once."""
+    return state.submit(bucket.index(), bucket.buffer(), bucket.parameters())
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """``"name:key=value,key=value"`` -> (name, {key: value}) with values typed per option."""
+    name, _, rest = spec.strip().partition(":")
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}: allowed {', '.join(sorted(METHODS))}")
+    cfg = METHODS[name].config
+    opts = {}
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"bad option {item!r} in {spec!r}: expected key=value")
+        key = key.strip()
+        if key not in cfg.options():
+            raise ValueError(f"unknown option {key!r} for {name}: allowed {', '.join(cfg.options())}")
+        opts[key] = cfg.parse_value(key, value.strip())
+    return name, opts
+
+
+def build_config(method: str, **options):
+    """The validated config of ``method`` (a name or spec string) with ``options``."""
+    name, opts = parse_spec(method)
+    clash = sorted(set(opts) & set(options))
+    if clash:
+        raise ValueError(f"option(s) {', '.join(clash)} given both in {method!r} and as arguments")
+    return name, METHODS[name].config.from_dict({**opts, **options})
+
+
+def methods() -> list[dict]:
+    """Every method with its description and options {name: (type, default)}."""
+    return [{"name": s.name, "description": s.description, "options": s.config.options()}
+            for s in METHODS.values()]
+
+
+def take_momentum(optimizer, options: dict) -> dict:
+    """Move SGD's momentum, Nesterov flag and weight decay into DGC's options.
+
+    The optimizer's groups get momentum 0 and weight decay 0, and remember what was moved under
+    ``gradcomp_moved``, so re-registering after ``optimizer.load_state_dict`` finds it again."""
+    if optimizer is None:
+        raise TypeError("dgc applies momentum inside the hook (momentum correction): pass "
+                        "optimizer=your_SGD so gradcomp can move its momentum there and it is "
+                        "never applied twice")
+    if not isinstance(optimizer, torch.optim.SGD):
+        if options.get("momentum", 0.0) == 0.0 and all(
+                g.get("momentum", 0.0) == 0.0 for g in optimizer.param_groups):
+            return options
+        raise TypeError(f"dgc's momentum correction needs torch.optim.SGD, got "
+                        f"{type(optimizer).__name__}; use 'topk' for other optimizers")
+    moved = []
+    for g in optimizer.param_groups:
+        moved.append(g.get("gradcomp_moved") or {k: g.get(k, False if k == "nesterov" else 0.0)
+                                                 for k in _MOMENTUM_KEYS})
+    if any(m != moved[0] for m in moved):
+        raise ValueError(f"dgc needs one momentum/nesterov/weight_decay for all parameter "
+                         f"groups, got {moved}")
+    src = moved[0]
+    for k in _MOMENTUM_KEYS:
+        if k in options and src[k] and options[k] != src[k]:
+            raise ValueError(f"{k}={options[k]!r} given to dgc while the optimizer already has "
+                             f"{k}={src[k]!r}: it would be applied twice")
+    for g in optimizer.param_groups:
+        g["gradcomp_moved"] = dict(src)
+        g["momentum"], g["nesterov"], g["weight_decay"] = 0.0, False, 0.0
+    return {**{k: v for k, v in src.items() if v}, **options}
+
+
+def register(model: DistributedDataParallel, method: str, *, optimizer=None,
+             process_group=None, **options) -> GradcompState:
+    """Register a gradcomp communication hook on a DDP model and return its state.
+
+    ``method`` is a name or spec (``"powersgd:rank=2"``); ``options`` are the method's
+    options (``gradcomp.methods()`` lists them). ``optimizer`` is required for ``dgc``, which
+    takes over the optimizer's momentum. Must be called on every rank (it is collective):
+    ranks that registered different methods or options all raise ValueError.
+
+    Example::
+
+        model = DistributedDataParallel(net)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        state = gradcomp.register(model, "dgc", ratio=0.001, optimizer=opt)
+    """
+    if not isinstance(model, DistributedDataParallel):
+        raise TypeError(f"register() needs a torch.nn.parallel.DistributedDataParallel model, "
+                        f"got {type(model).__name__}")
+    pg = process_group if process_group is not None else model.process_group
+    ranks = dist.get_process_group_ranks(pg)
+    # A group of our own: DDP issues collectives of its own on its group (unused-parameter
+    # maps, bucket rebuilds) that must not interleave with our exchanges.
+    group = dist.new_group(ranks=ranks, backend=dist.get_backend(pg))
+    # Validate locally, then compare with every rank before raising anything, so a rank whose
+    # options are bad cannot leave the others waiting in a collective.
+    error, state = None, None
+    try:
+        state = _build_state(model, method, optimizer, group, options)
+        mine = (state.digest(), state.method, state.config.to_dict())
+    except (TypeError, ValueError) as exc:
+        error, mine = exc, ("error", type(exc).__name__, str(exc))
+    digests = [None] * len(ranks)
+    dist.all_gather_object(digests, mine, group=group)
+    if error is not None:
+        raise error
+    if any(d[0] != mine[0] for d in digests):
+        detail = "; ".join(f"rank {r}: {d[1]} {d[2]}" for r, d in zip(ranks, digests))
+        raise ValueError(f"ranks registered different gradcomp methods or options: {detail}")
+    model.register_comm_hook(state, hook)
+    return state
+
+
+def _build_state(model, method, optimizer, group, options) -> GradcompState:
+    name, spec_opts = parse_spec(method)
+    if name == "dgc":
+        options = take_momentum(optimizer, {**spec_opts, **options})
+        method = name
+    name, config = build_config(method, **options)
+    names = {}
+    for pname, p in model.module.named_parameters():
+        if not p.requires_grad:
+            continue
+        if not p.dtype.is_floating_point:
+            raise TypeError(f"parameter {pname!r} has dtype {p.dtype}: gradients must be float "
+                            f"(float32, float16 or bfloat16)")
+        names[id(p)] = pname
+    return GradcompState(name, config, group=group, param_names=names)

@@ -1,0 +1,234 @@
+"""The hook state: one method's config and compressor, its per-parameter memory, the step
+counter, the byte counters, and the communication thread that runs the exchanges.
+
+Why a thread: a bucket's exchange may need several dependent collectives (PowerSGD's two
+allreduces, 1-bit's all-to-all then allgather). Issuing the second one from a future's
+callback would let ranks interleave different buckets' collectives in different orders.
+Here every exchange runs start to finish, in bucket order, on one thread per state and on a
+process group of its own, so every rank issues the same collectives in the same order, and
+the hook itself returns a future at once: backward never waits on the network.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import queue
+import threading
+from typing import Sequence
+
+import torch
+
+from ..comm import Comm, Traffic
+from ..compressors import METHODS
+from ..compressors.base import ParamSlice
+from ..config import MethodConfig
+from ..memory import ParamMemory
+
+_MIX = 0x9E3779B97F4A7C15
+
+
+def _mix(*parts: int) -> int:
+    h = 0
+    for p in parts:
+        h = ((h ^ (p & 0xFFFFFFFFFFFFFFFF)) * _MIX + 0x632BE59BD9B4E019) & 0xFFFFFFFFFFFFFFFF
+    return h >> 1
+
+
+class _Ctx:
+    """BucketContext for one bucket at one step (see compressors.base.BucketContext)."""
+
+    def __init__(self, state: "GradcompState", bucket: int, params: list[ParamSlice],
+                 param_tensors, device, step: int, relayout: bool):
+        self.state, self.bucket, self.params = state, bucket, params
+        self.comm, self.step, self.relayout = state._comm, step, relayout
+        self._tensors, self._device = param_tensors, device
+
+    def memory(self, slot):
+        return self.state.memory.flat(slot, self.bucket, [p.name for p in self.params],
+                                      [p.numel for p in self.params], self._device)
+
+    def tensor(self, slot, name, init):
+        return self.state.memory.tensor(slot, name, init)
+
+    def segment_ids(self):
+        return torch.repeat_interleave(
+            torch.arange(len(self.params), device=self._device),
+            torch.tensor([p.numel for p in self.params], device=self._device))
+
+    def param_values(self):
+        if self._tensors is None:
+            raise RuntimeError("this bucket was reduced without its parameters")
+        return torch.cat([t.detach().reshape(-1).float() for t in self._tensors])
+
+    def seed(self, stream):
+        return _mix(self.state.config.seed, self.step, self.bucket, self.comm.rank, stream)
+
+    def log(self, key, value):
+        self.state._logs[key] = value
+
+
+class GradcompState:
+    """Everything one registered hook owns. Build it with :func:`gradcomp.register`, or
+    directly to call ``register_comm_hook(state, gradcomp.hook)`` yourself."""
+
+    def __init__(self, method: str, config: MethodConfig | None = None, *, group=None,
+                 param_names: dict[int, str] | None = None):
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r}: allowed {', '.join(sorted(METHODS))}")
+        spec = METHODS[method]
+        config = config if config is not None else spec.config()
+        if not isinstance(config, spec.config):
+            raise TypeError(f"method {method!r} takes a {spec.config.__name__}, "
+                            f"got {type(config).__name__}")
+        self.method, self.config = method, config
+        self.compressor = spec.compressor(config)
+        self.memory = ParamMemory()
+        self.group = group
+        self._param_names = param_names or {}
+        self._step = -1                 # index of the step in flight
+        self._layouts: dict[int, tuple] = {}
+        self._traffic = Traffic()
+        self._raw = 0
+        self._logs: dict = {}
+        self._setup_runtime()
+
+    # ------------------------------------------------------------------ runtime
+    def _setup_runtime(self):
+        self._comm = Comm(self.group, self._traffic)
+        self._queue: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def __getstate__(self):
+        d = self.__dict__.copy()
+        for k in ("group", "_comm", "_queue", "_thread", "_error", "_param_names"):
+            d.pop(k, None)
+        return d
+
+    def __setstate__(self, d):
+        self.__dict__.update(d)
+        self.group, self._param_names = None, {}
+        self._setup_runtime()
+
+    @property
+    def world_size(self) -> int:
+        return self._comm.world_size
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps whose communication has started."""
+        return self._step + 1
+
+    def digest(self) -> str:
+        blob = json.dumps({"method": self.method, "config": self.config.to_dict()}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    # ------------------------------------------------------------------ the work
+    def _begin(self, bucket: int, names: Sequence[str]) -> tuple[int, bool]:
+        """Book-keeping on the caller's thread: step counter, layout change."""
+        if bucket == 0:
+            self._step += 1
+        layout = tuple(names)
+        relayout = self._layouts.get(bucket) != layout
+        self._layouts[bucket] = layout
+        return max(self._step, 0), relayout
+
+    def reduce(self, x: torch.Tensor, params: Sequence[ParamSlice], bucket: int = 0,
+               param_tensors=None) -> torch.Tensor:
+        """Synchronously reduce one flat bucket (any float dtype); returns the average in
+        x's dtype. The DDP hook runs exactly this, on the communication thread."""
+        step, relayout = self._begin(bucket, [p.name for p in params])
+        return self._reduce(x, list(params), bucket, param_tensors, step, relayout)
+
+    def _reduce(self, buf, params, bucket, param_tensors, step, relayout):
+        if bucket == 0:
+            self._traffic.__init__()
+            self._raw = 0
+        self._raw += buf.numel() * buf.element_size()
+        x = buf if buf.dtype == torch.float32 else buf.float()
+        ctx = _Ctx(self, bucket, params, param_tensors, buf.device, step, relayout)
+        out = self.compressor.reduce(x, ctx)
+        if out is not buf:
+            buf.copy_(out)
+        return buf
+
+    # ------------------------------------------------------------------ DDP side
+    def submit(self, bucket: int, buf: torch.Tensor, params) -> torch.futures.Future:
+        """Queue one bucket's exchange; the returned future completes with the average."""
+        names = []
+        for p in params:
+            name = self._param_names.get(id(p))
+            if name is None:
+                raise RuntimeError("a bucket holds a parameter the state does not know; "
+                                   "register the state on the model it was built for")
+            names.append(name)
+        slices, off = [], 0
+        for name, p in zip(names, params):
+            slices.append(ParamSlice(name, tuple(p.shape), off, p.numel()))
+            off += p.numel()
+        step, relayout = self._begin(bucket, names)
+        fut = torch.futures.Future(devices=[buf.device] if buf.is_cuda else None)
+        event = None
+        if buf.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        if self._thread is None:
+            self._queue = queue.Queue()
+            self._thread = threading.Thread(target=self._worker, name="gradcomp-comm", daemon=True)
+            self._thread.start()
+        self._queue.put((bucket, buf, slices, list(params), step, relayout, event, fut))
+        return fut
+
+    def _worker(self):
+        while True:
+            bucket, buf, slices, params, step, relayout, event, fut = self._queue.get()
+            if self._error is not None:
+                fut.set_exception(RuntimeError(f"gradcomp: an earlier exchange failed: {self._error}"))
+                continue
+            try:
+                if event is not None:
+                    torch.cuda.current_stream(buf.device).wait_event(event)
+                fut.set_result(self._reduce(buf, slices, bucket, params, step, relayout))
+            except BaseException as exc:  # noqa: BLE001  (handed to DDP, which re-raises)
+                self._error = exc
+                fut.set_exception(exc)
+
+    # ------------------------------------------------------------------ reporting
+    def stats(self) -> dict:
+        """Bytes of the latest step: ``raw_bytes`` (the gradients' own size, what a plain
+        allreduce hands over), ``sent_bytes`` (the messages this rank handed to collectives),
+        ``wire_bytes`` / ``raw_wire_bytes`` (what ring-style collectives put on this rank's
+        link for those two), their ``ratio``, and the number of ``collectives``."""
+        t, W = self._traffic, self.world_size
+        raw_wire = self._raw * 2 * (W - 1) / W
+        return {
+            "step": self.step, "raw_bytes": self._raw, "sent_bytes": t.sent,
+            "wire_bytes": t.wire, "raw_wire_bytes": raw_wire,
+            "ratio": self._raw / t.sent if t.sent else float("inf"),
+            "collectives": t.collectives,
+        }
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        return {"method": self.method, "config": self.config.to_dict(), "world_size": self.world_size,
+                "step": self.step, "memory": self.memory.state_dict()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if sd.get("method") != self.method or sd.get("config") != self.config.to_dict():
+            raise ValueError(f"checkpoint is for method {sd.get('method')!r} with {sd.get('config')}; "
+                             f"this state runs {self.method!r} with {self.config.to_dict()}")
+        if sd.get("world_size") != self.world_size:
+            raise ValueError(f"checkpoint was saved with world size {sd.get('world_size')}; "
+                             f"this job has {self.world_size}: residuals do not transfer")
+        known = set(self._param_names.values())
+        unknown = self.memory_names(sd) - known if known else set()
+        if unknown:
+            raise ValueError(f"checkpoint holds state for parameters this model lacks: "
+                             f"{', '.join(sorted(unknown)[:5])}")
+        self.memory.load_state_dict(sd["memory"])
+        self._step = sd["step"] - 1
+        self._layouts.clear()
+
+    @staticmethod
+    def memory_names(sd: dict) -> set:
+        return {n for part in sd["memory"].values() for d in part.values() for n in d}

@@ -1,0 +1,59 @@
+"""Quantize and select steps, dispatched by device.
+
+CPU tensors run the pure-torch reference (:mod:`.reference`), which is the specification.
+CUDA tensors run the Triton kernels when Triton is importable; Triton is imported lazily so
+the package imports without it. Set ``GRADCOMP_KERNELS=reference`` to force the reference.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import reference
+from .reference import (  # noqa: F401  (re-exported helpers with no kernel of their own)
+    check_flat, pack_2bit, pack_bits, sample_threshold, unpack_2bit, unpack_bits, uniform,
+)
+
+_triton = None
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    global _triton
+    if t.device.type != "cuda" or os.environ.get("GRADCOMP_KERNELS") == "reference":
+        return False
+    if _triton is None:
+        try:
+            from . import triton_kernels
+            _triton = triton_kernels
+        except ImportError:
+            _triton = False
+    return bool(_triton)
+
+
+def _impl(name: str, t: torch.Tensor):
+    return getattr(_triton, name) if _use_triton(t) else getattr(reference, name)
+
+
+def onebit_compress(x, residual, chunk):
+    return _impl("onebit_compress", x)(x, residual, chunk)
+
+
+def onebit_decompress(bits, scales, chunk, out, alpha=1.0):
+    return _impl("onebit_decompress", out)(bits, scales, chunk, out, alpha)
+
+
+def ternary_compress(x, residual, scale, seg, seed):
+    return _impl("ternary_compress", x)(x, residual, scale, seg, seed)
+
+
+def ternary_decompress(packed, scale, seg, out, alpha=1.0):
+    return _impl("ternary_decompress", out)(packed, scale, seg, out, alpha)
+
+
+def select_topk(x, threshold, k, capacity):
+    return _impl("select_topk", x)(x, threshold, k, capacity)
+
+
+def scatter_add(values, indices, out, alpha=1.0):
+    return _impl("scatter_add", out)(values, indices, out, alpha)

@@ -1,0 +1,174 @@
+"""Pure-torch reference implementations of the quantize and select steps.
+
+These are the specification: every Triton kernel in :mod:`gradcomp.kernels.triton_kernels`
+has the same signature and is tested against the function of the same name here. They are
+also the production path for CPU tensors.
+
+Conventions shared by all functions:
+  * ``x`` is a flat, contiguous float32 tensor (the compressors cast once, up front).
+  * Packed bit streams are uint8, least-significant bit first.
+  * Byte counts in the comments are for ``n`` float32 elements.
+"""
+from __future__ import annotations
+
+import torch
+
+_BIT_WEIGHTS = {}
+
+
+def _weights(device, per_byte: int, bits: int) -> torch.Tensor:
+    key = (device, per_byte)
+    w = _BIT_WEIGHTS.get(key)
+    if w is None:
+        w = (2 ** (bits * torch.arange(per_byte, dtype=torch.int32))).to(device=device, dtype=torch.uint8)
+        _BIT_WEIGHTS[key] = w
+    return w
+
+
+def check_flat(x: torch.Tensor, name: str = "x") -> None:
+    if x.dim() != 1 or not x.is_contiguous():
+        raise ValueError(f"{name} must be a flat contiguous tensor, got shape {tuple(x.shape)} "
+                         f"with strides {x.stride()}; call .contiguous().view(-1) first")
+
+
+# --------------------------------------------------------------------------- bit packing
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Pack a bool tensor of n elements (n % 8 == 0) into n/8 bytes. Reads n, writes n/8."""
+    b = bits.view(-1, 8).to(torch.uint8)
+    return (b * _weights(bits.device, 8, 1)).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: n/8 bytes -> n bools."""
+    shifts = torch.arange(8, device=packed.device, dtype=torch.uint8)
+    return ((packed.unsqueeze(-1) >> shifts) & 1).view(*packed.shape[:-1], -1).bool()
+
+
+def pack_2bit(codes: torch.Tensor) -> torch.Tensor:
+    """Pack uint8 codes in {0,1,2,3} (n % 4 == 0) four to a byte. Reads n, writes n/4."""
+    c = codes.view(-1, 4)
+    return (c * _weights(codes.device, 4, 2)).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_2bit(packed: torch.Tensor) -> torch.Tensor:
+    shifts = torch.arange(0, 8, 2, device=packed.device, dtype=torch.uint8)
+    return ((packed.unsqueeze(-1) >> shifts) & 3).view(*packed.shape[:-1], -1)
+
+
+# --------------------------------------------------------------------------- 1-bit SGD
+def onebit_compress(x: torch.Tensor, residual: torch.Tensor | None, chunk: int):
+    """1-bit quantization with error feedback, in place on ``residual``.
+
+    x: (n,) fp32, n % chunk == 0, chunk % 8 == 0. residual: (n,) fp32 or None (no feedback).
+    Computes y = x + residual; sign bit (y >= 0) per element; per chunk the two reconstruction
+    values (mean of the non-negative elements, mean of the negative ones, Seide et al. 2014);
+    writes residual = y - dequantized(y).
+    Returns (bits uint8 (n/8,), scales fp32 (2, n/chunk)).   # reads 2n*4, writes n*4 + n/8
+    """
+    check_flat(x)
+    y = x + residual if residual is not None else x
+    yc = y.view(-1, chunk)
+    pos = yc >= 0
+    npos = pos.sum(dim=1)
+    nneg = chunk - npos
+    psum = torch.where(pos, yc, 0.0).sum(dim=1)
+    nsum = yc.sum(dim=1) - psum
+    scales = torch.stack([psum / npos.clamp_min(1), nsum / nneg.clamp_min(1)])
+    if residual is not None:
+        deq = torch.where(pos, scales[0].unsqueeze(1), scales[1].unsqueeze(1))
+        torch.sub(yc, deq, out=residual.view(-1, chunk))
+    return pack_bits(pos.view(-1)), scales
+
+
+def onebit_decompress(bits: torch.Tensor, scales: torch.Tensor, chunk: int, out: torch.Tensor,
+                      alpha: float = 1.0) -> torch.Tensor:
+    """Accumulate alpha * sum_w dequant(bits[w], scales[w]) into out (n,).
+
+    bits: (W, n/8) uint8, scales: (W, 2, n/chunk). Reads W*(n/8 + 8n/chunk) + 4n, writes 4n.
+    """
+    pos = unpack_bits(bits).view(bits.shape[0], -1, chunk)
+    vals = torch.where(pos, scales[:, 0].unsqueeze(-1), scales[:, 1].unsqueeze(-1))
+    out.view(-1, chunk).add_(vals.sum(dim=0), alpha=alpha)
+    return out
+
+
+# --------------------------------------------------------------------------- TernGrad
+def uniform(seed: int, n: int, device) -> torch.Tensor:
+    """n uniforms in [0, 1) from a generator seeded with ``seed`` (reproducible)."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return torch.rand(n, generator=g, device=device)
+
+
+def ternary_compress(x: torch.Tensor, residual: torch.Tensor | None, scale: torch.Tensor,
+                     seg: torch.Tensor, seed: int) -> torch.Tensor:
+    """Stochastic ternarization (Wen et al. 2017) with error feedback.
+
+    x: (n,) fp32, n % 4 == 0; scale: (S,) fp32 per-segment scaler s >= max|y| of the segment;
+    seg: (n,) int segment id of each element; seed: random stream.
+    q = sign(y) * Bernoulli(|y| / s) so that E[s q] = y. Codes 0 -> 0, 1 -> +1, 2 -> -1.
+    residual (if given) becomes y - s q. Returns packed codes (n/4,) uint8.
+    """
+    check_flat(x)
+    y = x + residual if residual is not None else x
+    s = scale[seg]
+    u = uniform(seed, y.numel(), y.device)
+    keep = u * s < y.abs()
+    codes = torch.where(keep, torch.where(y >= 0, 1, 2), 0).to(torch.uint8)
+    if residual is not None:
+        q = torch.where(keep, torch.where(y >= 0, s, -s), 0.0)
+        torch.sub(y, q, out=residual)
+    return pack_2bit(codes)
+
+
+def ternary_decompress(packed: torch.Tensor, scale: torch.Tensor, seg: torch.Tensor,
+                       out: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """Accumulate alpha * sum_w s[w] * q[w] into out. packed (W, n/4), scale (W, S)."""
+    codes = unpack_2bit(packed)[:, : out.numel()]
+    sign = (codes == 1).float() - (codes == 2).float()
+    out.add_((sign * scale[:, seg]).sum(dim=0), alpha=alpha)
+    return out
+
+
+# --------------------------------------------------------------------------- top-k select
+def sample_threshold(xabs: torch.Tensor, k: int, sample: torch.Tensor) -> torch.Tensor:
+    """Estimate the magnitude of the k-th largest element from a random sample (no full sort).
+
+    xabs: (n,) magnitudes; sample: int64 indices into xabs. Returns a 0-d tensor t such that
+    about k elements have |x| >= t.
+    """
+    s = xabs[sample]
+    ks = max(1, min(s.numel(), -(-k * s.numel() // xabs.numel())))
+    return torch.topk(s, ks, sorted=False).values.min()
+
+
+def select_topk(x: torch.Tensor, threshold: torch.Tensor, k: int, capacity: int):
+    """Select k elements of largest magnitude among those with |x| >= threshold.
+
+    The first ``capacity`` (>= k) candidates in index order are compacted into a buffer, then an
+    exact top-k runs over that small buffer: if the sampled threshold let through too many, the
+    correction is bounded by ``capacity``; if too few passed, the unused slots carry value 0 and
+    index 0, which add nothing when scattered. No host synchronization.
+    Returns (values fp32 (k,), indices int32 (k,)).
+    """
+    n = x.numel()
+    mask = x.abs() >= threshold
+    pos = torch.cumsum(mask, 0, dtype=torch.int64) - 1
+    keep = mask & (pos < capacity)
+    slot = torch.where(keep, pos, capacity)  # dropped elements land in a spill slot
+    cand_idx = torch.zeros(capacity + 1, dtype=torch.int64, device=x.device)
+    cand_idx.scatter_(0, slot, torch.arange(n, device=x.device))
+    cand_val = torch.zeros(capacity + 1, dtype=x.dtype, device=x.device)
+    cand_val.scatter_(0, slot, torch.where(keep, x, 0.0))
+    cand_val, cand_idx = cand_val[:capacity], cand_idx[:capacity]
+    top = torch.topk(cand_val.abs(), k, sorted=False).indices
+    vals = cand_val[top]
+    idx = torch.where(vals != 0, cand_idx[top], 0)
+    return vals, idx.to(torch.int32)
+
+
+def scatter_add(values: torch.Tensor, indices: torch.Tensor, out: torch.Tensor,
+                alpha: float = 1.0) -> torch.Tensor:
+    """out[indices] += alpha * values, duplicates accumulate. values/indices: any shape."""
+    out.index_add_(0, indices.reshape(-1).long(), values.reshape(-1), alpha=alpha)
+    return out

@@ -1,0 +1,75 @@
+"""Per-parameter fp32 memory (error-feedback residuals, velocities, low-rank factors).
+
+Compressors work on a bucket's flat buffer, so memory is stored flat per bucket layout:
+one contiguous fp32 tensor per (slot, bucket), with each parameter's entry a view into it.
+State is *addressed* by parameter name, never by bucket index: when DDP rebuilds its
+buckets after the first iteration (or a layout changes for any reason) each parameter's
+values are copied into the new layout, so nothing resets silently. ``state_dict`` is keyed
+by parameter name and is valid whatever the bucket layout of the process that loads it.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+
+class ParamMemory:
+    def __init__(self):
+        self._views: dict[str, dict[str, torch.Tensor]] = {}       # slot -> name -> flat view
+        self._flat: dict[tuple[str, int], tuple[tuple, torch.Tensor]] = {}  # (slot, bucket)
+        self._tensors: dict[str, dict[str, torch.Tensor]] = {}     # slot -> name -> tensor
+
+    def flat(self, slot: str, bucket: int, names: Sequence[str], numels: Sequence[int],
+             device) -> torch.Tensor:
+        """The flat fp32 buffer of ``slot`` for a bucket holding ``names`` in this order."""
+        layout = tuple(names)
+        hit = self._flat.get((slot, bucket))
+        if hit is not None and hit[0] == layout and hit[1].device == torch.device(device):
+            return hit[1]
+        buf = torch.zeros(sum(numels), dtype=torch.float32, device=device)
+        views = self._views.setdefault(slot, {})
+        off = 0
+        for name, n in zip(names, numels):
+            view = buf[off : off + n]
+            old = views.get(name)
+            if old is not None:
+                if old.numel() != n:
+                    raise ValueError(f"memory slot {slot!r} holds {old.numel()} elements for "
+                                     f"parameter {name!r}, which has {n}")
+                view.copy_(old.reshape(-1))
+            views[name] = view
+            off += n
+        self._flat[(slot, bucket)] = (layout, buf)
+        return buf
+
+    def tensor(self, slot: str, name: str, init: Callable[[], torch.Tensor]) -> torch.Tensor:
+        d = self._tensors.setdefault(slot, {})
+        t = d.get(name)
+        if t is None:
+            t = d[name] = init()
+        return t
+
+    def state_dict(self) -> dict:
+        return {
+            "flat": {s: {n: v.clone() for n, v in d.items()} for s, d in self._views.items()},
+            "tensors": {s: {n: t.clone() for n, t in d.items()} for s, d in self._tensors.items()},
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        self._flat.clear()
+        self._views = {s: {n: v.clone().reshape(-1).float() for n, v in d.items()}
+                       for s, d in sd["flat"].items()}
+        self._tensors = {s: {n: t.clone() for n, t in d.items()} for s, d in sd["tensors"].items()}
+
+    def names(self) -> set[str]:
+        out = set()
+        for d in list(self._views.values()) + list(self._tensors.values()):
+            out.update(d)
+        return out
+
+    def norm(self, slot: str) -> torch.Tensor | None:
+        d = self._views.get(slot)
+        if not d:
+            return None
+        return torch.stack([v.norm() for v in d.values()]).norm()
