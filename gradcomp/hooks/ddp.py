@@ -1,6 +1,4 @@
 """The DDP adapter: ``hook(state, bucket)`` and the one-line ``register``."""
-from __future__ import annotations
-
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -12,7 +10,7 @@ from .state import GradcompState
 _MOMENTUM_KEYS = ("momentum", "nesterov", "weight_decay")
 
 
-def hook(state: GradcompState, bucket: dist.GradBucket) -> torch.futures.Future:
+def hook(state: GradcompState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: queue the bucket's exchange, return its future at once."""
     return state.submit(bucket.index(), bucket.buffer(), bucket.parameters())
 

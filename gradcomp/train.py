@@ -1,0 +1,146 @@
+"""A short, readable DDP training loop on CIFAR-10, used by the example job, the
+convergence tests and the benchmark CLI. One call = one rank."""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from . import data, models
+from .hooks import parse_spec, register
+
+# Baselines that are not gradcomp methods: torch's own hooks, and no communication at all.
+BASELINES = ("ddp", "fp16", "torch-powersgd", "noop")
+
+
+def _noop_hook(state, bucket):
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def attach(model: DDP, spec: str, optimizer):
+    """Put ``spec``'s communication on ``model``; returns the gradcomp state or None."""
+    name, _, rest = spec.partition(":")
+    if name == "ddp":
+        return None
+    if name == "noop":
+        model.register_comm_hook(None, _noop_hook)
+        return None
+    if name == "fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return None
+    if name == "torch-powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+        opts = dict(kv.split("=") for kv in rest.split(",") if kv)
+        state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=int(opts.get("rank", 2)),
+                                 start_powerSGD_iter=int(opts.get("start", 2)), use_error_feedback=True,
+                                 warm_start=True)
+        model.register_comm_hook(state, ps.powerSGD_hook)
+        return None
+    return register(model, spec, optimizer=optimizer)
+
+
+def check_spec(spec: str) -> None:
+    """Raise ValueError for a spec that is neither a baseline nor a valid gradcomp method."""
+    name = spec.partition(":")[0]
+    if name not in BASELINES:
+        parse_spec(spec)
+
+
+@dataclass
+class TrainConfig:
+    method: str = "allreduce"
+    model: str = "resnet_small"
+    data: str | None = None          # CIFAR python-layout directory; None: defaults
+    synthetic: bool = False          # use synthetic data instead of CIFAR
+    epochs: float = 1.0
+    max_steps: int = 0               # stop after this many steps (0: epochs decide)
+    batch: int = 32                  # per rank
+    lr: float = 0.05                 # per 32 images per rank x world
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    warmup_epochs: float = 0.5
+    seed: int = 0
+    augment: bool = True
+    eval: bool = True
+    train_subset: int = 0            # use only the first N training images (0: all)
+    options: dict = field(default_factory=dict)  # extra gradcomp options (e.g. delay)
+
+
+def train(rank: int, world: int, cfg: TrainConfig | dict) -> dict:
+    """Train on this rank; returns losses, accuracy, step times and bytes (rank's view)."""
+    cfg = TrainConfig(**cfg) if isinstance(cfg, dict) else cfg
+    torch.manual_seed(cfg.seed)
+    if cfg.synthetic:
+        (xtr, ytr), (xte, yte) = data.synthetic(seed=cfg.seed)
+    else:
+        (xtr, ytr), (xte, yte) = data.load(data.resolve(cfg.data))
+    if cfg.train_subset:
+        xtr, ytr = xtr[: cfg.train_subset], ytr[: cfg.train_subset]
+    net = models.build(cfg.model)
+    model = DDP(net)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr * world, momentum=cfg.momentum,
+                          weight_decay=cfg.weight_decay, nesterov=cfg.momentum > 0)
+    state = attach(model, cfg.method, opt)
+    per_rank = len(xtr) // world
+    steps_per_epoch = max(1, per_rank // cfg.batch)
+    total = math.ceil(cfg.epochs * steps_per_epoch)
+    if cfg.max_steps:
+        total = min(total, cfg.max_steps) if cfg.epochs else cfg.max_steps
+    warm = max(1, int(cfg.warmup_epochs * steps_per_epoch))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min((s + 1) / warm, 0.5 * (1 + math.cos(math.pi * min(s, total) / total))))
+    gen = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
+    losses, times, curve, step, t_end = [], [], [], 0, None
+    model.train()
+    while step < total:
+        perm = torch.randperm(len(xtr), generator=torch.Generator().manual_seed(cfg.seed + step))
+        mine = perm[rank::world][: steps_per_epoch * cfg.batch]
+        for b in range(steps_per_epoch):
+            if step >= total:
+                break
+            idx = mine[b * cfg.batch : (b + 1) * cfg.batch]
+            xb = xtr[idx]
+            if cfg.augment:
+                xb = data.augment(xb, gen)
+            t0 = time.perf_counter()
+            loss = F.cross_entropy(model(data.normalize(xb)), ytr[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            times.append(time.perf_counter() - t0)
+            losses.append(loss.item())
+            step += 1
+        if cfg.eval:
+            curve.append({"step": step, **evaluate(net, xte, yte),
+                          "train_loss": sum(losses[-steps_per_epoch:]) / len(losses[-steps_per_epoch:])})
+    if state is not None and hasattr(state, "flush"):
+        state.flush()
+    out = {"config": asdict(cfg), "losses": losses, "step_times": times, "curve": curve,
+           "world": world, "steps": step}
+    if state is not None:
+        out["stats"] = state.stats()
+    if cfg.eval:
+        out.update(curve[-1])
+    return out
+
+
+@torch.no_grad()
+def evaluate(net, x, y, batch=500) -> dict:
+    was = net.training
+    net.eval()
+    correct, loss = 0, 0.0
+    for i in range(0, len(x), batch):
+        logits = net(data.normalize(x[i : i + batch]))
+        loss += F.cross_entropy(logits, y[i : i + batch], reduction="sum").item()
+        correct += (logits.argmax(1) == y[i : i + batch]).sum().item()
+    net.train(was)
+    return {"test_acc": correct / len(x), "test_loss": loss / len(x)}
