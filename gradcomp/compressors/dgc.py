@@ -49,7 +49,7 @@ class DGCConfig(MethodConfig):
         check(self.weight_decay >= 0, "weight_decay", self.weight_decay, "a number >= 0")
         check(self.clip >= 0, "clip", self.clip, "a number >= 0 (0 = off)")
         check(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "an integer >= 0")
-        check(self.ratio <= self.warmup_ratio <= 1, "warmup_ratio", self.warmup_ratio,
+        check(not self.warmup_steps or self.ratio <= self.warmup_ratio <= 1, "warmup_ratio", self.warmup_ratio,
               f"a number in [ratio={self.ratio}, 1]")
         check(0 < self.sample_ratio <= 1, "sample_ratio", self.sample_ratio, "a number in (0, 1]")
         check(not self.nesterov or self.momentum > 0, "nesterov", self.nesterov,

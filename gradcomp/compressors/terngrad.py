@@ -66,6 +66,7 @@ class TernGrad(Compressor):
         e = ctx.memory("residual") if cfg.error_feedback else None
         if e is not None:
             x.add_(e)
+            unclipped = x.clone() if cfg.clip else None
         scale = layer_stats(x, seg, nseg, cfg.clip)
         if cfg.share_scalers:
             ctx.comm.allreduce(scale, op="max")
@@ -76,6 +77,8 @@ class TernGrad(Compressor):
         packed = kernels.ternary_compress(y, res, scale, segp, ctx.seed(0))
         if e is not None:
             e.copy_(res[:n])
+            if unclipped is not None:  # what clipping removed is fed back too
+                e.add_(unclipped).sub_(x)
         out = torch.zeros(n, dtype=torch.float32, device=x.device)
         if cfg.share_scalers:
             codes = ctx.comm.allgather(packed)

@@ -1,0 +1,142 @@
+"""Every method in one process (world size 1: collectives are the identity), as in the
+PowerSGD authors' code: the algorithms are tested without spawning ranks."""
+import math
+
+import pytest
+import torch
+
+import gradcomp
+from gradcomp.compressors.base import ParamSlice
+
+SHAPES = {"fc.weight": (48, 40), "fc.bias": (48,), "conv.weight": (16, 8, 3, 3)}
+# slots whose contents were not yet delivered, with the weight each counts towards the sum
+SLOTS = {"residual": 1.0, "accumulation": 1.0, "server_residual": 1.0}
+METHOD_SPECS = ["allreduce", "topk:ratio=0.05", "dgc:ratio=0.05", "onebit:chunk=64",
+                "terngrad", "powersgd:rank=2", "terngrad:share_scalers=false", "powersgd:rank=1"]
+
+
+def layout(names):
+    out, off = [], 0
+    for n in names:
+        numel = math.prod(SHAPES[n])
+        out.append(ParamSlice(n, SHAPES[n], off, numel))
+        off += numel
+    return out
+
+
+def state_for(spec, **kw):
+    name, cfg = gradcomp.build_config(spec, min_numel=0, **kw)
+    return gradcomp.GradcompState(name, cfg)
+
+
+def undelivered(state, names):
+    mem = state.state_dict()["memory"]["flat"]
+    return {n: sum(w * mem[s][n].double() for s, w in SLOTS.items() if s in mem) for n in names}
+
+
+@pytest.mark.parametrize("spec", METHOD_SPECS)
+def test_error_feedback_conserves_mass_across_relayouts(spec):
+    """sum of everything sent + the final residual == sum of gradients, per parameter,
+    even when the bucket layout changes (as after DDP's bucket rebuild)."""
+    state = state_for(spec)
+    names = list(SHAPES)
+    g = torch.Generator().manual_seed(1)
+    sent = {n: torch.zeros(math.prod(s), dtype=torch.float64) for n, s in SHAPES.items()}
+    total = {n: torch.zeros_like(v) for n, v in sent.items()}
+    for step in range(6):
+        order = names if step % 3 else names[::-1]
+        params = layout(order)
+        x = torch.randn(sum(p.numel for p in params), generator=g)
+        for p in params:
+            total[p.name] += x[p.offset : p.offset + p.numel].double()
+        out = state.reduce(x.clone(), params)
+        for p in params:
+            sent[p.name] += out[p.offset : p.offset + p.numel].double()
+    left = undelivered(state, names)
+    for n in names:
+        torch.testing.assert_close(sent[n] + left[n], total[n], atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=1", "dgc:ratio=1", "allreduce"])
+def test_ratio_one_is_the_identity(spec):
+    state = state_for(spec)
+    params = layout(list(SHAPES))
+    for _ in range(3):
+        x = torch.randn(sum(p.numel for p in params))
+        assert torch.equal(state.reduce(x.clone(), params), x)
+
+
+def test_powersgd_full_rank_reconstructs_the_gradient():
+    state = state_for("powersgd:rank=64,min_compression_rate=0")
+    params = layout(list(SHAPES))
+    x = torch.randn(sum(p.numel for p in params))
+    torch.testing.assert_close(state.reduce(x.clone(), params), x, atol=1e-4, rtol=1e-4)
+    low = state_for("powersgd:rank=1,min_compression_rate=0").reduce(x.clone(), params)
+    assert (low - x).norm() > 0.3 * x.norm()  # rank 1 really compresses
+
+
+def test_stats_count_the_bytes_of_the_tensors_sent():
+    params = layout(list(SHAPES))
+    n = sum(p.numel for p in params)
+    x = torch.randn(n)
+    expect = {
+        "allreduce": 4 * n,
+        "topk:ratio=0.05": 8 * math.ceil(0.05 * n),                           # values + int32 idx
+        "onebit:chunk=64": 2 * (math.ceil(n / 64) * 64 // 8 + 8 * math.ceil(n / 64)),  # 2 phases
+        "terngrad": 4 * len(params) + math.ceil(n / 4),                       # scalers + 2 bits
+        "terngrad:share_scalers=false": math.ceil(n / 4) + 4 * len(params),
+        "powersgd:rank=2": 4 * ((48 + 40) * 2 + (16 + 72) * 2 + 48),         # P + bias, then Q
+    }
+    for spec, nbytes in expect.items():
+        st = state_for(spec)
+        st.reduce(x.clone(), params)
+        s = st.stats()
+        assert s["sent_bytes"] == nbytes, spec
+        assert s["raw_bytes"] == 4 * n and s["ratio"] == 4 * n / nbytes
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.1", "onebit:chunk=64", "terngrad", "powersgd"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_gradients_keep_fp32_memory(spec, dtype):
+    state = state_for(spec)
+    params = layout(list(SHAPES))
+    x = torch.randn(sum(p.numel for p in params)).to(dtype)
+    out = state.reduce(x.clone(), params)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    mem = state.state_dict()["memory"]["flat"]["residual"]
+    assert all(v.dtype == torch.float32 for v in mem.values())
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.05", "terngrad", "powersgd", "dgc:ratio=0.05"])
+def test_same_seed_same_result(spec):
+    params = layout(list(SHAPES))
+    x = torch.randn(sum(p.numel for p in params))
+    a, b = state_for(spec), state_for(spec)
+    for _ in range(2):
+        assert torch.equal(a.reduce(x.clone(), params), b.reduce(x.clone(), params))
+
+
+def test_small_buckets_go_uncompressed():
+    name, cfg = gradcomp.build_config("onebit")  # default min_numel
+    st = gradcomp.GradcompState(name, cfg)
+    params = layout(["fc.bias"])
+    x = torch.randn(48)
+    assert torch.equal(st.reduce(x.clone(), params), x)
+    assert st.stats()["sent_bytes"] == 4 * 48
+
+
+def test_dgc_warmup_schedule_is_exponential():
+    _, cfg = gradcomp.build_config("dgc", ratio=0.001, warmup_steps=4, warmup_ratio=0.25)
+    got = [cfg.ratio_at(s) for s in range(6)]
+    assert got[0] == 0.25 and got[4] == got[5] == 0.001
+    assert all(math.isclose(got[i + 1] / got[i], (0.001 / 0.25) ** 0.25) for i in range(3))
+
+
+def test_state_pickles_without_its_runtime():
+    import pickle
+    st = state_for("topk:ratio=0.1")
+    params = layout(list(SHAPES))
+    st.reduce(torch.randn(sum(p.numel for p in params)), params)
+    st2 = pickle.loads(pickle.dumps(st))
+    assert st2.group is None and st2.step == 1
+    torch.testing.assert_close(st2.state_dict()["memory"], st.state_dict()["memory"])
