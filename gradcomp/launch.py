@@ -81,8 +81,8 @@ def spawn(fn, world: int = 2, args: tuple = (), timeout: float = 300, pg_timeout
         if hung and not allow_fail:
             raise RankError(f"ranks {hung} still running after {timeout}s; killed", errors)
         if errors and not allow_fail:
-            r0 = min(errors)
-            raise RankError(f"rank {r0} failed:\n{errors[r0]}", errors)
+            text = "\n".join(f"rank {r} failed:\n{e}" for r, e in sorted(errors.items()))
+            raise RankError(text, errors)
         out = []
         for r in range(world):
             path = os.path.join(d, f"rank{r}.pt")

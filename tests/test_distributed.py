@@ -1,0 +1,137 @@
+"""Two gloo ranks on CPU, spawned by the tests: the hook against plain allreduce."""
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradcomp
+from gradcomp.launch import RankError, spawn
+
+
+def small_net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 48), nn.Tanh(),
+                         nn.Linear(48, 10))
+
+
+def batch(rank, step):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(16, 20, generator=g), torch.randint(0, 10, (16,), generator=g)
+
+
+def _train_pair(rank, world, spec, sgd, steps):
+    """Train plain DDP and DDP + gradcomp side by side from one init; return both params."""
+    out = []
+    for use in (None, spec):
+        net = small_net()
+        # tiny buckets: several per step, and DDP rebuilds them after the first iteration
+        model = DDP(net, bucket_cap_mb=0.004)
+        opt = torch.optim.SGD(model.parameters(), **sgd)
+        if use:
+            gradcomp.register(model, use, optimizer=opt, min_numel=0)
+        for step in range(steps):
+            x, y = batch(rank, step)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        out.append([p.detach().clone() for p in net.parameters()])
+    return out
+
+
+@pytest.mark.parametrize("spec, sgd, exact", [
+    ("allreduce", {"lr": 0.1}, True),
+    ("topk:ratio=1", {"lr": 0.1}, True),
+    ("dgc:ratio=1,masking=false", {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-3}, False),
+    ("dgc:ratio=1,masking=false", {"lr": 0.1, "momentum": 0.9, "nesterov": True}, False),
+    ("powersgd:rank=64,min_compression_rate=0", {"lr": 0.1}, False),
+])
+def test_degenerate_settings_equal_allreduce(spec, sgd, exact):
+    ref, got = spawn(_train_pair, 2, args=(spec, sgd, 5))[0]
+    for a, b in zip(ref, got):
+        if exact:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4)
+
+
+def test_compression_really_changes_the_update():
+    # the same harness with a compressing setting must differ: the tests above can fail
+    ref, got = spawn(_train_pair, 2, args=("topk:ratio=0.05", {"lr": 0.1}, 3))[0]
+    assert any(not torch.allclose(a, b, atol=1e-4) for a, b in zip(ref, got))
+
+
+def _conservation(rank, world, spec, steps):
+    """Through DDP (buckets rebuilt after step 1): per parameter, return the local gradients'
+    sum, the averaged results' sum and what is left in memory."""
+    net = small_net()
+    model = DDP(net, bucket_cap_mb=0.004)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    state = gradcomp.register(model, spec, optimizer=opt, min_numel=0)
+    names = dict((id(p), n) for n, p in net.named_parameters())
+    local = {n: torch.zeros(p.numel(), dtype=torch.float64) for n, p in net.named_parameters()}
+    avg = {n: torch.zeros_like(v) for n, v in local.items()}
+
+    def capture(name):
+        def fn(g):
+            local[name].add_(g.reshape(-1).double())
+        return fn
+    for p in net.parameters():
+        p.register_hook(capture(names[id(p)]))
+    for step in range(steps):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        for n, p in net.named_parameters():
+            avg[n] += p.grad.reshape(-1).double()
+        opt.step()
+    mem = state.state_dict()["memory"]["flat"]
+    weights = {"residual": 1.0, "accumulation": 1.0, "server_residual": float(world)}
+    left = {n: sum(w * mem[s][n].double() for s, w in weights.items() if s in mem)
+            for n in local}
+    return local, avg, left, state.stats()
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.05", "onebit:chunk=64", "terngrad",
+                                  "powersgd:rank=1", "dgc:ratio=0.02"])
+def test_error_feedback_conserves_mass_through_ddp(spec):
+    """sum_t average_t == mean over ranks of (sum_t local gradient - final memory)."""
+    results = spawn(_conservation, 2, args=(spec, 6))
+    (l0, a0, r0, s0), (l1, a1, r1, _) = results
+    for n in l0:
+        torch.testing.assert_close(a0[n], a1[n])  # every rank applies the same update
+        expect = (l0[n] - r0[n] + l1[n] - r1[n]) / 2
+        torch.testing.assert_close(a0[n], expect, atol=1e-4, rtol=1e-5)
+    assert s0["step"] == 6 and 0 < s0["sent_bytes"] < s0["raw_bytes"]
+
+
+def _mismatch(rank, world, specs):
+    model = DDP(small_net())
+    try:
+        gradcomp.register(model, specs[rank], min_numel=0)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_ranks_with_different_methods_all_fail_at_registration():
+    msgs = spawn(_mismatch, 2, args=(["topk:ratio=0.1", "onebit"],), timeout=120)
+    assert all(m and "ranks registered different gradcomp methods" in m for m in msgs)
+    assert "rank 1: onebit" in msgs[0]
+
+
+def test_a_rank_with_bad_options_fails_everyone_without_hanging():
+    msgs = spawn(_mismatch, 2, args=(["topk:ratio=0.1", "topk:ratio=7"],), timeout=120)
+    assert "invalid ratio=7.0" in msgs[1]
+    assert "different gradcomp methods" in msgs[0] and "invalid ratio=7.0" in msgs[0]
+
+
+def _raise_in_rank(rank, world):
+    if rank == 1:
+        raise RuntimeError("boom")
+    dist.barrier()
+
+
+def test_launcher_reports_a_failing_rank_instead_of_hanging():
+    with pytest.raises(RankError, match="boom"):
+        spawn(_raise_in_rank, 2, timeout=60, pg_timeout=5)
