@@ -6,6 +6,8 @@ communication thread, never on the thread that runs backward.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -17,12 +19,14 @@ class Traffic:
     ``wire``: bytes a bandwidth-optimal implementation puts on this rank's link (ring
     allreduce 2(W-1)/W, allgather (W-1), all-to-all (W-1)/W times the message)."""
 
-    __slots__ = ("sent", "wire", "collectives")
+    __slots__ = ("sent", "wire", "collectives", "comm_s", "total_s")
 
     def __init__(self):
         self.sent = 0
         self.wire = 0.0
         self.collectives = 0
+        self.comm_s = 0.0   # wall time inside collectives
+        self.total_s = 0.0  # wall time of whole exchanges (compress + collectives + decompress)
 
     def add(self, nbytes: int, wire_factor: float) -> None:
         self.sent += nbytes
@@ -42,7 +46,9 @@ class Comm:
         W = self.world_size
         self.traffic.add(t.numel() * t.element_size(), 2 * (W - 1) / W)
         if W > 1:
+            t0 = time.perf_counter()
             dist.all_reduce(t, op=_OPS[op], group=self.group)
+            self.traffic.comm_s += time.perf_counter() - t0
         return t
 
     def allgather(self, t: torch.Tensor) -> torch.Tensor:
@@ -51,7 +57,9 @@ class Comm:
         self.traffic.add(t.numel() * t.element_size(), W - 1)
         out = torch.empty((W, *t.shape), dtype=t.dtype, device=t.device)
         if W > 1:
+            t0 = time.perf_counter()
             dist.all_gather(list(out.unbind(0)), t.contiguous(), group=self.group)
+            self.traffic.comm_s += time.perf_counter() - t0
         else:
             out[0].copy_(t)
         return out
@@ -65,5 +73,7 @@ class Comm:
         if W == 1:
             return t.clone()
         out = torch.empty_like(t)
+        t0 = time.perf_counter()
         dist.all_to_all_single(out, t.contiguous(), group=self.group)
+        self.traffic.comm_s += time.perf_counter() - t0
         return out

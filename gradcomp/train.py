@@ -24,7 +24,7 @@ def _noop_hook(state, bucket):
     return fut
 
 
-def attach(model: DDP, spec: str, optimizer):
+def attach(model: DDP, spec: str, optimizer, **options):
     """Put ``spec``'s communication on ``model``; returns the gradcomp state or None."""
     name, _, rest = spec.partition(":")
     if name == "ddp":
@@ -44,7 +44,7 @@ def attach(model: DDP, spec: str, optimizer):
                                  warm_start=True)
         model.register_comm_hook(state, ps.powerSGD_hook)
         return None
-    return register(model, spec, optimizer=optimizer)
+    return register(model, spec, optimizer=optimizer, **options)
 
 
 def check_spec(spec: str) -> None:
@@ -88,7 +88,7 @@ def train(rank: int, world: int, cfg: TrainConfig | dict) -> dict:
     model = DDP(net)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr * world, momentum=cfg.momentum,
                           weight_decay=cfg.weight_decay, nesterov=cfg.momentum > 0)
-    state = attach(model, cfg.method, opt)
+    state = attach(model, cfg.method, opt, **cfg.options)
     per_rank = len(xtr) // world
     steps_per_epoch = max(1, per_rank // cfg.batch)
     total = math.ceil(cfg.epochs * steps_per_epoch)
@@ -98,7 +98,7 @@ def train(rank: int, world: int, cfg: TrainConfig | dict) -> dict:
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min((s + 1) / warm, 0.5 * (1 + math.cos(math.pi * min(s, total) / total))))
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
-    losses, times, curve, step, t_end = [], [], [], 0, None
+    losses, times, curve, hist, step = [], [], [], [], 0
     model.train()
     while step < total:
         perm = torch.randperm(len(xtr), generator=torch.Generator().manual_seed(cfg.seed + step))
@@ -118,6 +118,8 @@ def train(rank: int, world: int, cfg: TrainConfig | dict) -> dict:
             sched.step()
             times.append(time.perf_counter() - t0)
             losses.append(loss.item())
+            if state is not None:
+                hist.append(state.stats())
             step += 1
         if cfg.eval:
             curve.append({"step": step, **evaluate(net, xte, yte),
@@ -128,6 +130,7 @@ def train(rank: int, world: int, cfg: TrainConfig | dict) -> dict:
            "world": world, "steps": step}
     if state is not None:
         out["stats"] = state.stats()
+        out["stats_history"] = hist
     if cfg.eval:
         out.update(curve[-1])
     return out

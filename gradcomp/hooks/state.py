@@ -14,6 +14,7 @@ import hashlib
 import json
 import queue
 import threading
+import time
 from typing import Sequence
 
 import torch
@@ -146,10 +147,12 @@ class GradcompState:
             self._raw = 0
         self._raw += buf.numel() * buf.element_size()
         x = buf if buf.dtype == torch.float32 else buf.float()
+        t0 = time.perf_counter()
         ctx = _Ctx(self, bucket, params, param_tensors, buf.device, step, relayout)
         out = self.compressor.reduce(x, ctx)
         if out is not buf:
             buf.copy_(out)
+        self._traffic.total_s += time.perf_counter() - t0
         return buf
 
     # ------------------------------------------------------------------ DDP side
@@ -198,7 +201,8 @@ class GradcompState:
         """Bytes of the latest step: ``raw_bytes`` (the gradients' own size, what a plain
         allreduce hands over), ``sent_bytes`` (the messages this rank handed to collectives),
         ``wire_bytes`` / ``raw_wire_bytes`` (what ring-style collectives put on this rank's
-        link for those two), their ``ratio``, and the number of ``collectives``."""
+        link for those two), their ``ratio``, the number of ``collectives``, and the seconds
+        spent inside collectives (``comm_s``) and compressing/decompressing (``codec_s``)."""
         t, W = self._traffic, self.world_size
         raw_wire = self._raw * 2 * (W - 1) / W
         return {
@@ -206,6 +210,7 @@ class GradcompState:
             "wire_bytes": t.wire, "raw_wire_bytes": raw_wire,
             "ratio": self._raw / t.sent if t.sent else float("inf"),
             "collectives": t.collectives,
+            "comm_s": t.comm_s, "codec_s": t.total_s - t.comm_s,
         }
 
     # ------------------------------------------------------------------ checkpoints

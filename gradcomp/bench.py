@@ -1,0 +1,157 @@
+"""The benchmarks behind ``gradcomp-bench``: end-to-end DDP step time per method and link,
+and CIFAR convergence per method. Every number comes from a real run."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+
+import torch
+
+from .launch import RankError, free_port, spawn
+from .train import TrainConfig, train
+
+
+# --------------------------------------------------------------------------- running ranks
+def run_ranks(world: int, cfg: TrainConfig, link=None, timeout: float = 1800) -> list[dict]:
+    """Train ``cfg`` on ``world`` local ranks; inside ``link``'s namespaces when given."""
+    if link is None:
+        return spawn(train, world, args=(asdict(cfg),), timeout=timeout)
+    port = free_port()
+    with tempfile.TemporaryDirectory() as d:
+        spec = os.path.join(d, "cfg.json")
+        with open(spec, "w") as f:
+            json.dump(asdict(cfg), f)
+        procs = []
+        threads = max(1, (os.cpu_count() or 1) // world)
+        for r in range(world):
+            env = dict(os.environ, MASTER_ADDR=link.addrs[0], MASTER_PORT=str(port), RANK=str(r),
+                       WORLD_SIZE=str(world), OMP_NUM_THREADS=str(threads))
+            argv = link.prefix(r) + [sys.executable, "-m", "gradcomp.cli", "_rank", spec,
+                                     os.path.join(d, f"rank{r}.pt"), link.addrs[r]]
+            procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL,
+                                          stderr=open(os.path.join(d, f"rank{r}.log"), "w")))
+        deadline = time.monotonic() + timeout
+        try:
+            for p in procs:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        bad = {r: open(os.path.join(d, f"rank{r}.log")).read()[-3000:]
+               for r, p in enumerate(procs) if p.returncode != 0}
+        if bad:
+            raise RankError("\n".join(f"rank {r} failed:\n{t}" for r, t in bad.items()), bad)
+        return [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def rank_main(cfg_path: str, out_path: str, addr: str) -> None:
+    """Entry of one rank inside a network namespace (``gradcomp.cli _rank``)."""
+    import torch.distributed as dist
+    import datetime
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", _ifname(addr))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    res = train(dist.get_rank(), dist.get_world_size(), cfg)
+    torch.save(res, out_path)
+    dist.destroy_process_group()
+
+
+def _ifname(addr: str) -> str:
+    out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) > 3 and parts[3].split("/")[0] == addr:
+            return parts[1].split("@")[0]
+    raise RuntimeError(f"no interface holds {addr} in this namespace")
+
+
+# --------------------------------------------------------------------------- analysis
+def model_bytes(model_name: str) -> tuple[int, int]:
+    """(fp32 gradient bytes, bytes torch's PowerSGD rank-2 hook sends) for a model."""
+    from . import models
+    net = models.build(model_name)
+    raw, ps = 0, 0
+    for p in net.parameters():
+        raw += 4 * p.numel()
+        if p.dim() >= 2:
+            n, m = p.shape[0], p.numel() // p.shape[0]
+            r = min(2, n, m)
+            ps += 4 * ((n + m) * r if n * m >= 2 * (n + m) * r else n * m)
+        else:
+            ps += 4 * p.numel()
+    return raw, ps
+
+
+def wire_bytes(method: str, res: dict, world: int, model_name: str) -> tuple[float, bool]:
+    """Bytes per step on one rank's link: measured from state.stats() for gradcomp methods,
+    computed from the model for torch's hooks (second value: True when measured)."""
+    hist = res.get("stats_history")
+    if hist:
+        tail = hist[len(hist) // 2:]
+        return statistics.mean(h["wire_bytes"] for h in tail), True
+    raw, ps = model_bytes(model_name)
+    ring = 2 * (world - 1) / world
+    name = method.partition(":")[0]
+    if name == "noop":
+        return 0.0, False
+    if name == "fp16":
+        return ring * raw / 2, False
+    if name == "torch-powersgd":
+        rank = int(dict(kv.split("=") for kv in method.partition(":")[2].split(",") if kv).get("rank", 2))
+        return ring * ps * rank / 2, False
+    return ring * raw, False
+
+
+def summarize(method: str, res: dict, world: int, rate_bps: float | None, warmup: int,
+              model_name: str) -> dict:
+    t = sorted(res["step_times"][warmup:]) or sorted(res["step_times"])
+    q = lambda f: t[min(len(t) - 1, int(f * len(t)))]  # noqa: E731
+    wire, measured = wire_bytes(method, res, world, model_name)
+    hist = res.get("stats_history") or []
+    tail = hist[len(hist) // 2:]
+    row = {"method": method, "world": world, "link_bps": rate_bps, "step_s": statistics.median(t),
+           "p20_s": q(0.2), "p80_s": q(0.8), "wire_bytes": wire, "bytes_measured": measured,
+           "ratio": tail[-1]["ratio"] if tail else None,
+           "codec_s": statistics.mean(h["codec_s"] for h in tail) if tail else None,
+           "comm_s": statistics.mean(h["comm_s"] for h in tail) if tail else None}
+    link_s = wire * 8 / rate_bps if rate_bps else 0.0
+    row["nocomm_s"] = max(0.0, row["step_s"] - link_s)  # what is left without the wire time
+    return row
+
+
+def finish(rows: list[dict]) -> None:
+    """Add ratio to compute-only, the bound, and the break-even bandwidth vs allreduce."""
+    for r in rows:
+        same = [o for o in rows if o["world"] == r["world"] and o["link_bps"] == r["link_bps"]]
+        noop = next((o for o in same if o["method"] == "noop"), None)
+        base = next((o for o in same if o["method"] in ("ddp", "allreduce")), None)
+        if noop:
+            r["x_compute"] = r["step_s"] / noop["step_s"]
+            link_s = r["wire_bytes"] * 8 / r["link_bps"] if r["link_bps"] else 0.0
+            r["bound_s"] = noop["step_s"] + link_s
+            r["x_bound"] = r["step_s"] / r["bound_s"]
+        if base and r is not base:
+            dw = (base["wire_bytes"] - r["wire_bytes"]) * 8
+            dc = r["nocomm_s"] - base["nocomm_s"]
+            if dw <= 0:
+                r["breakeven_bps"] = 0.0  # never ahead
+            else:
+                r["breakeven_bps"] = dw / dc if dc > 0 else math.inf
+
+
+def project(row: dict, bps: float) -> float:
+    """Step time at another bandwidth from the measured non-communication time and bytes."""
+    return row["nocomm_s"] + row["wire_bytes"] * 8 / bps

@@ -1,0 +1,324 @@
+"""``gradcomp-bench``: how much each method saves on your job and your link.
+
+    gradcomp-bench ddp                      # default: short run, 2 local ranks, loopback
+    gradcomp-bench ddp --model resnet18 --link 100mbit,1gbit --latency 50ms
+    gradcomp-bench convergence --epochs 30 --data ~/cifar-10-batches-py
+    gradcomp-bench kernels
+
+Bad input (unknown method, unreadable data, a rate that does not parse, a world size that
+does not fit) prints one line naming the problem and exits with code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_METHODS = ("ddp,noop,allreduce,fp16,torch-powersgd:rank=2,dgc:ratio=0.001,onebit,"
+                   "terngrad,powersgd:rank=2,topk:ratio=0.01")
+CONVERGENCE_METHODS = ("allreduce,dgc:ratio=0.001,warmup_steps=300,onebit,terngrad,"
+                       "powersgd:rank=2,topk:ratio=0.01,torch-powersgd:rank=2")
+
+
+class UsageError(Exception):
+    pass
+
+
+def _methods(text: str) -> list[str]:
+    from .train import check_spec
+    specs = _split_specs(text)
+    for s in specs:
+        try:
+            check_spec(s)
+        except ValueError as exc:
+            raise UsageError(f"--methods: {exc}") from None
+    return specs
+
+
+def _split_specs(text: str) -> list[str]:
+    """Split "a:x=1,y=2,b,c:z=3" into specs: a comma starts a new spec unless key=value."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        if "=" in part and ":" not in part and out:
+            out[-1] += "," + part
+        else:
+            out.append(part)
+    return out
+
+
+def _worlds(text: str) -> list[int]:
+    try:
+        ws = [int(w) for w in text.split(",") if w.strip()]
+    except ValueError:
+        raise UsageError(f"--world {text!r}: expected integers like 2 or 2,4") from None
+    limit = 4 * (os.cpu_count() or 1)
+    for w in ws:
+        if not 1 <= w <= limit:
+            raise UsageError(f"--world {w} does not fit: this machine runs 1..{limit} local ranks "
+                             f"({os.cpu_count()} cores); use torchrun for more")
+    return ws
+
+
+def _data(args):
+    from . import data
+    if args.synthetic:
+        return None
+    try:
+        found = data.resolve(args.data)
+    except ValueError as exc:
+        raise UsageError(f"--data: {exc}") from None
+    if found is None:
+        print("gradcomp-bench: warning: no CIFAR-10 data found (searched "
+              + ", ".join(str(p) for p in data.default_dirs())
+              + "); using SYNTHETIC data: step times are real, accuracies are not",
+              file=sys.stderr)
+        args.synthetic = True
+        return None
+    return str(found)
+
+
+def _progress(i, n, label):
+    bar = "#" * int(30 * i / n)
+    sys.stderr.write(f"\r[{bar:<30}] {i}/{n} {label[:50]:<50}")
+    sys.stderr.flush()
+    if i == n:
+        sys.stderr.write("\n")
+
+
+# --------------------------------------------------------------------------- ddp
+def cmd_ddp(args) -> int:
+    from . import bench, report
+    from .train import TrainConfig
+    methods = _methods(args.methods)
+    worlds = _worlds(args.world)
+    rates = [None]
+    if args.link:
+        from . import netlink
+        try:
+            rates = [netlink.parse_rate(r) for r in args.link.split(",")]
+            latency = netlink.parse_time(args.latency) if args.latency else 0.0
+            netlink.check_available()
+        except (ValueError, netlink.LinkUnavailable) as exc:
+            raise UsageError(str(exc)) from None
+    elif args.latency:
+        raise UsageError("--latency needs --link (the delay is added on the shaped link)")
+    data_dir = _data(args)
+    from .models import MODELS
+    if args.model not in MODELS:
+        raise UsageError(f"--model {args.model!r}: allowed {', '.join(MODELS)}")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    jobs = [(w, r, m) for w in worlds for r in rates for m in methods]
+    rows, raw = [], []
+    scalars = report.Scalars(args.tensorboard)
+    for i, (w, rate, m) in enumerate(jobs):
+        _progress(i, len(jobs), f"world {w} link {rate or 'loopback'} {m}")
+        cfg = TrainConfig(method=m, model=args.model, data=data_dir, synthetic=args.synthetic,
+                          epochs=0, max_steps=args.steps + args.warmup, batch=args.batch,
+                          eval=False, seed=args.seed, options=_delay_opts(m, args))
+        if rate is None:
+            res = bench.run_ranks(w, cfg)[0]
+        else:
+            from .netlink import Link
+            with Link(rate, latency, n=w) as link:
+                res = bench.run_ranks(w, cfg, link=link)[0]
+        row = bench.summarize(m, res, w, rate, args.warmup, args.model)
+        rows.append(row)
+        raw.append({"method": m, "world": w, "link_bps": rate, "step_times": res["step_times"]})
+        tag = f"w{w}/{_rate_name(rate)}/{m}"
+        for s, t in enumerate(res["step_times"]):
+            scalars.add(f"{tag}/step_time_s", t, s)
+        for s, h in enumerate(res.get("stats_history") or []):
+            scalars.add(f"{tag}/wire_bytes", h["wire_bytes"], s)
+            scalars.add(f"{tag}/compression_ratio", h["ratio"], s)
+    _progress(len(jobs), len(jobs), "done")
+    scalars.close()
+    bench.finish(rows)
+    print(ddp_table(rows))
+    _plot_ddp(rows, out_dir / "ddp_step_time.png", report, bench)
+    print(f"plot: {out_dir / 'ddp_step_time.png'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"argv": sys.argv, "rows": rows, "raw": raw},
+                                              indent=1, default=str))
+        print(f"json: {args.json}")
+    return 0
+
+
+def _delay_opts(method, args):
+    return {"delay": args.delay} if args.delay and method.partition(":")[0] not in (
+        "ddp", "noop", "fp16", "torch-powersgd") else {}
+
+
+def _rate_name(rate):
+    return "loopback" if rate is None else f"{rate / 1e6:g}mbit"
+
+
+def ddp_table(rows) -> str:
+    from . import bench, report
+    view = []
+    for r in rows:
+        v = dict(r)
+        v["link"] = _rate_name(r["link_bps"])
+        v["step_ms"] = r["step_s"] * 1e3
+        v["spread"] = f"{r['p20_s'] * 1e3:.0f}-{r['p80_s'] * 1e3:.0f}"
+        v["wire_MB"] = r["wire_bytes"] / 1e6
+        v["bytes"] = "stats" if r["bytes_measured"] else "model"
+        v["bound_ms"] = r["bound_s"] * 1e3 if "bound_s" in r else None
+        v["codec_ms"] = r["codec_s"] * 1e3 if r.get("codec_s") is not None else None
+        be = r.get("breakeven_bps")
+        v["breakeven"] = None if be is None else ("always" if be == float("inf") else
+                                                  "never" if be == 0 else _rate_name(be))
+        for bw in (1e8, 1e9, 1e10):
+            v[f"at{bw:g}"] = bench.project(r, bw) * 1e3
+        view.append(v)
+    cols = [("method", "method", ""), ("world", "W", "d"), ("link", "link", ""),
+            ("step_ms", "step ms", ".0f"), ("spread", "p20-p80", ""),
+            ("x_compute", "x compute", ".2f"), ("bound_ms", "bound ms", ".0f"),
+            ("x_bound", "x bound", ".2f"), ("wire_MB", "wire MB", ".3f"), ("bytes", "from", ""),
+            ("ratio", "ratio", ".0f"), ("codec_ms", "codec ms", ".1f"),
+            ("at1e+08", "@100M ms", ".0f"), ("at1e+09", "@1G ms", ".0f"),
+            ("at1e+10", "@10G ms", ".0f"), ("breakeven", "beats ddp below", "")]
+    return report.table(view, cols)
+
+
+def _plot_ddp(rows, path, report, bench):
+    bws = [10 ** (7 + i / 8) for i in range(0, 33)]  # 10 Mbit/s .. 100 Gbit/s
+    first_w = rows[0]["world"]
+    series, marks = {}, {}
+    for r in rows:
+        if r["world"] != first_w:
+            continue
+        series.setdefault(r["method"], [(b, bench.project(r, b) * 1e3) for b in bws])
+        if r["link_bps"]:
+            marks.setdefault(r["method"], []).append((r["link_bps"], r["step_s"] * 1e3))
+    report.line_plot(path, series, f"step time vs link bandwidth, {first_w} ranks "
+                     "(lines: projected from measured compute and bytes; circles: measured)",
+                     "link bandwidth (bit/s)", "ms per step", logx=True, markers=marks)
+
+
+# --------------------------------------------------------------------------- convergence
+def cmd_convergence(args) -> int:
+    from . import bench, report
+    from .train import TrainConfig
+    methods = _methods(args.methods)
+    worlds = _worlds(str(args.world))
+    data_dir = _data(args)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    scalars = report.Scalars(args.tensorboard)
+    results = {}
+    for i, m in enumerate(methods):
+        _progress(i, len(methods), m)
+        cfg = TrainConfig(method=m, model=args.model, data=data_dir, synthetic=args.synthetic,
+                          epochs=args.epochs, batch=args.batch, lr=args.lr, seed=args.seed,
+                          eval=True, options=_delay_opts(m, args))
+        res = bench.run_ranks(worlds[0], cfg)[0]
+        results[m] = res
+        for c in res["curve"]:
+            scalars.add(f"{m}/test_acc", c["test_acc"], c["step"])
+            scalars.add(f"{m}/test_loss", c["test_loss"], c["step"])
+            scalars.add(f"{m}/train_loss", c["train_loss"], c["step"])
+        for s, h in enumerate(res.get("stats_history") or []):
+            scalars.add(f"{m}/compression_ratio", h["ratio"], s)
+            scalars.add(f"{m}/wire_bytes", h["wire_bytes"], s)
+    _progress(len(methods), len(methods), "done")
+    scalars.close()
+    base = results.get("allreduce") or results.get("ddp") or next(iter(results.values()))
+    rows = [{"method": m, "test_acc": 100 * r["test_acc"], "test_loss": r["test_loss"],
+             "d_acc": 100 * (r["test_acc"] - base["test_acc"]),
+             "ratio": (r.get("stats") or {}).get("ratio"),
+             "step_ms": 1e3 * statistics.median(r["step_times"])} for m, r in results.items()]
+    print(report.table(rows, [("method", "method", ""), ("test_acc", "test acc %", ".2f"),
+                              ("d_acc", "vs allreduce", "+.2f"), ("test_loss", "test loss", ".3f"),
+                              ("ratio", "compression", ".0f"), ("step_ms", "step ms", ".0f")]))
+    report.line_plot(out_dir / "convergence_acc.png",
+                     {m: [(c["step"], 100 * c["test_acc"]) for c in r["curve"]] for m, r in results.items()},
+                     "CIFAR-10 test accuracy", "optimizer step", "%")
+    report.line_plot(out_dir / "convergence_loss.png",
+                     {m: [(c["step"], c["train_loss"]) for c in r["curve"]] for m, r in results.items()},
+                     "CIFAR-10 training loss (epoch mean)", "optimizer step", "loss")
+    print(f"plots: {out_dir / 'convergence_acc.png'}, {out_dir / 'convergence_loss.png'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"argv": sys.argv, "rows": rows,
+                                               "curves": {m: r["curve"] for m, r in results.items()}},
+                                              indent=1, default=str))
+    return 0
+
+
+# --------------------------------------------------------------------------- kernels
+def cmd_kernels(args) -> int:
+    try:
+        from . import bench_kernels
+    except ImportError as exc:
+        raise UsageError(f"kernel benchmark unavailable: {exc}") from None
+    sizes = tuple(int(float(s)) for s in args.sizes.split(","))
+    rows = bench_kernels.run(sizes=sizes, device=args.device, repeats=args.repeats)
+    print(bench_kernels.format_table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
+    return 0
+
+
+# --------------------------------------------------------------------------- main
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gradcomp-bench", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def common(s, methods, model, batch):
+        s.add_argument("--methods", default=methods, help="comma-separated method specs")
+        s.add_argument("--model", default=model)
+        s.add_argument("--data", default=None, help="CIFAR-10 python-layout directory")
+        s.add_argument("--synthetic", action="store_true", help="use synthetic data")
+        s.add_argument("--batch", type=int, default=batch, help="per rank")
+        s.add_argument("--seed", type=int, default=0)
+        s.add_argument("--delay", type=int, default=0, help="delayed averaging steps")
+        s.add_argument("--json", default=None)
+        s.add_argument("--tensorboard", default=None, metavar="DIR")
+        s.add_argument("--out", default="bench/out", help="directory for plots")
+
+    d = sub.add_parser("ddp", help="end-to-end step time per method and link")
+    common(d, DEFAULT_METHODS, "resnet_small", 32)
+    d.add_argument("--world", default="2")
+    d.add_argument("--link", default=None, help="rate(s) of a real shaped link, e.g. 100mbit,1gbit")
+    d.add_argument("--latency", default=None, help="one-way delay added on the link, e.g. 50ms")
+    d.add_argument("--steps", type=int, default=12, help="measured steps after warm-up")
+    d.add_argument("--warmup", type=int, default=4)
+    c = sub.add_parser("convergence", help="CIFAR-10 accuracy per method")
+    common(c, CONVERGENCE_METHODS, "resnet18", 64)
+    c.add_argument("--world", type=int, default=2)
+    c.add_argument("--epochs", type=float, default=10)
+    c.add_argument("--lr", type=float, default=0.05)
+    k = sub.add_parser("kernels", help="quantize/select kernels against torch and a copy")
+    k.add_argument("--sizes", default="1048576,16777216")
+    k.add_argument("--device", default=None)
+    k.add_argument("--repeats", type=int, default=20)
+    k.add_argument("--json", default=None)
+    r = sub.add_parser("_rank", help=argparse.SUPPRESS)
+    r.add_argument("cfg")
+    r.add_argument("out")
+    r.add_argument("addr")
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        if args.cmd == "_rank":
+            from .bench import rank_main
+            rank_main(args.cfg, args.out, args.addr)
+            return 0
+        return {"ddp": cmd_ddp, "convergence": cmd_convergence, "kernels": cmd_kernels}[args.cmd](args)
+    except UsageError as exc:
+        print(f"gradcomp-bench: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ngradcomp-bench: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
