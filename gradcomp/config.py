@@ -23,11 +23,14 @@ class MethodConfig:
     min_numel: buckets smaller than this many elements are sent uncompressed.
     error_feedback: keep what compression dropped and add it to the next step's gradient.
     seed: seeds every random stream of the method (same on all ranks).
+    delay: delayed gradient averaging (Zhu et al., NeurIPS 2021): apply the local gradient at
+        once and the average ``delay`` steps later; 0 = synchronous.
     """
 
     min_numel: int = DEFAULT_MIN_NUMEL
     error_feedback: bool = True
     seed: int = 0
+    delay: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -38,6 +41,7 @@ class MethodConfig:
             elif v is not None and not _isinstance(v, t):
                 raise TypeError(f"invalid {f.name}={v!r}: expected {_type_name(t)}")
         check(self.min_numel >= 0, "min_numel", self.min_numel, "an integer >= 0")
+        check(self.delay >= 0, "delay", self.delay, "an integer >= 0 (0 = synchronous)")
         self.validate()
 
     def validate(self) -> None:

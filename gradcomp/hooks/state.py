@@ -68,6 +68,27 @@ class _Ctx:
         self.state._logs[key] = value
 
 
+class _Pending:
+    """One delayed exchange: its step, the layout it was sent in, and its correction."""
+
+    def __init__(self, step: int, slices, job: torch.futures.Future):
+        self.step, self.slices, self.job, self.taken = step, slices, job, set()
+
+    def wait(self) -> torch.Tensor:
+        return self.job.wait()
+
+    @classmethod
+    def done(cls, step: int, corrections: dict) -> "_Pending":
+        slices, off = [], 0
+        for name, c in corrections.items():
+            slices.append(ParamSlice(name, tuple(c.shape), off, c.numel()))
+            off += c.numel()
+        fut = torch.futures.Future()
+        fut.set_result(torch.cat([c.reshape(-1) for c in corrections.values()])
+                       if corrections else torch.zeros(0))
+        return cls(step, slices, fut)
+
+
 class GradcompState:
     """Everything one registered hook owns. Build it with :func:`gradcomp.register`, or
     directly to call ``register_comm_hook(state, gradcomp.hook)`` yourself."""
@@ -91,6 +112,8 @@ class GradcompState:
         self._traffic = Traffic()
         self._raw = 0
         self._logs: dict = {}
+        self._pending: list[_Pending] = []   # delayed exchanges, oldest first
+        self._params: dict[str, torch.Tensor] = {}
         self._setup_runtime()
 
     # ------------------------------------------------------------------ runtime
@@ -102,13 +125,14 @@ class GradcompState:
 
     def __getstate__(self):
         d = self.__dict__.copy()
-        for k in ("group", "_comm", "_queue", "_thread", "_error", "_param_names"):
+        self.drain()
+        for k in ("group", "_comm", "_queue", "_thread", "_error", "_param_names", "_params"):
             d.pop(k, None)
         return d
 
     def __setstate__(self, d):
         self.__dict__.update(d)
-        self.group, self._param_names = None, {}
+        self.group, self._param_names, self._params = None, {}, {}
         self._setup_runtime()
 
     @property
@@ -170,7 +194,6 @@ class GradcompState:
             slices.append(ParamSlice(name, tuple(p.shape), off, p.numel()))
             off += p.numel()
         step, relayout = self._begin(bucket, names)
-        fut = torch.futures.Future(devices=[buf.device] if buf.is_cuda else None)
         event = None
         if buf.is_cuda:
             event = torch.cuda.Event()
@@ -179,19 +202,82 @@ class GradcompState:
             self._queue = queue.Queue()
             self._thread = threading.Thread(target=self._worker, name="gradcomp-comm", daemon=True)
             self._thread.start()
-        self._queue.put((bucket, buf, slices, list(params), step, relayout, event, fut))
+        D = self.config.delay
+        if D == 0:
+            fut = torch.futures.Future(devices=[buf.device] if buf.is_cuda else None)
+            self._queue.put((bucket, buf, slices, list(params), step, relayout, event, fut, False))
+            return fut
+        # Delayed averaging: exchange a copy in the background, apply the local gradient now
+        # plus the correction (average - local) of step - D.
+        for name, p in zip(names, params):
+            self._params[name] = p
+        job = torch.futures.Future()
+        self._queue.put((bucket, buf.clone(), slices, list(params), step, relayout, event, job, True))
+        self._pending.append(_Pending(step, slices, job))
+        corr = self._take(step - D, slices, buf)
+        if corr is not None:
+            buf.add_(corr)
+        fut = torch.futures.Future(devices=[buf.device] if buf.is_cuda else None)
+        fut.set_result(buf)
         return fut
+
+    def _take(self, step: int, slices, like: torch.Tensor):
+        """The corrections of ``step`` for the parameters in ``slices``, in their layout."""
+        found = {}
+        for e in self._pending:
+            if e.step == step:
+                corr = e.wait()
+                for s in e.slices:
+                    if s.name not in e.taken:
+                        found[s.name] = (e, corr[s.offset : s.offset + s.numel])
+        if not found:
+            return None
+        out = torch.zeros_like(like)
+        for s in slices:
+            hit = found.get(s.name)
+            if hit is not None:
+                out[s.offset : s.offset + s.numel] = hit[1]
+                hit[0].taken.add(s.name)
+        self._pending = [e for e in self._pending if len(e.taken) < len(e.slices)]
+        return out
+
+    def drain(self) -> None:
+        """Wait until every queued exchange has finished."""
+        for e in self._pending:
+            e.wait()
+
+    def flush(self) -> dict:
+        """End of training with ``delay``: wait for the exchanges still in flight and put the
+        sum of their corrections into each parameter's ``.grad``; call ``optimizer.step()``
+        once more after it and every averaged gradient has been applied. Returns the
+        corrections by parameter name. A no-op without delay."""
+        total: dict[str, torch.Tensor] = {}
+        for e in self._pending:
+            corr = e.wait()
+            for s in e.slices:
+                if s.name in e.taken:
+                    continue
+                c = corr[s.offset : s.offset + s.numel]
+                total[s.name] = total[s.name] + c if s.name in total else c.clone()
+        self._pending = []
+        for name, c in total.items():
+            p = self._params.get(name)
+            if p is not None:
+                p.grad = c.to(p.dtype).reshape(p.shape).clone()
+        return total
 
     def _worker(self):
         while True:
-            bucket, buf, slices, params, step, relayout, event, fut = self._queue.get()
+            bucket, buf, slices, params, step, relayout, event, fut, delayed = self._queue.get()
             if self._error is not None:
                 fut.set_exception(RuntimeError(f"gradcomp: an earlier exchange failed: {self._error}"))
                 continue
             try:
                 if event is not None:
                     torch.cuda.current_stream(buf.device).wait_event(event)
-                fut.set_result(self._reduce(buf, slices, bucket, params, step, relayout))
+                local = buf.clone() if delayed else None
+                out = self._reduce(buf, slices, bucket, params, step, relayout)
+                fut.set_result(out.sub_(local) if delayed else out)
             except BaseException as exc:  # noqa: BLE001  (handed to DDP, which re-raises)
                 self._error = exc
                 fut.set_exception(exc)
@@ -215,8 +301,16 @@ class GradcompState:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
+        """Everything needed to resume exactly: memory by parameter name, the step counter and
+        the delayed exchanges still to be applied (waited for first)."""
+        pending = []
+        for e in self._pending:
+            corr = e.wait()
+            pending.append({"step": e.step, "corrections": {
+                s.name: corr[s.offset : s.offset + s.numel].clone()
+                for s in e.slices if s.name not in e.taken}})
         return {"method": self.method, "config": self.config.to_dict(), "world_size": self.world_size,
-                "step": self.step, "memory": self.memory.state_dict()}
+                "step": self.step, "memory": self.memory.state_dict(), "pending": pending}
 
     def load_state_dict(self, sd: dict) -> None:
         if sd.get("method") != self.method or sd.get("config") != self.config.to_dict():
@@ -233,6 +327,7 @@ class GradcompState:
         self.memory.load_state_dict(sd["memory"])
         self._step = sd["step"] - 1
         self._layouts.clear()
+        self._pending = [_Pending.done(p["step"], p["corrections"]) for p in sd.get("pending", [])]
 
     @staticmethod
     def memory_names(sd: dict) -> set:

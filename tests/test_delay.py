@@ -1,0 +1,88 @@
+"""Delayed gradient averaging (Zhu et al., NeurIPS 2021): delay=D applies the local gradient
+at once and the correction (average - local) D steps later; flush() applies the rest."""
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradcomp
+from gradcomp import data
+from gradcomp.launch import spawn
+from gradcomp.train import train
+from test_distributed import batch, small_net
+
+LR = 0.05
+
+
+def _delayed_run(rank, world, spec, steps):
+    net = small_net()
+    p0 = [p.detach().clone() for p in net.parameters()]
+    model = DDP(net, bucket_cap_mb=0.004)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    state = gradcomp.register(model, spec, optimizer=opt, min_numel=0)
+    local = [torch.zeros_like(p, dtype=torch.float64) for p in net.parameters()]
+    hooks = []
+    for i, p in enumerate(net.parameters()):
+        def cap(g, i=i):
+            local[i].add_(g.double())
+        hooks.append(p.register_hook(cap))
+    for step in range(steps):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    opt.zero_grad()
+    corr = state.flush()
+    if corr:
+        opt.step()
+    mem = state.state_dict()["memory"]["flat"].get("residual", {})
+    names = [n for n, _ in net.named_parameters()]
+    left = [mem[n].double().view_as(l) if n in mem else torch.zeros_like(l)
+            for n, l in zip(names, local)]
+    moved = [(a - p.detach()).double() for a, p in zip(p0, net.parameters())]
+    return moved, local, left, len(corr)
+
+
+@pytest.mark.parametrize("spec", ["allreduce:delay=2", "topk:ratio=0.1,delay=1"])
+def test_after_flush_the_updates_sum_to_the_averages(spec):
+    (m0, l0, r0, n0), (m1, l1, r1, _) = spawn(_delayed_run, 2, args=(spec, 7))
+    assert n0 > 0  # flush had corrections in flight
+    for a, b, g0, g1, e0, e1 in zip(m0, m1, l0, l1, r0, r1):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)   # ranks agree after flush
+        expect = LR * ((g0 - e0) + (g1 - e1)) / 2
+        torch.testing.assert_close(a, expect, atol=1e-5, rtol=1e-4)
+
+
+def _pair(rank, world, steps):
+    out = []
+    for spec in ("allreduce", "allreduce:delay=0"):
+        net = small_net()
+        model = DDP(net, bucket_cap_mb=0.004)
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+        gradcomp.register(model, spec, optimizer=opt, min_numel=0)
+        for step in range(steps):
+            x, y = batch(rank, step)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        out.append([p.detach().clone() for p in net.parameters()])
+    return out
+
+
+def test_delay_zero_is_bit_identical_to_synchronous():
+    a, b = spawn(_pair, 2, args=(4,))[0]
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _train_delays(rank, world, specs):
+    return {s: train(rank, world, dict(method=s.split("|")[0], max_steps=24, epochs=0, eval=False,
+                                       options={"delay": int(s.split("|")[1])}))["losses"]
+            for s in specs}
+
+
+@pytest.mark.skipif(data.resolve(None) is None, reason="needs ../shared CIFAR-10 data")
+def test_training_with_delay_lowers_the_loss():
+    got = spawn(_train_delays, 2, args=(["allreduce|1", "allreduce|2", "onebit|2"],), timeout=600)[0]
+    for s, ls in got.items():
+        first, last = sum(ls[:6]) / 6, sum(ls[-6:]) / 6
+        assert last < first - 0.1, f"{s}: {first:.3f} -> {last:.3f}"
