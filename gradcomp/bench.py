@@ -155,3 +155,46 @@ def finish(rows: list[dict]) -> None:
 def project(row: dict, bps: float) -> float:
     """Step time at another bandwidth from the measured non-communication time and bytes."""
     return row["nocomm_s"] + row["wire_bytes"] * 8 / bps
+
+
+# --------------------------------------------------------------------------- overlap
+def profile_overlap(rank: int, world: int, method: str, model_name: str, batch: int,
+                    steps: int = 4) -> dict:
+    """Profile one training step with torch.profiler: when each bucket's exchange ran
+    (``gradcomp.*`` spans, on the communication thread) against the backward ops."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import torch.nn.functional as F
+    from . import data, models
+    from .train import attach
+    torch.manual_seed(0)
+    net = models.build(model_name)
+    model = DDP(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    attach(model, method, opt)
+    (x, y), _ = data.synthetic(n_train=batch * (steps + 1), n_test=1)
+    for s in range(steps + 1):
+        xb, yb = data.normalize(x[s * batch:(s + 1) * batch]), y[s * batch:(s + 1) * batch]
+        if s < steps:
+            opt.zero_grad()
+            F.cross_entropy(model(xb), yb).backward()
+            opt.step()
+            continue
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            opt.zero_grad()
+            loss = F.cross_entropy(model(xb), yb)
+            with torch.profiler.record_function("backward_total"):
+                loss.backward()
+            opt.step()
+    events = [e for e in prof.events() if e.name.startswith("gradcomp.") or e.name == "backward_total"
+              or ("Backward" in e.name and e.cpu_parent is None)]
+    t0 = min(e.time_range.start for e in events)
+    spans = [(e.name, (e.time_range.start - t0) / 1e3, (e.time_range.end - t0) / 1e3)
+             for e in events]
+    bwd = [s for s in spans if "Backward" in s[0] and not s[0].startswith("gradcomp.")]
+    comm = sorted(s for s in spans if s[0].startswith("gradcomp."))
+    total = [s for s in spans if s[0] == "backward_total"][0]
+    bwd_end = max([s[2] for s in bwd] or [total[2]])
+    return {"method": method, "backward": (total[1], total[2]), "backward_ops_end": bwd_end,
+            "exchanges": comm,
+            "overlapped_s": sum(max(0.0, min(e, bwd_end) - s) for _, s, e in comm) / 1e3,
+            "exchange_s": sum(e - s for _, s, e in comm) / 1e3}

@@ -82,7 +82,8 @@ def test_stats_count_the_bytes_of_the_tensors_sent():
     expect = {
         "allreduce": 4 * n,
         "topk:ratio=0.05": 8 * math.ceil(0.05 * n),                           # values + int32 idx
-        "onebit:chunk=64": 2 * (math.ceil(n / 64) * 64 // 8 + 8 * math.ceil(n / 64)),  # 2 phases
+        # 2 phases; each parameter starts a new chunk
+        "onebit:chunk=64": 2 * sum(math.ceil(p.numel / 64) * (8 + 8) for p in params),
         "terngrad": 4 * len(params) + math.ceil(n / 4),                       # scalers + 2 bits
         "terngrad:share_scalers=false": math.ceil(n / 4) + 4 * len(params),
         "powersgd:rank=2": 4 * ((48 + 40) * 2 + (16 + 72) * 2 + 48),         # P + bias, then Q

@@ -30,7 +30,7 @@ from .base import Compressor, register_method
 class OneBitConfig(MethodConfig):
     """chunk: elements sharing one pair of reconstruction values (a multiple of 8)."""
 
-    chunk: int = 1024
+    chunk: int = 256
 
     def validate(self):
         check(self.chunk >= 8 and self.chunk % 8 == 0, "chunk", self.chunk,
@@ -53,6 +53,10 @@ def decode_sum(msgs: torch.Tensor, chunk: int, out: torch.Tensor, alpha: float) 
 @register_method
 class OneBit(Compressor):
     Config = OneBitConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self._layouts = {}  # padded-layout index per bucket layout
     name = "onebit"
     description = "1-bit SGD: sign bits + 2 scales per chunk, error feedback, two-phase reduce"
 
@@ -61,8 +65,11 @@ class OneBit(Compressor):
             return self.dense(x, ctx)
         cfg, W, r = self.config, ctx.comm.world_size, ctx.comm.rank
         n, chunk = x.numel(), cfg.chunk
-        part = -(-n // (W * chunk)) * chunk  # elements per rank's part, whole chunks
-        lo, hi = min(r * part, n), min((r + 1) * part, n)
+        # Each parameter starts a new chunk (padded layout), so no chunk mixes a parameter
+        # with its neighbours: one scale pair per chunk of ONE tensor, as Seide's per-column.
+        idx, npad = self._padded_layout(ctx, chunk, x.device)
+        part = -(-npad // (W * chunk)) * chunk  # elements per rank's part, whole chunks
+        lo, hi = r * part, (r + 1) * part
         ef = cfg.error_feedback
         e1 = ctx.memory("residual") if ef else None
         e2 = ctx.memory("server_residual") if ef else None
@@ -72,23 +79,25 @@ class OneBit(Compressor):
             e1.add_(e2, alpha=W)
             e2.zero_()
         y = torch.zeros(W * part, dtype=torch.float32, device=x.device)
-        y[:n] = x
-        res = torch.zeros_like(y) if ef else None
+        y[idx] = x
+        res = None
         if ef:
-            res[:n] = e1
+            res = torch.zeros_like(y)
+            res[idx] = e1
         msg = self._encode_parts(y, res, W, part, chunk)
         if ef:
-            e1.copy_(res[:n])
+            e1.copy_(res[idx])
         got = ctx.comm.all_to_all(msg)  # (W, part_bytes): every rank's message for my part
         mine = torch.zeros(part, dtype=torch.float32, device=x.device)
         decode_sum(got, chunk, mine, 1.0 / W)
         res2 = None
         if ef:
-            res2 = torch.zeros(part, dtype=torch.float32, device=x.device)
-            res2[: hi - lo] = e2[lo:hi]
+            e2p = torch.zeros(W * part, dtype=torch.float32, device=x.device)
+            e2p[idx] = e2
+            res2 = e2p[lo:hi]
         msg2 = encode(mine, res2, chunk)
         if ef:
-            e2[lo:hi] = res2[: hi - lo]
+            e2.copy_(e2p[idx])
         allmsg = ctx.comm.allgather(msg2)  # (W, part_bytes)
         # the W parts laid end to end are one message of W * part elements
         nb = part // 8
@@ -97,7 +106,19 @@ class OneBit(Compressor):
         scales = scales.transpose(0, 1).reshape(1, 2, -1)
         out = torch.zeros(W * part, dtype=torch.float32, device=x.device)
         kernels.onebit_decompress(bits, scales, chunk, out)
-        return out[:n]
+        return out[idx]
+
+    def _padded_layout(self, ctx, chunk, device):
+        """(positions of x's elements in the per-parameter padded vector, its length)."""
+        key = (tuple((p.name, p.numel) for p in ctx.params), chunk)
+        hit = self._layouts.get(key)
+        if hit is None:
+            pos, off = [], 0
+            for p in ctx.params:
+                pos.append(torch.arange(off, off + p.numel))
+                off += -(-p.numel // chunk) * chunk
+            hit = self._layouts[key] = (torch.cat(pos), off)
+        return hit[0].to(device), hit[1]
 
     @staticmethod
     def _encode_parts(y, res, W, part, chunk):

@@ -276,7 +276,8 @@ class GradcompState:
                 if event is not None:
                     torch.cuda.current_stream(buf.device).wait_event(event)
                 local = buf.clone() if delayed else None
-                out = self._reduce(buf, slices, bucket, params, step, relayout)
+                with torch.profiler.record_function(f"gradcomp.{self.method}.bucket{bucket}"):
+                    out = self._reduce(buf, slices, bucket, params, step, relayout)
                 fut.set_result(out.sub_(local) if delayed else out)
             except BaseException as exc:  # noqa: BLE001  (handed to DDP, which re-raises)
                 self._error = exc
