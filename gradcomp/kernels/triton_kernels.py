@@ -1,0 +1,495 @@
+"""Triton kernels for the quantize and select steps (CUDA tensors).
+
+Every function here has the signature and semantics of the function of the same name in
+:mod:`gradcomp.kernels.reference`, which is the specification; ``tests/test_kernels.py``
+compares them. :mod:`gradcomp.kernels` imports this module lazily, for CUDA tensors only, so
+the package imports without Triton. Under ``TRITON_INTERPRET=1`` the same kernels run on CPU
+tensors (that is how the tests run without a GPU).
+
+Passes over memory (n elements, fp32 x):
+  * onebit_compress: one kernel, one read of x and the residual, one write of the residual,
+    the packed signs and the per-chunk scales. Chunks longer than ``BLOCK`` elements take a
+    second sweep over the chunk (the first one only sums), which for a chunk of tens of KiB
+    is served from L2.
+  * onebit_decompress / ternary_decompress: one kernel that decodes all W messages and adds
+    them into ``out``: out is read and written once, each message read once.
+  * ternary_compress: one kernel (2-bit codes, four per byte, residual in place).
+  * select_topk: two short kernels over x (per-block counts; then an in-order compaction at
+    each block's exclusive offset, found with a cumsum over the tiny count vector), then an
+    exact ``torch.topk`` over the ``capacity`` candidates. Blocks past ``capacity`` stop
+    after reading one offset. No host synchronization.
+  * scatter_add: one kernel of atomic adds.
+
+Randomness. The reference draws its uniforms with ``torch.rand`` from a seeded
+``torch.Generator``; a kernel cannot reproduce that stream. ``ternary_compress`` here draws
+``tl.rand(seed, i)`` for element i (Philox4x32-10, counter = element index, key = seed).
+So for the same seed the GPU path and the CPU (reference) path draw DIFFERENT random streams,
+with the same distribution (uniform on [0, 1) with 2^-31 resolution); each is reproducible for
+a given seed, and each is unbiased. :func:`philox_uniform` reproduces ``tl.rand`` bit for bit
+in pure torch, which lets the tests compare this kernel with the reference formula exactly.
+
+Inputs: ``x`` may be fp32, fp16 or bf16 (loaded and upcast to fp32 in the kernel); the
+residual, scales and accumulators are fp32. Flat inputs must be contiguous (``ValueError``
+otherwise): a silent ``.contiguous()`` would copy a whole bucket.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import check_flat
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+# Elements per program (a power of two, >= 64). Native: 4096 (16 KiB of fp32 per load,
+# 4 warps x 32 lanes x 32 elements), the range the Triton tutorials use for memory-bound
+# elementwise kernels; it has NOT been tuned on hardware here: gradcomp.bench_kernels reports
+# each kernel's bandwidth against a plain copy to check it. The interpreter runs programs one
+# after another in Python, so its cost is per program: 65536 keeps a 4M-element test at a
+# few seconds. Read at call time, so tests can shrink it to exercise many programs.
+BLOCK = 65536 if _INTERPRET else 4096
+NUM_WARPS = 4
+
+_U64 = (1 << 64) - 1
+_U32 = (1 << 32) - 1
+
+
+def _alloc(shape, dtype, device) -> torch.Tensor:
+    """Every output buffer comes from here (tests swap in guard-banded buffers)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _check_contiguous(t: torch.Tensor, name: str) -> None:
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got shape {tuple(t.shape)} with strides "
+                         f"{t.stride()}; call .contiguous() first")
+
+
+def _check_fp32(t: torch.Tensor, name: str, n: int) -> None:
+    check_flat(t, name)
+    if t.dtype != torch.float32 or t.numel() != n:
+        raise ValueError(f"{name} must be fp32 with {n} elements, got {t.dtype} with {t.numel()}")
+
+
+# --------------------------------------------------------------------------- 1-bit SGD
+@triton.jit
+def _onebit_compress_rows(
+    x_ptr,       # (n,) x, fp32/fp16/bf16                        reads 4n
+    res_ptr,     # (n,) fp32 residual, in place (if HAS_RES)      reads 4n, writes 4n
+    bits_ptr,    # (n/8,) uint8 signs y >= 0, LSB first           writes n/8
+    scales_ptr,  # (2, nchunks) fp32: mean of y >= 0, of y < 0    writes 8n/chunk
+    nchunks, cbytes,  # chunks; bytes per chunk (= chunk / 8)
+    HAS_RES: tl.constexpr,
+    ROWS: tl.constexpr,   # whole chunks per program
+    BYTES: tl.constexpr,  # next power of two >= cbytes
+):
+    """Chunks that fit in registers: ROWS chunks per program, each read and written once."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    byte = tl.arange(0, BYTES)
+    bit = tl.arange(0, 8)
+    boff = rows[:, None] * cbytes + byte[None, :]                    # (ROWS, BYTES)
+    bmask = (rows[:, None] < nchunks) & (byte[None, :] < cbytes)
+    eoff = boff[:, :, None] * 8 + bit[None, None, :]                 # (ROWS, BYTES, 8)
+    emask = bmask[:, :, None] & (bit[None, None, :] < 8)
+    y = tl.load(x_ptr + eoff, mask=emask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        y += tl.load(res_ptr + eoff, mask=emask, other=0.0)
+    pos = (y >= 0) & emask
+    neg = (y < 0) & emask
+    psum = tl.sum(tl.sum(tl.where(pos, y, 0.0), axis=2), axis=1)
+    nsum = tl.sum(tl.sum(tl.where(neg, y, 0.0), axis=2), axis=1)
+    npos = tl.sum(tl.sum(pos.to(tl.int32), axis=2), axis=1)
+    nneg = tl.sum(tl.sum(neg.to(tl.int32), axis=2), axis=1)
+    sp = psum / tl.maximum(npos, 1).to(tl.float32)
+    sn = nsum / tl.maximum(nneg, 1).to(tl.float32)
+    rmask = rows < nchunks
+    tl.store(scales_ptr + rows, sp, mask=rmask)
+    tl.store(scales_ptr + nchunks + rows, sn, mask=rmask)
+    packed = tl.sum(pos.to(tl.int32) << bit[None, None, :], axis=2)
+    tl.store(bits_ptr + boff, packed.to(tl.uint8), mask=bmask)
+    if HAS_RES:
+        deq = tl.where(y >= 0, sp[:, None, None], sn[:, None, None])
+        tl.store(res_ptr + eoff, y - deq, mask=emask)
+
+
+@triton.jit
+def _onebit_compress_long(
+    x_ptr,       # (n,) x, fp32/fp16/bf16                        reads 2 x 4n (second from L2)
+    res_ptr,     # (n,) fp32 residual, in place (if HAS_RES)      reads 2 x 4n, writes 4n
+    bits_ptr,    # (n/8,) uint8 signs, LSB first                  writes n/8
+    scales_ptr,  # (2, nchunks) fp32                              writes 8n/chunk
+    nchunks, cbytes,
+    HAS_RES: tl.constexpr,
+    BYTES: tl.constexpr,  # bytes per tile (8 * BYTES elements)
+):
+    """Chunks longer than a block: one program per chunk, a summing sweep then a writing one."""
+    row = tl.program_id(0).to(tl.int64)
+    byte = tl.arange(0, BYTES)
+    bit = tl.arange(0, 8)
+    psum = tl.zeros((BYTES, 8), tl.float32)
+    nsum = tl.zeros((BYTES, 8), tl.float32)
+    npos = tl.zeros((BYTES, 8), tl.int32)
+    for start in range(0, cbytes, BYTES):
+        b = start + byte
+        eoff = (row * cbytes + b)[:, None] * 8 + bit[None, :]
+        emask = (b[:, None] < cbytes) & (bit[None, :] < 8)
+        y = tl.load(x_ptr + eoff, mask=emask, other=0.0).to(tl.float32)
+        if HAS_RES:
+            y += tl.load(res_ptr + eoff, mask=emask, other=0.0)
+        pos = (y >= 0) & emask
+        psum += tl.where(pos, y, 0.0)
+        nsum += tl.where((y < 0) & emask, y, 0.0)
+        npos += pos.to(tl.int32)
+    np_ = tl.sum(tl.sum(npos, axis=1), axis=0)
+    nn_ = cbytes * 8 - np_
+    sp = tl.sum(tl.sum(psum, axis=1), axis=0) / tl.maximum(np_, 1).to(tl.float32)
+    sn = tl.sum(tl.sum(nsum, axis=1), axis=0) / tl.maximum(nn_, 1).to(tl.float32)
+    tl.store(scales_ptr + row, sp)
+    tl.store(scales_ptr + nchunks + row, sn)
+    for start in range(0, cbytes, BYTES):
+        b = start + byte
+        bmask = b < cbytes
+        eoff = (row * cbytes + b)[:, None] * 8 + bit[None, :]
+        emask = bmask[:, None] & (bit[None, :] < 8)
+        y = tl.load(x_ptr + eoff, mask=emask, other=0.0).to(tl.float32)
+        if HAS_RES:
+            y += tl.load(res_ptr + eoff, mask=emask, other=0.0)
+        pos = y >= 0
+        packed = tl.sum((pos & emask).to(tl.int32) << bit[None, :], axis=1)
+        tl.store(bits_ptr + row * cbytes + b, packed.to(tl.uint8), mask=bmask)
+        if HAS_RES:
+            tl.store(res_ptr + eoff, y - tl.where(pos, sp, sn), mask=emask)
+
+
+def onebit_compress(x: torch.Tensor, residual: torch.Tensor | None, chunk: int):
+    """See :func:`gradcomp.kernels.reference.onebit_compress`. Reads 2n*4, writes n*4 + n/8."""
+    check_flat(x)
+    n = x.numel()
+    if chunk <= 0 or chunk % 8 or n % chunk:
+        raise ValueError(f"need chunk % 8 == 0 and n % chunk == 0, got n={n}, chunk={chunk}")
+    if residual is not None:
+        _check_fp32(residual, "residual", n)
+    nchunks, cbytes = n // chunk, chunk // 8
+    bits = _alloc((n // 8,), torch.uint8, x.device)
+    scales = _alloc((2, nchunks), torch.float32, x.device)
+    if n == 0:
+        return bits, scales
+    res = residual if residual is not None else x  # never touched when HAS_RES is False
+    width = triton.next_power_of_2(cbytes)
+    if 8 * width <= BLOCK:
+        rows = BLOCK // (8 * width)
+        _onebit_compress_rows[(triton.cdiv(nchunks, rows),)](
+            x, res, bits, scales, nchunks, cbytes, HAS_RES=residual is not None,
+            ROWS=rows, BYTES=width, num_warps=NUM_WARPS)
+    else:
+        _onebit_compress_long[(nchunks,)](
+            x, res, bits, scales, nchunks, cbytes, HAS_RES=residual is not None,
+            BYTES=BLOCK // 8, num_warps=NUM_WARPS)
+    return bits, scales
+
+
+@triton.jit
+def _onebit_decompress_kernel(
+    bits_ptr,    # (W, n/8) uint8 packed signs                    reads W n/8
+    scales_ptr,  # (W, 2, nchunks) fp32                           reads 8 W n/chunk (cached)
+    out_ptr,     # (n,) accumulator, in place                     reads 4n, writes 4n
+    nbytes, nchunks, cbytes, W, alpha,
+    BYTES: tl.constexpr,  # bytes per program (8 * BYTES elements)
+):
+    byte = tl.program_id(0).to(tl.int64) * BYTES + tl.arange(0, BYTES)
+    bit = tl.arange(0, 8)
+    bmask = byte < nbytes
+    chunk_id = byte // cbytes  # chunk % 8 == 0: the 8 elements of a byte share a chunk
+    acc = tl.zeros((BYTES, 8), tl.float32)
+    bp = bits_ptr + byte
+    sp = scales_ptr + chunk_id
+    for _ in range(W):  # pointers advance per message: no int32 overflow in w * nbytes
+        b = tl.load(bp, mask=bmask, other=0).to(tl.int32)
+        hi = tl.load(sp, mask=bmask, other=0.0)
+        lo = tl.load(sp + nchunks, mask=bmask, other=0.0)
+        on = ((b[:, None] >> bit[None, :]) & 1) != 0
+        acc += tl.where(on, hi[:, None], lo[:, None])
+        bp += nbytes
+        sp += 2 * nchunks
+    eoff = byte[:, None] * 8 + bit[None, :]
+    emask = bmask[:, None] & (bit[None, :] < 8)
+    o = tl.load(out_ptr + eoff, mask=emask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + eoff, o + alpha * acc, mask=emask)
+
+
+def onebit_decompress(bits: torch.Tensor, scales: torch.Tensor, chunk: int, out: torch.Tensor,
+                      alpha: float = 1.0) -> torch.Tensor:
+    """See :func:`gradcomp.kernels.reference.onebit_decompress`. One pass over out."""
+    check_flat(out, "out")
+    _check_contiguous(bits, "bits")
+    _check_contiguous(scales, "scales")
+    n = out.numel()
+    if chunk <= 0 or chunk % 8 or n % chunk:
+        raise ValueError(f"need chunk % 8 == 0 and n % chunk == 0, got n={n}, chunk={chunk}")
+    W, nchunks = bits.shape[0], n // chunk
+    if tuple(bits.shape) != (W, n // 8) or tuple(scales.shape) != (W, 2, nchunks):
+        raise ValueError(f"bits {tuple(bits.shape)} / scales {tuple(scales.shape)} do not match "
+                         f"out of {n} elements in chunks of {chunk}")
+    if n == 0 or W == 0:
+        return out
+    width = BLOCK // 8
+    _onebit_decompress_kernel[(triton.cdiv(n // 8, width),)](
+        bits, scales, out, n // 8, nchunks, chunk // 8, W, float(alpha),
+        BYTES=width, num_warps=NUM_WARPS)
+    return out
+
+
+# --------------------------------------------------------------------------- TernGrad
+_PHILOX_KEY_A, _PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85
+_PHILOX_ROUND_A, _PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57
+
+
+def _mul32(a: int, t: torch.Tensor):
+    """(hi, lo) 32-bit halves of a * t for a python int a < 2^32 and int64 t in [0, 2^32);
+    split into 16-bit halves so no int64 product overflows."""
+    ah, al = a >> 16, a & 0xFFFF
+    th, tl_ = t * ah, t * al                  # each < 2^48
+    hi = (th + (tl_ >> 16)) >> 16
+    lo = (((th & 0xFFFF) << 16) + tl_) & _U32
+    return hi, lo
+
+
+def philox_uniform(seed: int, n: int, device=None, offset: int = 0) -> torch.Tensor:
+    """The n uniforms ``tl.rand(seed, i)`` draws for i = offset .. offset+n-1, bit for bit.
+
+    Pure torch (int64 arithmetic, CPU or GPU): Philox4x32-10 with counter (i mod 2^32,
+    i >> 32, 0, 0) and key (seed mod 2^32, seed >> 32), first output word taken as int32,
+    folded to [0, 2^31) (x < 0 -> ~x) and scaled by 4.6566127342e-10 in fp32, exactly as
+    triton/language/random.py (``randint`` then ``uint_to_uniform_float``).
+    """
+    seed = int(seed) & _U64
+    k0, k1 = seed & _U32, seed >> 32
+    off = torch.arange(offset, offset + n, dtype=torch.int64, device=device)
+    c0, c1 = off & _U32, off >> 32
+    c2 = torch.zeros_like(off)
+    c3 = torch.zeros_like(off)
+    for _ in range(10):
+        hb, lb = _mul32(_PHILOX_ROUND_B, c2)
+        ha, la = _mul32(_PHILOX_ROUND_A, c0)
+        c0, c1, c2, c3 = hb ^ c1 ^ k0, lb, ha ^ c3 ^ k1, la
+        k0 = (k0 + _PHILOX_KEY_A) & _U32
+        k1 = (k1 + _PHILOX_KEY_B) & _U32
+    x = torch.where(c0 >= (1 << 31), c0 - (1 << 32), c0)  # bitcast to int32
+    x = torch.where(x < 0, ~x, x)
+    return x.to(torch.float32) * torch.tensor(4.6566127342e-10, dtype=torch.float32, device=device)
+
+
+@triton.jit
+def _ternary_compress_kernel(
+    x_ptr,      # (n,) x, fp32/fp16/bf16                          reads 4n
+    res_ptr,    # (n,) fp32 residual, in place (if HAS_RES)        reads 4n, writes 4n
+    scale_ptr,  # (S,) fp32 per-segment scaler                     gathered (cached)
+    seg_ptr,    # (n,) int32/int64 segment id per element          reads 8n (int64)
+    out_ptr,    # (n/4,) uint8 codes, 4 per byte, LSB first        writes n/4
+    seed, nbytes,
+    HAS_RES: tl.constexpr,
+    BYTES: tl.constexpr,  # bytes per program (4 * BYTES elements)
+):
+    byte = tl.program_id(0).to(tl.int64) * BYTES + tl.arange(0, BYTES)
+    sub = tl.arange(0, 4)
+    bmask = byte < nbytes
+    eoff = byte[:, None] * 4 + sub[None, :]                     # (BYTES, 4) element index
+    emask = bmask[:, None] & (sub[None, :] < 4)
+    y = tl.load(x_ptr + eoff, mask=emask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        y += tl.load(res_ptr + eoff, mask=emask, other=0.0)
+    s = tl.load(scale_ptr + tl.load(seg_ptr + eoff, mask=emask, other=0), mask=emask, other=0.0)
+    u = tl.rand(seed, eoff)  # counter = element index: same stream whatever the block size
+    keep = u * s < tl.abs(y)
+    nonneg = y >= 0
+    code = tl.where(keep, tl.where(nonneg, 1, 2), 0)
+    packed = tl.sum(code << (2 * sub)[None, :], axis=1)
+    tl.store(out_ptr + byte, packed.to(tl.uint8), mask=bmask)
+    if HAS_RES:
+        q = tl.where(keep, tl.where(nonneg, s, -s), 0.0)
+        tl.store(res_ptr + eoff, y - q, mask=emask)
+
+
+def ternary_compress(x: torch.Tensor, residual: torch.Tensor | None, scale: torch.Tensor,
+                     seg: torch.Tensor, seed: int) -> torch.Tensor:
+    """See :func:`gradcomp.kernels.reference.ternary_compress`; uniforms from ``tl.rand`` (see
+    the module docstring). Reads 4n + 4n + 8n (int64 seg), writes 4n + n/4."""
+    check_flat(x)
+    n = x.numel()
+    if n % 4:
+        raise ValueError(f"ternary_compress needs n % 4 == 0, got n={n}")
+    check_flat(seg, "seg")
+    _check_contiguous(scale, "scale")
+    if seg.numel() != n:
+        raise ValueError(f"seg has {seg.numel()} elements, x has {n}")
+    if residual is not None:
+        _check_fp32(residual, "residual", n)
+    out = _alloc((n // 4,), torch.uint8, x.device)
+    if n == 0:
+        return out
+    width = BLOCK // 4
+    res = residual if residual is not None else x
+    _ternary_compress_kernel[(triton.cdiv(n // 4, width),)](
+        x, res, scale, seg, out, int(seed) & _U64, n // 4,
+        HAS_RES=residual is not None, BYTES=width, num_warps=NUM_WARPS)
+    return out
+
+
+@triton.jit
+def _ternary_decompress_kernel(
+    packed_ptr,  # (W, row) uint8 codes, row >= n/4 bytes per message   reads W n/4
+    scale_ptr,   # (W, S) fp32 scalers                                  gathered (cached)
+    seg_ptr,     # (n,) int32/int64 segment ids                         reads 8n (int64)
+    out_ptr,     # (n,) accumulator, in place                           reads 4n, writes 4n
+    n, row, S, W, alpha,
+    BYTES: tl.constexpr,  # bytes per program (4 * BYTES elements)
+):
+    byte = tl.program_id(0).to(tl.int64) * BYTES + tl.arange(0, BYTES)
+    sub = tl.arange(0, 4)
+    eoff = byte[:, None] * 4 + sub[None, :]
+    emask = eoff < n                      # n need not be a multiple of 4 here
+    bmask = byte * 4 < n
+    seg = tl.load(seg_ptr + eoff, mask=emask, other=0)
+    acc = tl.zeros((BYTES, 4), tl.float32)
+    pp = packed_ptr + byte
+    sp = scale_ptr + seg
+    for _ in range(W):
+        code = (tl.load(pp, mask=bmask, other=0).to(tl.int32)[:, None] >> (2 * sub)[None, :]) & 3
+        s = tl.load(sp, mask=emask, other=0.0)
+        acc += tl.where(code == 1, s, tl.where(code == 2, -s, 0.0))
+        pp += row
+        sp += S
+    o = tl.load(out_ptr + eoff, mask=emask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + eoff, o + alpha * acc, mask=emask)
+
+
+def ternary_decompress(packed: torch.Tensor, scale: torch.Tensor, seg: torch.Tensor,
+                       out: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """See :func:`gradcomp.kernels.reference.ternary_decompress`. One pass over out."""
+    check_flat(out, "out")
+    check_flat(seg, "seg")
+    _check_contiguous(packed, "packed")
+    _check_contiguous(scale, "scale")
+    n = out.numel()
+    if packed.dim() != 2 or scale.dim() != 2 or scale.shape[0] != packed.shape[0]:
+        raise ValueError(f"need packed (W, >= n/4) and scale (W, S), got {tuple(packed.shape)} "
+                         f"and {tuple(scale.shape)}")
+    W, row = packed.shape
+    if 4 * row < n or seg.numel() != n:
+        raise ValueError(f"packed rows of {row} bytes / seg of {seg.numel()} do not cover out "
+                         f"of {n} elements")
+    if n == 0 or W == 0:
+        return out
+    width = BLOCK // 4
+    _ternary_decompress_kernel[(triton.cdiv(n, 4 * width),)](
+        packed, scale, seg, out, n, row, scale.shape[1], W, float(alpha),
+        BYTES=width, num_warps=NUM_WARPS)
+    return out
+
+
+# --------------------------------------------------------------------------- top-k select
+@triton.jit
+def _count_kernel(
+    x_ptr,       # (n,) x                                   reads 4n
+    thr_ptr,     # () threshold                             reads 4
+    counts_ptr,  # (nblocks,) int32 candidates per block    writes 4n/BLOCK
+    n,
+    BLOCK_: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK_ + tl.arange(0, BLOCK_)
+    mask = offs < n
+    thr = tl.load(thr_ptr).to(tl.float32)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    hit = (tl.abs(x) >= thr) & mask
+    tl.store(counts_ptr + pid, tl.sum(hit.to(tl.int32), axis=0))
+
+
+@triton.jit
+def _compact_kernel(
+    x_ptr,      # (n,) x                                           reads <= 4n
+    thr_ptr,    # () threshold                                     reads 4
+    start_ptr,  # (nblocks,) int64 exclusive prefix sum of counts  reads 8n/BLOCK
+    val_ptr,    # (capacity,) fp32 candidate values, zeroed        writes <= 4 capacity
+    idx_ptr,    # (capacity,) int32 candidate indices, zeroed      writes <= 4 capacity
+    n, capacity,
+    BLOCK_: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    base = tl.load(start_ptr + pid)
+    if base < capacity:  # blocks whose candidates all fall past the buffer read nothing more
+        offs = pid.to(tl.int64) * BLOCK_ + tl.arange(0, BLOCK_)
+        mask = offs < n
+        thr = tl.load(thr_ptr).to(tl.float32)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        hit = (tl.abs(x) >= thr) & mask
+        slot = base + tl.cumsum(hit.to(tl.int32), axis=0) - 1  # index order within the block
+        keep = hit & (slot < capacity)
+        tl.store(val_ptr + slot, x, mask=keep)
+        tl.store(idx_ptr + slot, offs.to(tl.int32), mask=keep)
+
+
+def select_topk(x: torch.Tensor, threshold: torch.Tensor, k: int, capacity: int):
+    """See :func:`gradcomp.kernels.reference.select_topk`: the same candidate buffer (the first
+    ``capacity`` elements with |x| >= threshold in index order), so the same output.
+    Reads 4n twice (at most), writes 8 capacity; then top-k over the buffer."""
+    check_flat(x)
+    n = x.numel()
+    if not 0 <= k <= capacity:
+        raise ValueError(f"need 0 <= k <= capacity, got k={k}, capacity={capacity}")
+    if n >= 2**31:
+        raise ValueError(f"indices are int32: x must have < 2^31 elements, got {n}")
+    if not torch.is_tensor(threshold):
+        threshold = torch.tensor(float(threshold), dtype=torch.float32, device=x.device)
+    cand_val = _alloc((capacity,), torch.float32, x.device).zero_()
+    cand_idx = _alloc((capacity,), torch.int32, x.device).zero_()
+    if n and capacity:
+        nblocks = triton.cdiv(n, BLOCK)
+        counts = torch.empty(nblocks, dtype=torch.int32, device=x.device)
+        _count_kernel[(nblocks,)](x, threshold, counts, n, BLOCK_=BLOCK, num_warps=NUM_WARPS)
+        start = torch.cumsum(counts, 0, dtype=torch.int64) - counts  # exclusive scan, tiny
+        _compact_kernel[(nblocks,)](x, threshold, start, cand_val, cand_idx, n, capacity,
+                                    BLOCK_=BLOCK, num_warps=NUM_WARPS)
+    top = torch.topk(cand_val.abs(), k, sorted=False).indices
+    vals = cand_val[top]
+    idx = torch.where(vals != 0, cand_idx[top], 0)
+    return vals, idx.to(torch.int32)
+
+
+# --------------------------------------------------------------------------- scatter-add
+@triton.jit
+def _scatter_add_kernel(
+    val_ptr,  # (m,) values                         reads 4m (fp32)
+    idx_ptr,  # (m,) int32/int64 indices into out   reads 4m (int32)
+    out_ptr,  # (n,) accumulator                    atomic read-modify-write 4m + 4m
+    m, n, alpha,
+    BLOCK_: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK_ + tl.arange(0, BLOCK_)
+    mask = offs < m
+    v = tl.load(val_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    i = tl.load(idx_ptr + offs, mask=mask, other=0)
+    ok = mask & (i >= 0) & (i < n)  # an out-of-range index is dropped, never written
+    tl.atomic_add(out_ptr + i, v * alpha, mask=ok, sem="relaxed")
+
+
+def scatter_add(values: torch.Tensor, indices: torch.Tensor, out: torch.Tensor,
+                alpha: float = 1.0) -> torch.Tensor:
+    """See :func:`gradcomp.kernels.reference.scatter_add`. Duplicates accumulate (atomics, so
+    their order, hence the last bits of the sum, may vary from run to run on a GPU). Indices
+    outside [0, n) are dropped where the reference raises: checking would need a host sync."""
+    check_flat(out, "out")
+    _check_contiguous(values, "values")
+    _check_contiguous(indices, "indices")
+    m = values.numel()
+    if indices.numel() != m:
+        raise ValueError(f"values has {m} elements, indices {indices.numel()}")
+    if m == 0:
+        return out
+    _scatter_add_kernel[(triton.cdiv(m, BLOCK),)](
+        values.view(-1), indices.view(-1), out, m, out.numel(), float(alpha),
+        BLOCK_=BLOCK, num_warps=NUM_WARPS)
+    return out

@@ -1,0 +1,476 @@
+"""Triton kernels against the pure-torch reference (the specification).
+
+Without a GPU these run on CPU tensors through the Triton interpreter (TRITON_INTERPRET=1, set
+below before Triton is imported). On a GPU machine the same file runs the compiled kernels
+with ``TRITON_INTERPRET=0 python -m pytest tests/test_kernels.py``.
+
+Sizes: 0 (where meaningful), the smallest legal size, one program's worth of elements +- 1,
+2^k +- 1, each padded up to the function's divisibility rule, at the module's default block
+and at a 64-element block (many programs at small n); plus one size of a few million.
+Every output is carved out of a guard-banded buffer and every in-place tensor sits inside
+one; the guards are checked after each test (out-of-bounds writes). Inputs sit between NaN
+(or out-of-range index) poison, so an unmasked read shows up in the results.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+from gradcomp.kernels import reference as ref  # noqa: E402
+from gradcomp.kernels import triton_kernels as tk  # noqa: E402
+
+INTERPRET = os.environ["TRITON_INTERPRET"] not in ("", "0")
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("TRITON_INTERPRET=0 needs a CUDA device", allow_module_level=True)
+DEV = "cpu" if INTERPRET else "cuda"
+
+# bf16: the kernels do no bf16 arithmetic (they upcast right after the load, which the
+# interpreter supports), so bf16 inputs go in as they are; the expected values come from the
+# reference on x.float(), the reference being specified for fp32.
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SMALL_BLOCK = 64
+BIG = 2930 * 1024  # ~3M: a multiple of every chunk below and of 4; not of the block
+GUARD = 256
+
+
+# --------------------------------------------------------------------------- helpers
+class Guards:
+    """Tensors living inside sentinel-filled buffers; check() says the margins are intact."""
+
+    def __init__(self):
+        self.items = []
+
+    def embed(self, t, fill):
+        """A copy of t inside a larger buffer whose margins hold ``fill``."""
+        n = t.numel()
+        buf = torch.full((n + 2 * GUARD,), fill, dtype=t.dtype, device=t.device)
+        view = buf[GUARD:GUARD + n]
+        view.copy_(t.reshape(-1))
+        self.items.append((buf, n, self._margins(buf, n).clone()))
+        return view.view(t.shape)
+
+    @staticmethod
+    def _margins(buf, n):
+        return torch.cat([buf[:GUARD], buf[GUARD + n:]]).view(torch.uint8)  # bytes: NaN == NaN
+
+    def alloc(self, shape, dtype, device):
+        fill = {torch.uint8: 0xA5, torch.int32: -123456}.get(dtype, 1234.5)
+        return self.embed(torch.full(shape, fill, dtype=dtype, device=device), fill)
+
+    def check(self):
+        for buf, n, margins in self.items:
+            assert torch.equal(self._margins(buf, n), margins), "a kernel wrote outside its buffer"
+
+
+@pytest.fixture(autouse=True)
+def guards(monkeypatch):
+    g = Guards()
+    monkeypatch.setattr(tk, "_alloc", g.alloc)
+    yield g
+    g.check()
+
+
+@pytest.fixture(params=["default", "small"])
+def block(request, monkeypatch):
+    if request.param == "small":
+        monkeypatch.setattr(tk, "BLOCK", SMALL_BLOCK)
+    return tk.BLOCK
+
+
+def poisoned(g, t):
+    """t between poison: NaN for floats, an index past any table for integers, 0xFF bytes."""
+    if t.is_floating_point():
+        return g.embed(t, float("nan"))
+    return g.embed(t, 0xFF if t.dtype == torch.uint8 else 1 << 20)
+
+
+def sizes(unit, multiple=1, zero=True):
+    """Element counts: 0, the smallest legal size, one program's worth (unit) +- 1 and
+    2^k +- 1, each rounded up to a multiple of ``multiple``."""
+    raw = {1, unit - 1, unit, unit + 1, 2**5 - 1, 2**5 + 1, 2**10 - 1, 2**10 + 1}
+    out = sorted({-(-v // multiple) * multiple for v in raw if v >= 1})
+    return ([0] if zero else []) + out
+
+
+def randn(n, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g).to(dtype).to(DEV)
+
+
+def ternary_expected(x, residual, scale, seg, u):
+    """The reference formula of ternary_compress, given the uniforms u."""
+    y = x + residual if residual is not None else x
+    s = scale[seg]
+    keep = u * s < y.abs()
+    codes = torch.where(keep, torch.where(y >= 0, 1, 2), 0).to(torch.uint8)
+    new_res = y - torch.where(keep, torch.where(y >= 0, s, -s), 0.0)
+    return ref.pack_2bit(codes), new_res
+
+
+# --------------------------------------------------------------------------- Philox
+@triton.jit
+def _rand_kernel(out_ptr, seed, offset, n, B: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
+    tl.store(out_ptr + i, tl.rand(seed, offset + i), mask=i < n)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7, 2**31 - 1, 2**32 + 5, 2**63 - 1, 2**64 - 1])
+@pytest.mark.parametrize("offset", [0, 2**32 - 100])  # the second crosses into counter word 1
+def test_philox_uniform_is_tl_rand_bit_for_bit(seed, offset):
+    n = 5000
+    got = torch.empty(n, device=DEV)
+    _rand_kernel[(triton.cdiv(n, 1024),)](got, seed, offset, n, B=1024)
+    want = tk.philox_uniform(seed, n, DEV, offset=offset)
+    assert torch.equal(got, want)
+    assert 0 <= want.min() and want.max() < 1
+
+
+# --------------------------------------------------------------------------- 1-bit
+def check_onebit(g, x, chunk, with_residual, seed=0):
+    n = x.numel()
+    res = randn(n, seed + 1) if with_residual else None
+    want_res = res.clone() if with_residual else None
+    y = x.float() + res if with_residual else x.float()
+    want_bits, want_scales = ref.onebit_compress(x.float(), want_res, chunk)
+    x = poisoned(g, x)
+    got_res = g.embed(res, 1234.5) if with_residual else None
+    bits, scales = tk.onebit_compress(x, got_res, chunk)
+    assert bits.dtype == torch.uint8 and scales.dtype == torch.float32
+    assert torch.equal(bits, want_bits)  # y = x + r is exact in both: the signs agree exactly
+    # The means are sums, in different orders (and the reference takes the negatives' sum as
+    # total - positives): both are within a few ulps of sum|y| / count of the exact mean.
+    yc = y.view(-1, chunk)
+    pos = yc >= 0
+    mag = yc.abs().sum(1)
+    tol = 2e-6 * torch.stack([mag / pos.sum(1).clamp_min(1), mag / (~pos).sum(1).clamp_min(1)]) + 1e-7
+    assert ((scales - want_scales).abs() <= tol).all()
+    if with_residual:  # y - deq: deq carries the scale's error
+        etol = torch.where(pos, tol[0].unsqueeze(1), tol[1].unsqueeze(1)).view(-1)
+        assert ((got_res - want_res).abs() <= etol + 1e-6 * want_res.abs()).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("chunk", [8, 24, 1024])
+def test_onebit_compress_matches_reference(guards, block, chunk, dtype):
+    rows = max(1, block // (8 * triton.next_power_of_2(chunk // 8)))  # chunks per program
+    for i, n in enumerate(sizes(rows * chunk, chunk)):
+        check_onebit(guards, randn(n, i, dtype), chunk, with_residual=True, seed=i)
+    check_onebit(guards, randn(33 * chunk, 5, dtype), chunk, with_residual=False)
+
+
+@pytest.mark.parametrize("chunk", [72, 128, 520])
+def test_onebit_compress_chunks_longer_than_a_block(guards, monkeypatch, chunk):
+    monkeypatch.setattr(tk, "BLOCK", SMALL_BLOCK)  # chunk > block: the two-sweep kernel
+    for m in (1, 3):
+        check_onebit(guards, randn(m * chunk, m), chunk, with_residual=True)
+        check_onebit(guards, randn(m * chunk, m, torch.bfloat16), chunk, with_residual=False)
+
+
+def test_onebit_compress_large(guards):
+    check_onebit(guards, randn(BIG, 0), 1024, with_residual=True)
+
+
+def test_onebit_compress_special_values(guards):
+    # zeros and -0.0 count as non-negative; an all-negative chunk has no positive mean (0)
+    x = torch.tensor([0.0, -0.0, 1, 2, -1, -3, 0, 4] + [-1.0] * 8 + [5.0] * 8, device=DEV)
+    check_onebit(guards, x, 8, with_residual=False)
+    bits, scales = tk.onebit_compress(x, None, 8)
+    assert bits.tolist() == [0b11001111, 0, 255]
+    torch.testing.assert_close(scales.cpu(), torch.tensor([[7 / 6, 0.0, 5.0], [-2.0, -1.0, 0.0]]))
+
+
+@pytest.mark.parametrize("W, alpha", [(1, 1.0), (3, 0.5)])
+@pytest.mark.parametrize("chunk", [8, 24, 1024])
+def test_onebit_decompress_matches_reference(guards, block, chunk, W, alpha):
+    g = torch.Generator().manual_seed(chunk)
+    for n in sizes(block, chunk):  # block: elements per program
+        bits = torch.randint(0, 256, (W, n // 8), generator=g, dtype=torch.uint8).to(DEV)
+        scales = torch.randn(W, 2, n // chunk, generator=g).to(DEV)
+        out = randn(n, n)
+        want = ref.onebit_decompress(bits, scales, chunk, out.clone(), alpha)
+        got = guards.embed(out, 1234.5)
+        tk.onebit_decompress(poisoned(guards, bits), poisoned(guards, scales), chunk, got, alpha)
+        if W == 1 and alpha == 1.0:
+            assert torch.equal(got, want)
+        else:  # a GPU may fuse out + alpha * sum into one rounding
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_onebit_round_trip_conserves_mass(guards):
+    # error feedback: dequantized message + new residual == x + old residual
+    n, chunk = 40 * 1024, 1024
+    x, r = randn(n, 1), randn(n, 2)
+    y = x.double() + r.double()
+    bits, scales = tk.onebit_compress(x, r, chunk)
+    out = torch.zeros(n, device=DEV)
+    tk.onebit_decompress(bits.unsqueeze(0), scales.unsqueeze(0), chunk, out)
+    torch.testing.assert_close(out.double() + r.double(), y, rtol=0, atol=1e-5)
+
+
+def test_onebit_large_decompress(guards):
+    W, chunk = 2, 1024
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(0, 256, (W, BIG // 8), generator=g, dtype=torch.uint8).to(DEV)
+    scales = torch.randn(W, 2, BIG // chunk, generator=g).to(DEV)
+    out = randn(BIG, 3)
+    want = ref.onebit_decompress(bits, scales, chunk, out.clone(), 0.5)
+    torch.testing.assert_close(tk.onebit_decompress(bits, scales, chunk, out, 0.5), want,
+                               rtol=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- TernGrad
+def ternary_case(n, seed, dtype=torch.float32, nseg=3):
+    x = randn(n, seed, dtype)
+    res = randn(n, seed + 1) * 0.1
+    g = torch.Generator().manual_seed(seed)
+    seg = torch.sort(torch.randint(0, nseg, (n,), generator=g)).values.to(DEV)
+    y = x.float() + res
+    scale = torch.zeros(nseg, device=DEV).scatter_reduce_(0, seg, y.abs(), "amax")
+    return x, res, scale, seg
+
+
+def check_ternary(g, n, seed, dtype=torch.float32, with_residual=True, seg_dtype=torch.int64):
+    x, res, scale, seg = ternary_case(n, seed, dtype)
+    seg = seg.to(seg_dtype)
+    if not with_residual:
+        res = None
+    u = tk.philox_uniform(seed, n, DEV)
+    want_packed, want_res = ternary_expected(x.float(), res, scale, seg, u)
+    got_res = g.embed(res, 1234.5) if with_residual else None
+    packed = tk.ternary_compress(poisoned(g, x), got_res, g.embed(scale, float("nan")),
+                                 poisoned(g, seg), seed)
+    assert torch.equal(packed, want_packed)
+    if with_residual:
+        assert torch.equal(got_res, want_res)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ternary_compress_matches_reference_formula(guards, block, dtype):
+    for i, n in enumerate(sizes(block, 4)):
+        check_ternary(guards, n, 100 + i, dtype)
+    check_ternary(guards, 4 * 33, 7, dtype, with_residual=False, seg_dtype=torch.int32)
+
+
+def test_ternary_compress_large(guards):
+    check_ternary(guards, BIG, 2**40 + 3)
+
+
+def test_ternary_compress_edge_cases(guards):
+    # |y| == s always kept, y == 0 never (u < 1), the residual exact
+    x = torch.tensor([0.5, -0.5, 1.0, 0.0, -1.0, 0.0, 0.25, -0.0], device=DEV)
+    res = torch.zeros(8, device=DEV)
+    packed = tk.ternary_compress(x, res, torch.tensor([1.0], device=DEV),
+                                 torch.zeros(8, dtype=torch.long, device=DEV), 3)
+    codes = ref.unpack_2bit(packed)
+    assert codes[2] == 1 and codes[4] == 2 and codes[3] == 0 and codes[5] == 0 and codes[7] == 0
+    q = (codes == 1).float() - (codes == 2).float()
+    assert torch.equal(res, x - q)
+
+
+def test_ternary_is_reproducible_per_seed(guards):
+    x, res, scale, seg = ternary_case(3000, 0)
+    runs = {}
+    for seed in (7, 7, 8):
+        r = res.clone()
+        runs.setdefault(seed, []).append((tk.ternary_compress(x, r, scale, seg, seed), r))
+    (a, ra), (b, rb) = runs[7]
+    assert torch.equal(a, b) and torch.equal(ra, rb)
+    assert not torch.equal(a, runs[8][0][0])
+
+
+def test_ternary_kernel_is_unbiased(guards):
+    # 256 values, each repeated over R replicas (distinct Philox counters) and several seeds
+    base = randn(256, 0)
+    seg1 = (torch.arange(256, device=DEV) >= 128).long()
+    scale = torch.stack([base[:128].abs().max(), base[128:].abs().max()])
+    R, seeds = 1024, 4
+    x = base.repeat(R)
+    seg = seg1.repeat(R)
+    acc = torch.zeros(x.numel(), device=DEV)
+    for s in range(seeds):
+        packed = tk.ternary_compress(x, None, scale, seg, seed=1000 + s)
+        tk.ternary_decompress(packed.unsqueeze(0), scale.unsqueeze(0), seg, acc)
+    draws = R * seeds
+    mean = acc.view(R, 256).sum(0) / draws
+    # per-element std of one draw <= scale; of the mean <= scale / sqrt(draws): allow 5 sigma
+    tol = 5 * scale[seg1] / math.sqrt(draws)
+    assert ((mean - base).abs() <= tol).all()
+    assert not ((torch.sign(base) * scale[seg1] - base).abs() <= tol).all()  # bias is caught
+
+
+@pytest.mark.parametrize("W, alpha", [(1, 1.0), (3, 0.25)])
+def test_ternary_decompress_matches_reference(guards, block, W, alpha):
+    g = torch.Generator().manual_seed(W)
+    S = 5
+    for n in sizes(block):  # out need not be a multiple of 4 here
+        row = -(-n // 4) + 2  # rows may be longer than n/4 bytes (padding)
+        packed = torch.randint(0, 256, (W, row), generator=g, dtype=torch.uint8).to(DEV)
+        scale = torch.rand(W, S, generator=g).to(DEV)
+        seg = torch.randint(0, S, (n,), generator=g).to(DEV)
+        out = randn(n, n)
+        want = ref.ternary_decompress(packed, scale, seg, out.clone(), alpha)
+        got = guards.embed(out, 1234.5)
+        tk.ternary_decompress(poisoned(guards, packed), poisoned(guards, scale),
+                              poisoned(guards, seg), got, alpha)
+        if W == 1 and alpha == 1.0:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- top-k select
+def check_select(g, x, threshold, k, capacity):
+    want_v, want_i = ref.select_topk(x.float(), threshold, k, capacity)
+    got_v, got_i = tk.select_topk(poisoned(g, x), threshold, k, capacity)
+    assert got_v.dtype == torch.float32 and got_i.dtype == torch.int32
+    ow, og = torch.argsort(want_i.long() * 2 + (want_v == 0)), torch.argsort(got_i.long() * 2 + (got_v == 0))
+    assert torch.equal(got_i[og], want_i[ow])
+    assert torch.equal(got_v[og], want_v[ow])
+
+
+def sampled_threshold(x, k):
+    g = torch.Generator().manual_seed(x.numel())
+    sample = torch.randint(0, x.numel(), (max(1, x.numel() // 10),), generator=g).to(DEV)
+    return ref.sample_threshold(x.float().abs(), math.ceil(1.5 * k), sample)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_select_topk_matches_reference(guards, block, dtype):
+    for n in sizes(block, zero=False):
+        x = randn(n, n, dtype)
+        k = max(1, n // 20)
+        check_select(guards, x, sampled_threshold(x, k), k, min(n, 2 * k))
+
+
+def test_select_topk_large(guards):
+    x = randn(BIG, 1)
+    k = BIG // 1000
+    check_select(guards, x, sampled_threshold(x, k), k, 2 * k)
+
+
+def test_select_topk_overflow_and_underflow(guards, monkeypatch):
+    monkeypatch.setattr(tk, "BLOCK", SMALL_BLOCK)
+    x = randn(1000, 3)
+    zero = torch.tensor(0.0, device=DEV)
+    check_select(guards, x, zero, 10, 20)                                 # all pass: first 20 kept
+    check_select(guards, x, torch.tensor(10.0, device=DEV), 10, 20)       # none pass: zeros
+    check_select(guards, x, torch.tensor(2.0, device=DEV), 10, 10)        # a few pass
+    x[::3] = 0.0
+    check_select(guards, x, zero, 30, 500)                                # zeros pass: index 0
+    check_select(guards, torch.zeros(0, device=DEV), zero, 3, 4)          # n = 0
+
+
+# --------------------------------------------------------------------------- scatter-add
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_scatter_add_matches_reference(guards, block, idx_dtype):
+    g = torch.Generator().manual_seed(0)
+    for m in sizes(block):
+        n = 2 * m + 3
+        unique = torch.randperm(n, generator=g)[:m].to(idx_dtype).to(DEV)
+        vals = torch.randn(m, generator=g).to(DEV)
+        out = randn(n, m)
+        want = ref.scatter_add(vals, unique, out.clone())
+        got = guards.embed(out, 1234.5)
+        tk.scatter_add(poisoned(guards, vals), poisoned(guards, unique), got)
+        assert torch.equal(got, want)  # no duplicates: each element gets one exact add
+        dup = torch.randint(0, max(1, m // 4), (2, m), generator=g).to(idx_dtype).to(DEV)
+        vals2 = torch.randn(2, m, generator=g).to(DEV)
+        want = ref.scatter_add(vals2, dup, out.clone(), alpha=0.5)
+        torch.testing.assert_close(tk.scatter_add(vals2, dup, out.clone(), alpha=0.5), want,
+                                   rtol=1e-5, atol=1e-5)  # duplicates: atomics in any order
+
+
+def test_scatter_add_drops_out_of_range_indices(guards):
+    out = guards.embed(torch.zeros(10, device=DEV), 1234.5)
+    idx = torch.tensor([-1, 3, 10, 1 << 20], dtype=torch.int32, device=DEV)
+    tk.scatter_add(torch.ones(4, device=DEV), idx, out)
+    assert out.tolist() == [0, 0, 0, 1, 0, 0, 0, 0, 0, 0]
+
+
+# --------------------------------------------------------------------------- native build
+_COMPILE_ALL = r"""
+import sys
+import triton
+import triton.backends
+from triton.backends.compiler import GPUTarget
+if "nvidia" not in triton.backends.backends:
+    sys.exit(3)
+from gradcomp.kernels import triton_kernels as tk
+P, C = "*fp32", "constexpr"
+specs = [
+    (tk._onebit_compress_rows, ["*bf16", P, "*u8", P, "i32", "i32"], dict(HAS_RES=True, ROWS=4, BYTES=128)),
+    (tk._onebit_compress_rows, [P, P, "*u8", P, "i32", "i32"], dict(HAS_RES=False, ROWS=512, BYTES=1)),
+    (tk._onebit_compress_long, ["*fp16", P, "*u8", P, "i32", "i32"], dict(HAS_RES=True, BYTES=512)),
+    (tk._onebit_decompress_kernel, ["*u8", P, P, "i32", "i32", "i32", "i32", "fp32"], dict(BYTES=512)),
+    (tk._ternary_compress_kernel, [P, P, P, "*i64", "*u8", "i64", "i32"], dict(HAS_RES=True, BYTES=1024)),
+    (tk._ternary_compress_kernel, ["*bf16", P, P, "*i32", "*u8", "u64", "i32"], dict(HAS_RES=False, BYTES=1024)),
+    (tk._ternary_decompress_kernel, ["*u8", P, "*i64", P, "i32", "i32", "i32", "i32", "fp32"], dict(BYTES=1024)),
+    (tk._count_kernel, [P, P, "*i32", "i32"], dict(BLOCK_=4096)),
+    (tk._compact_kernel, ["*fp16", P, "*i64", P, "*i32", "i32", "i32"], dict(BLOCK_=4096)),
+    (tk._scatter_add_kernel, [P, "*i64", P, "i32", "i32", "fp32"], dict(BLOCK_=4096)),
+]
+for fn, types, cx in specs:
+    names = fn.arg_names
+    sig = dict(zip(names, types + [C] * (len(names) - len(types))))
+    triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=cx),
+                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=tk.NUM_WARPS))
+print("compiled", len(specs))
+"""
+
+
+@pytest.mark.skipif(not INTERPRET, reason="natively the kernels are compiled by the tests above")
+def test_kernels_compile_for_a_gpu():
+    # the interpreter accepts some programs the compiler rejects: build every kernel down to
+    # an sm_90 cubin (no GPU needed) so that such a kernel fails here, not first on a GPU
+    import subprocess
+    import sys
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    r = subprocess.run([sys.executable, "-c", _COMPILE_ALL], env=env, capture_output=True, text=True,
+                       timeout=300)
+    if r.returncode == 3:
+        pytest.skip("Triton's CUDA backend is not installed")
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------- validation
+def test_non_contiguous_inputs_raise():
+    x = torch.randn(64, device=DEV)[::2]
+    seg = torch.zeros(32, dtype=torch.long, device=DEV)
+    s = torch.ones(1, device=DEV)
+    with pytest.raises(ValueError, match="contiguous"):
+        tk.onebit_compress(x, None, 8)
+    with pytest.raises(ValueError, match="contiguous"):
+        tk.onebit_compress(x.contiguous(), torch.zeros(64, device=DEV)[::2], 8)
+    with pytest.raises(ValueError, match="contiguous"):
+        tk.ternary_compress(x, None, s, seg, 0)
+    with pytest.raises(ValueError, match="contiguous"):
+        tk.select_topk(x, torch.tensor(0.5, device=DEV), 2, 4)
+    out = torch.zeros(32, device=DEV)
+    bits = torch.zeros(4, 2, dtype=torch.uint8, device=DEV)
+    with pytest.raises(ValueError, match="contiguous"):
+        tk.onebit_decompress(bits.t(), torch.zeros(2, 2, 4, device=DEV), 8, out)
+    with pytest.raises(ValueError, match="contiguous"):
+        tk.ternary_decompress(torch.zeros(8, 2, dtype=torch.uint8, device=DEV).t(),
+                              s.view(1, 1).expand(2, 1), seg, out)
+    with pytest.raises(ValueError, match="contiguous"):
+        tk.scatter_add(torch.ones(4, 2, device=DEV).t(),
+                       torch.zeros(2, 4, dtype=torch.int32, device=DEV), out)
+
+
+def test_bad_sizes_raise():
+    with pytest.raises(ValueError, match="chunk"):
+        tk.onebit_compress(torch.zeros(24, device=DEV), None, 16)
+    with pytest.raises(ValueError, match="chunk"):
+        tk.onebit_compress(torch.zeros(24, device=DEV), None, 12)
+    with pytest.raises(ValueError, match="n % 4"):
+        tk.ternary_compress(torch.zeros(6, device=DEV), None, torch.ones(1, device=DEV),
+                            torch.zeros(6, dtype=torch.long, device=DEV), 0)
+    with pytest.raises(ValueError, match="capacity"):
+        tk.select_topk(torch.zeros(6, device=DEV), torch.tensor(0.0, device=DEV), 5, 4)
