@@ -1,0 +1,76 @@
+"""Convergence on real CIFAR-10: every method reaches allreduce's accuracy; removing a
+method's safeguard measurably does not.
+
+Setup (chosen to fit the suite's budget of a few minutes on 2 CPU cores): 2 gloo ranks,
+the 5085/1017-image CIFAR-10 subset in ../shared, random-crop + flip augmentation, the small
+CIFAR ResNet (width 16, 78k parameters), batch 32 per rank, SGD + Nesterov momentum 0.9,
+weight decay 5e-4, lr 0.1 with half an epoch of warm-up then cosine, EPOCHS epochs, seed 0
+for every run. One run takes ~40 s here; the six runs share one spawn.
+
+Tolerance: TOLERANCE points of test accuracy below allreduce. On 1017 test images one image
+is 0.1 point and the binomial standard error at ~45% accuracy is ~1.6 points; runs of the
+same method with different seeds spread by about that much, so 3 points is ~2 standard
+errors of one comparison: a real loss of accuracy fails it, seed noise does not.
+
+DGC runs at ratio 0.01 with 100 warm-up steps: 0.001 needs more steps than this budget
+(an element is sent every ~1000 steps at 0.001 and the run has ~320). The ablation runs at
+the same budget: top-k at 99.9% sparsity without DGC's momentum correction and warm-up
+(momentum left in the optimizer and applied to the sparse average), against DGC at the same
+99.9% (measured 35.0% against 42.9%).
+"""
+import pytest
+
+from gradcomp import data
+from gradcomp.launch import spawn
+from gradcomp.train import train
+
+EPOCHS = 4
+TOLERANCE = 3.0
+CHANCE = 10.0
+
+# Not asserted here, and why (measured at this budget, allreduce 44.7%; see bench/RESULTS.md):
+#   onebit        39.1% (-5.6), and without error feedback 37.6%: 1-bit does not yet reach
+#                 allreduce in a short run; open work on the convergence issue.
+#   topk:0.01     39.9% (-4.8): momentum applied after sparsification, the failure DGC's
+#                 momentum correction exists for; use dgc with momentum SGD.
+#   powersgd rank 2: 41.5% (-3.2, torch's own hook 42.0%); rank 4 (below) reaches it.
+METHODS = {
+    "dgc": "dgc:ratio=0.01,warmup_steps=100",
+    "terngrad": "terngrad",
+    "powersgd": "powersgd:rank=4",
+}
+ABLATIONS = {  # name: (ablated spec, spec with the safeguard, at the same compression)
+    "sparse-without-momentum-correction": ("topk:ratio=0.001", "dgc:ratio=0.001,warmup_steps=200"),
+}
+
+
+def _accuracies(rank, world, specs):
+    return {s: 100 * train(rank, world, dict(method=s, epochs=EPOCHS))["test_acc"] for s in specs}
+
+
+@pytest.fixture(scope="module")
+def acc():
+    if data.resolve(None) is None:
+        pytest.skip("needs ../shared CIFAR-10 data")
+    specs = ["allreduce", *METHODS.values()]
+    for a, b in ABLATIONS.values():
+        specs += [s for s in (a, b) if s not in specs]
+    return spawn(_accuracies, 2, args=(specs,), timeout=1800)[0]
+
+
+def test_allreduce_learns(acc):
+    assert acc["allreduce"] > 3 * CHANCE
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_method_reaches_allreduce_accuracy(acc, name):
+    got, ref = acc[METHODS[name]], acc["allreduce"]
+    assert got >= ref - TOLERANCE, f"{name}: {got:.1f}% vs allreduce {ref:.1f}%"
+    assert got > 3 * CHANCE
+
+
+@pytest.mark.parametrize("name", list(ABLATIONS))
+def test_removing_the_safeguard_loses_accuracy(acc, name):
+    ablated, guarded = (acc[s] for s in ABLATIONS[name])
+    assert ablated < guarded - TOLERANCE, f"{name}: {ablated:.1f}% vs {guarded:.1f}% with it"
+    assert ablated < acc["allreduce"] - TOLERANCE
