@@ -116,7 +116,7 @@ def cmd_ddp(args) -> int:
     rows, raw = [], []
     scalars = report.Scalars(args.tensorboard)
     for i, (w, rate, m) in enumerate(jobs):
-        _progress(i, len(jobs), f"world {w} link {rate or 'loopback'} {m}")
+        _progress(i, len(jobs), f"world {w} link {_rate_name(rate)} {m}")
         cfg = TrainConfig(method=m, model=args.model, data=data_dir, synthetic=args.synthetic,
                           epochs=0, max_steps=args.steps + args.warmup, batch=args.batch,
                           eval=False, seed=args.seed, options=_delay_opts(m, args))

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import data, models
-from .hooks import parse_spec, register
+from .hooks import build_config, register
 
 # Baselines that are not gradcomp methods: torch's own hooks, and no communication at all.
 BASELINES = ("ddp", "fp16", "torch-powersgd", "noop")
@@ -51,7 +51,7 @@ def check_spec(spec: str) -> None:
     """Raise ValueError for a spec that is neither a baseline nor a valid gradcomp method."""
     name = spec.partition(":")[0]
     if name not in BASELINES:
-        parse_spec(spec)
+        build_config(spec)
 
 
 @dataclass

@@ -1,0 +1,34 @@
+"""gradcomp-bench: bad input is one clear line and exit code 2, never a traceback."""
+import subprocess
+import sys
+
+import pytest
+
+from gradcomp import cli
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["ddp", "--methods", "allreduce,nope"], "unknown method 'nope'"),
+    (["ddp", "--methods", "topk:ratio=3"], "invalid ratio=3.0"),
+    (["ddp", "--world", "999"], "--world 999 does not fit"),
+    (["ddp", "--world", "two"], "expected integers"),
+    (["ddp", "--data", "/nonexistent/dir"], "no CIFAR-10 python-layout data in '/nonexistent/dir'"),
+    (["ddp", "--link", "fast"], "bad rate 'fast'"),
+    (["ddp", "--latency", "50ms"], "--latency needs --link"),
+    (["ddp", "--model", "vgg"], "--model 'vgg'"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, match, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("gradcomp-bench: error:") and match in err[0]
+
+
+def test_spec_list_splitting_keeps_options_with_their_method():
+    assert cli._split_specs("a:x=1,y=2,b,c:z=3") == ["a:x=1,y=2", "b", "c:z=3"]
+
+
+def test_installed_console_script_reports_bad_input():
+    out = subprocess.run([sys.executable, "-m", "gradcomp.cli", "ddp", "--methods", "bogus"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "unknown method 'bogus'" in out.stderr
