@@ -249,6 +249,32 @@ def cmd_convergence(args) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- overlap
+def cmd_overlap(args) -> int:
+    """Profile one step per method with torch.profiler: do the exchanges run during backward?"""
+    from . import bench, report
+    from .launch import spawn
+    methods = _methods(args.methods)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i, m in enumerate(methods):
+        _progress(i, len(methods), m)
+        rows.append(spawn(bench.profile_overlap, 2, args=(m, args.model, args.batch))[0])
+    _progress(len(methods), len(methods), "done")
+    view = [{"method": r["method"], "backward_ms": r["backward"][1] - r["backward"][0],
+             "exchanges": len(r["exchanges"]), "exchange_ms": 1e3 * r["exchange_s"],
+             "overlap": r["overlapped_s"] / r["exchange_s"] if r["exchange_s"] else None}
+            for r in rows]
+    print(report.table(view, [("method", "method", ""), ("backward_ms", "backward ms", ".1f"),
+                              ("exchanges", "bucket exchanges", "d"),
+                              ("exchange_ms", "exchange ms", ".1f"),
+                              ("overlap", "share during backward", ".0%")]))
+    report.timeline(out_dir / "overlap_timeline.png", rows)
+    print(f"plot: {out_dir / 'overlap_timeline.png'}")
+    return 0
+
+
 # --------------------------------------------------------------------------- kernels
 def cmd_kernels(args) -> int:
     try:
@@ -292,6 +318,11 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--world", type=int, default=2)
     c.add_argument("--epochs", type=float, default=10)
     c.add_argument("--lr", type=float, default=0.05)
+    o = sub.add_parser("overlap", help="torch.profiler timeline: exchanges during backward")
+    o.add_argument("--methods", default="allreduce,dgc:ratio=0.001,onebit,terngrad,powersgd:rank=2")
+    o.add_argument("--model", default="resnet18")
+    o.add_argument("--batch", type=int, default=32)
+    o.add_argument("--out", default="bench/out")
     k = sub.add_parser("kernels", help="quantize/select kernels against torch and a copy")
     k.add_argument("--sizes", default="1048576,16777216")
     k.add_argument("--device", default=None)
@@ -311,7 +342,8 @@ def main(argv=None) -> int:
             from .bench import rank_main
             rank_main(args.cfg, args.out, args.addr)
             return 0
-        return {"ddp": cmd_ddp, "convergence": cmd_convergence, "kernels": cmd_kernels}[args.cmd](args)
+        return {"ddp": cmd_ddp, "convergence": cmd_convergence, "kernels": cmd_kernels,
+                "overlap": cmd_overlap}[args.cmd](args)
     except UsageError as exc:
         print(f"gradcomp-bench: error: {exc}", file=sys.stderr)
         return 2

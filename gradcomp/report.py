@@ -87,6 +87,34 @@ def _si(v: float) -> str:
     return f"{v:.3g}"
 
 
+def timeline(path, rows: list[dict], size=(1000, 0)):
+    """One lane per method: backward (grey) and each bucket exchange (coloured), in ms."""
+    from PIL import Image, ImageDraw
+
+    lane, left, top = 46, 170, 40
+    W, H = size[0], top + lane * len(rows) + 50
+    img = Image.new("RGB", (W, H), "white")
+    d = ImageDraw.Draw(img)
+    tmax = max(max([r["backward"][1]] + [e for _, _, e in r["exchanges"]]) for r in rows) or 1.0
+    sx = (W - left - 30) / tmax
+    d.text((10, 10), "one training step per method (torch.profiler): grey = backward, "
+           "colour = a bucket's exchange on the communication thread", fill="black")
+    for i, r in enumerate(rows):
+        y = top + i * lane
+        d.text((10, y + 12), r["method"][:24], fill="black")
+        b0, b1 = r["backward"]
+        d.rectangle([left + b0 * sx, y + 4, left + b1 * sx, y + 16], fill=(190, 190, 190))
+        for j, (_, s, e) in enumerate(r["exchanges"]):
+            c = COLORS[j % len(COLORS)]
+            d.rectangle([left + s * sx, y + 20, left + max(e, s + 0.2) * sx, y + 34], fill=c)
+    for k in range(6):
+        t = tmax * k / 5
+        x = left + t * sx
+        d.line([x, H - 45, x, H - 40], fill="black")
+        d.text((x - 10, H - 36), f"{t:.0f} ms", fill="black")
+    img.save(path)
+
+
 class Scalars:
     """TensorBoard scalars, or nothing when no directory is given (costs nothing when off)."""
 
