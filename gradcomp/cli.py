@@ -4,6 +4,9 @@
     gradcomp-bench ddp --model resnet18 --link 100mbit,1gbit --latency 50ms
     gradcomp-bench convergence --epochs 30 --data ~/cifar-10-batches-py
     gradcomp-bench kernels
+    torchrun --nnodes 2 --nproc-per-node 1 ... -m gradcomp.cli ddp   # your real network
+
+Under torchrun each process is one rank (NCCL on GPUs, gloo on CPUs) and rank 0 prints.
 
 Bad input (unknown method, unreadable data, a rate that does not parse, a world size that
 does not fit) prints one line naming the problem and exits with code 2.
@@ -90,11 +93,30 @@ def _progress(i, n, label):
 
 
 # --------------------------------------------------------------------------- ddp
+def _under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_RANK"))
+
+
+def _torchrun_ranks(cfg):
+    """This process is one rank of a torchrun job: train here; every rank returns its result."""
+    import datetime
+    import torch
+    import torch.distributed as dist
+    from .train import train
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=600))
+    return [train(dist.get_rank(), dist.get_world_size(), cfg)]
+
+
 def cmd_ddp(args) -> int:
     from . import bench, report
     from .train import TrainConfig
     methods = _methods(args.methods)
-    worlds = _worlds(args.world)
+    torchrun = _under_torchrun()
+    if torchrun and args.link:
+        raise UsageError("--link shapes local ranks; under torchrun your real network is the link")
+    worlds = [int(os.environ["WORLD_SIZE"])] if torchrun else _worlds(args.world)
     rates = [None]
     if args.link:
         from . import netlink
@@ -120,7 +142,9 @@ def cmd_ddp(args) -> int:
         cfg = TrainConfig(method=m, model=args.model, data=data_dir, synthetic=args.synthetic,
                           epochs=0, max_steps=args.steps + args.warmup, batch=args.batch,
                           eval=False, seed=args.seed, options=_delay_opts(m, args))
-        if rate is None:
+        if torchrun:
+            res = _torchrun_ranks(cfg)[0]
+        elif rate is None:
             res = bench.run_ranks(w, cfg)[0]
         else:
             from .netlink import Link
@@ -137,6 +161,8 @@ def cmd_ddp(args) -> int:
             scalars.add(f"{tag}/compression_ratio", h["ratio"], s)
     _progress(len(jobs), len(jobs), "done")
     scalars.close()
+    if torchrun and int(os.environ["RANK"]) != 0:
+        return 0
     bench.finish(rows)
     print(ddp_table(rows))
     _plot_ddp(rows, out_dir / "ddp_step_time.png", report, bench)

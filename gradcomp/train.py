@@ -3,6 +3,7 @@ convergence tests and the benchmark CLI. One call = one rank."""
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -72,6 +73,9 @@ class TrainConfig:
     eval: bool = True
     train_subset: int = 0            # use only the first N training images (0: all)
     options: dict = field(default_factory=dict)  # extra gradcomp options (e.g. delay)
+    # DDP's per-forward broadcast of BatchNorm buffers is a blocking round trip that no comm
+    # hook can hide; off, each rank keeps its own running statistics (rank 0's are evaluated).
+    broadcast_buffers: bool = False
 
 
 def train(rank: int, world: int, cfg: TrainConfig | dict) -> dict:
@@ -84,8 +88,13 @@ def train(rank: int, world: int, cfg: TrainConfig | dict) -> dict:
         (xtr, ytr), (xte, yte) = data.load(data.resolve(cfg.data))
     if cfg.train_subset:
         xtr, ytr = xtr[: cfg.train_subset], ytr[: cfg.train_subset]
-    net = models.build(cfg.model)
-    model = DDP(net)
+    device = torch.device("cpu")
+    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+        torch.cuda.set_device(device)
+    net = models.build(cfg.model).to(device)
+    model = DDP(net, broadcast_buffers=cfg.broadcast_buffers,
+                device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr * world, momentum=cfg.momentum,
                           weight_decay=cfg.weight_decay, nesterov=cfg.momentum > 0)
     state = attach(model, cfg.method, opt, **cfg.options)
@@ -110,19 +119,24 @@ def train(rank: int, world: int, cfg: TrainConfig | dict) -> dict:
             xb = xtr[idx]
             if cfg.augment:
                 xb = data.augment(xb, gen)
+            xb, yb = data.normalize(xb).to(device), ytr[idx].to(device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            loss = F.cross_entropy(model(data.normalize(xb)), ytr[idx])
+            loss = F.cross_entropy(model(xb), yb)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             sched.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t0)
             losses.append(loss.item())
             if state is not None:
                 hist.append(state.stats())
             step += 1
         if cfg.eval:
-            curve.append({"step": step, **evaluate(net, xte, yte),
+            curve.append({"step": step, **evaluate(net, xte, yte, device),
                           "train_loss": sum(losses[-steps_per_epoch:]) / len(losses[-steps_per_epoch:])})
     if state is not None and hasattr(state, "flush"):
         state.flush()
@@ -137,13 +151,14 @@ def train(rank: int, world: int, cfg: TrainConfig | dict) -> dict:
 
 
 @torch.no_grad()
-def evaluate(net, x, y, batch=500) -> dict:
+def evaluate(net, x, y, device=torch.device("cpu"), batch=500) -> dict:
     was = net.training
     net.eval()
     correct, loss = 0, 0.0
     for i in range(0, len(x), batch):
-        logits = net(data.normalize(x[i : i + batch]))
-        loss += F.cross_entropy(logits, y[i : i + batch], reduction="sum").item()
-        correct += (logits.argmax(1) == y[i : i + batch]).sum().item()
+        yb = y[i : i + batch].to(device)
+        logits = net(data.normalize(x[i : i + batch]).to(device))
+        loss += F.cross_entropy(logits, yb, reduction="sum").item()
+        correct += (logits.argmax(1) == yb).sum().item()
     net.train(was)
     return {"test_acc": correct / len(x), "test_loss": loss / len(x)}

@@ -135,3 +135,33 @@ def _raise_in_rank(rank, world):
 def test_launcher_reports_a_failing_rank_instead_of_hanging():
     with pytest.raises(RankError, match="boom"):
         spawn(_raise_in_rank, 2, timeout=60, pg_timeout=5)
+
+
+def _dies_mid_training(rank, world, spec):
+    import os
+    import time
+    net = small_net()
+    model = DDP(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gradcomp.register(model, spec, optimizer=opt, min_numel=0)
+    t0 = None
+    try:
+        for step in range(50):
+            if rank == 1 and step == 3:
+                os._exit(17)  # a rank that dies without a word
+            x, y = batch(rank, step)
+            opt.zero_grad()
+            t0 = time.monotonic()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    except RuntimeError as exc:
+        return ("raised", time.monotonic() - t0, str(exc)[:200])
+    return ("finished", None, None)
+
+
+@pytest.mark.parametrize("spec", ["onebit", "powersgd:rank=1"])
+def test_a_dead_rank_makes_the_survivors_fail_not_hang(spec):
+    got = spawn(_dies_mid_training, 2, args=(spec,), timeout=120, pg_timeout=10, allow_fail=True)
+    status, waited, _ = got[0]
+    assert status == "raised" and waited < 60
+    assert isinstance(got[1], RankError)

@@ -67,7 +67,7 @@ class OneBit(Compressor):
         n, chunk = x.numel(), cfg.chunk
         # Each parameter starts a new chunk (padded layout), so no chunk mixes a parameter
         # with its neighbours: one scale pair per chunk of ONE tensor, as Seide's per-column.
-        idx, npad = self._padded_layout(ctx, chunk, x.device)
+        pieces, npad = self._padded_layout(ctx, chunk)
         part = -(-npad // (W * chunk)) * chunk  # elements per rank's part, whole chunks
         lo, hi = r * part, (r + 1) * part
         ef = cfg.error_feedback
@@ -79,25 +79,25 @@ class OneBit(Compressor):
             e1.add_(e2, alpha=W)
             e2.zero_()
         y = torch.zeros(W * part, dtype=torch.float32, device=x.device)
-        y[idx] = x
+        _spread(x, y, pieces)
         res = None
         if ef:
             res = torch.zeros_like(y)
-            res[idx] = e1
+            _spread(e1, res, pieces)
         msg = self._encode_parts(y, res, W, part, chunk)
         if ef:
-            e1.copy_(res[idx])
+            _gather(res, e1, pieces)
         got = ctx.comm.all_to_all(msg)  # (W, part_bytes): every rank's message for my part
         mine = torch.zeros(part, dtype=torch.float32, device=x.device)
         decode_sum(got, chunk, mine, 1.0 / W)
         res2 = None
         if ef:
             e2p = torch.zeros(W * part, dtype=torch.float32, device=x.device)
-            e2p[idx] = e2
+            _spread(e2, e2p, pieces)
             res2 = e2p[lo:hi]
         msg2 = encode(mine, res2, chunk)
         if ef:
-            e2.copy_(e2p[idx])
+            _gather(e2p, e2, pieces)
         allmsg = ctx.comm.allgather(msg2)  # (W, part_bytes)
         # the W parts laid end to end are one message of W * part elements
         nb = part // 8
@@ -106,19 +106,8 @@ class OneBit(Compressor):
         scales = scales.transpose(0, 1).reshape(1, 2, -1)
         out = torch.zeros(W * part, dtype=torch.float32, device=x.device)
         kernels.onebit_decompress(bits, scales, chunk, out)
-        return out[idx]
-
-    def _padded_layout(self, ctx, chunk, device):
-        """(positions of x's elements in the per-parameter padded vector, its length)."""
-        key = (tuple((p.name, p.numel) for p in ctx.params), chunk)
-        hit = self._layouts.get(key)
-        if hit is None:
-            pos, off = [], 0
-            for p in ctx.params:
-                pos.append(torch.arange(off, off + p.numel))
-                off += -(-p.numel // chunk) * chunk
-            hit = self._layouts[key] = (torch.cat(pos), off)
-        return hit[0].to(device), hit[1]
+        _gather(out, x, pieces)
+        return x
 
     @staticmethod
     def _encode_parts(y, res, W, part, chunk):
@@ -127,3 +116,27 @@ class OneBit(Compressor):
         bits = bits.view(W, part // 8)
         scales = scales.view(2, W, part // chunk).transpose(0, 1).reshape(W, -1)
         return torch.cat([bits, scales.contiguous().view(torch.uint8)], dim=1)
+
+    def _padded_layout(self, ctx, chunk):
+        """([(offset in x, offset in the padded vector, numel)] per parameter, padded length)."""
+        key = (tuple((p.name, p.numel) for p in ctx.params), chunk)
+        hit = self._layouts.get(key)
+        if hit is None:
+            pieces, off = [], 0
+            for p in ctx.params:
+                pieces.append((p.offset, off, p.numel))
+                off += -(-p.numel // chunk) * chunk
+            hit = self._layouts[key] = (pieces, off)
+        return hit
+
+
+def _spread(src, dst, pieces):
+    """Copy the flat bucket ``src`` into the padded vector ``dst``, one parameter at a time."""
+    for s, d, n in pieces:
+        dst[d : d + n].copy_(src[s : s + n])
+
+
+def _gather(src, dst, pieces):
+    """Inverse of :func:`_spread`."""
+    for s, d, n in pieces:
+        dst[s : s + n].copy_(src[d : d + n])

@@ -35,19 +35,17 @@ class TernGradConfig(MethodConfig):
         check(self.clip >= 0, "clip", self.clip, "a number >= 0 (0 = off)")
 
 
-def layer_stats(y: torch.Tensor, seg: torch.Tensor, nseg: int, clip: float) -> torch.Tensor:
-    """Clip y in place at clip * sigma per segment; return the per-segment max |y|."""
+def layer_stats(y: torch.Tensor, lengths: torch.Tensor, clip: float) -> torch.Tensor:
+    """Clip y in place at clip * sigma per segment (consecutive runs of ``lengths``); return
+    the per-segment max |y|."""
     if clip:
-        ones = torch.ones_like(y)
-        cnt = torch.zeros(nseg, device=y.device).index_add_(0, seg, ones)
-        s1 = torch.zeros(nseg, device=y.device).index_add_(0, seg, y)
-        s2 = torch.zeros(nseg, device=y.device).index_add_(0, seg, y * y)
-        mean = s1 / cnt
-        sigma = (s2 / cnt - mean * mean).clamp_min(0).sqrt()
-        bound = (clip * sigma)[seg]
+        mean = torch.segment_reduce(y, "mean", lengths=lengths)
+        meansq = torch.segment_reduce(y * y, "mean", lengths=lengths)
+        sigma = (meansq - mean * mean).clamp_min(0).sqrt()
+        bound = torch.repeat_interleave(clip * sigma, lengths, output_size=y.numel())
         torch.minimum(y, bound, out=y)
         torch.maximum(y, -bound, out=y)
-    return torch.zeros(nseg, device=y.device).scatter_reduce_(0, seg, y.abs(), "amax")
+    return torch.segment_reduce(y.abs(), "max", lengths=lengths)
 
 
 @register_method
@@ -63,11 +61,12 @@ class TernGrad(Compressor):
         n = x.numel()
         seg = ctx.segment_ids()
         nseg = len(ctx.params)
+        lengths = torch.tensor([p.numel for p in ctx.params], device=x.device)
         e = ctx.memory("residual") if cfg.error_feedback else None
         if e is not None:
             x.add_(e)
             unclipped = x.clone() if cfg.clip else None
-        scale = layer_stats(x, seg, nseg, cfg.clip)
+        scale = layer_stats(x, lengths, cfg.clip)
         if cfg.share_scalers:
             ctx.comm.allreduce(scale, op="max")
         pad = (-n) % 4

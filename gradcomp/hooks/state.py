@@ -111,6 +111,7 @@ class GradcompState:
         self._layouts: dict[int, tuple] = {}
         self._traffic = Traffic()
         self._raw = 0
+        self._last = None            # (Traffic, raw bytes) of the previous step
         self._logs: dict = {}
         self._pending: list[_Pending] = []   # delayed exchanges, oldest first
         self._params: dict[str, torch.Tensor] = {}
@@ -167,8 +168,9 @@ class GradcompState:
 
     def _reduce(self, buf, params, bucket, param_tensors, step, relayout):
         if bucket == 0:
-            self._traffic.__init__()
-            self._raw = 0
+            self._last = (self._traffic, self._raw)
+            self._traffic, self._raw = Traffic(), 0
+            self._comm.traffic = self._traffic
         self._raw += buf.numel() * buf.element_size()
         x = buf if buf.dtype == torch.float32 else buf.float()
         t0 = time.perf_counter()
@@ -290,12 +292,14 @@ class GradcompState:
         ``wire_bytes`` / ``raw_wire_bytes`` (what ring-style collectives put on this rank's
         link for those two), their ``ratio``, the number of ``collectives``, and the seconds
         spent inside collectives (``comm_s``) and compressing/decompressing (``codec_s``)."""
-        t, W = self._traffic, self.world_size
-        raw_wire = self._raw * 2 * (W - 1) / W
+        # with delay, the current step's exchanges may still run: report the last whole one
+        t, raw = self._last if self.config.delay and self._last else (self._traffic, self._raw)
+        W = self.world_size
+        raw_wire = raw * 2 * (W - 1) / W
         return {
-            "step": self.step, "raw_bytes": self._raw, "sent_bytes": t.sent,
+            "step": self.step, "raw_bytes": raw, "sent_bytes": t.sent,
             "wire_bytes": t.wire, "raw_wire_bytes": raw_wire,
-            "ratio": self._raw / t.sent if t.sent else float("inf"),
+            "ratio": raw / t.sent if t.sent else float("inf"),
             "collectives": t.collectives,
             "comm_s": t.comm_s, "codec_s": t.total_s - t.comm_s,
         }
