@@ -160,41 +160,35 @@ def project(row: dict, bps: float) -> float:
 # --------------------------------------------------------------------------- overlap
 def profile_overlap(rank: int, world: int, method: str, model_name: str, batch: int,
                     steps: int = 4) -> dict:
-    """Profile one training step with torch.profiler: when each bucket's exchange ran
-    (``gradcomp.*`` spans, on the communication thread) against the backward ops."""
+    """Time one training step: when backward computed each bucket's gradients (the hook's
+    call) and when each bucket's exchange ran on the communication thread. Exchange time
+    before the last bucket was handed over ran while backward was still computing."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     import torch.nn.functional as F
     from . import data, models
     from .train import attach
     torch.manual_seed(0)
     net = models.build(model_name)
-    model = DDP(net)
+    model = DDP(net, broadcast_buffers=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    attach(model, method, opt)
+    state = attach(model, method, opt)
     (x, y), _ = data.synthetic(n_train=batch * (steps + 1), n_test=1)
     for s in range(steps + 1):
         xb, yb = data.normalize(x[s * batch:(s + 1) * batch]), y[s * batch:(s + 1) * batch]
-        if s < steps:
-            opt.zero_grad()
-            F.cross_entropy(model(xb), yb).backward()
-            opt.step()
-            continue
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            opt.zero_grad()
-            loss = F.cross_entropy(model(xb), yb)
-            with torch.profiler.record_function("backward_total"):
-                loss.backward()
-            opt.step()
-    events = [e for e in prof.events() if e.name.startswith("gradcomp.") or e.name == "backward_total"
-              or ("Backward" in e.name and e.cpu_parent is None)]
-    t0 = min(e.time_range.start for e in events)
-    spans = [(e.name, (e.time_range.start - t0) / 1e3, (e.time_range.end - t0) / 1e3)
-             for e in events]
-    bwd = [s for s in spans if "Backward" in s[0] and not s[0].startswith("gradcomp.")]
-    comm = sorted(s for s in spans if s[0].startswith("gradcomp."))
-    total = [s for s in spans if s[0] == "backward_total"][0]
-    bwd_end = max([s[2] for s in bwd] or [total[2]])
-    return {"method": method, "backward": (total[1], total[2]), "backward_ops_end": bwd_end,
+        opt.zero_grad()
+        loss = F.cross_entropy(model(xb), yb)
+        if s == steps:
+            state.trace = []
+            t0 = time.perf_counter()
+        loss.backward()
+        t1 = time.perf_counter()
+        opt.step()
+    ev = state.trace
+    state.trace = None
+    ms = lambda t: (t - t0) * 1e3  # noqa: E731
+    compute_end = max(e[3] for e in ev if e[0] == "submit")
+    comm = [(f"bucket{b}", ms(a), ms(z)) for kind, b, a, z in ev if kind == "exchange"]
+    return {"method": method, "backward": (0.0, ms(t1)), "backward_ops_end": ms(compute_end),
             "exchanges": comm,
-            "overlapped_s": sum(max(0.0, min(e, bwd_end) - s) for _, s, e in comm) / 1e3,
-            "exchange_s": sum(e - s for _, s, e in comm) / 1e3}
+            "overlapped_s": sum(max(0.0, min(z, ms(compute_end)) - a) for _, a, z in comm) / 1e3,
+            "exchange_s": sum(z - a for _, a, z in comm) / 1e3}

@@ -97,13 +97,16 @@ def timeline(path, rows: list[dict], size=(1000, 0)):
     d = ImageDraw.Draw(img)
     tmax = max(max([r["backward"][1]] + [e for _, _, e in r["exchanges"]]) for r in rows) or 1.0
     sx = (W - left - 30) / tmax
-    d.text((10, 10), "one training step per method (torch.profiler): grey = backward, "
-           "colour = a bucket's exchange on the communication thread", fill="black")
+    d.text((10, 10), "one backward per method: dark grey = computing gradients, light grey = "
+           "waiting for the last exchanges, colour = each bucket's exchange (comm thread)",
+           fill="black")
     for i, r in enumerate(rows):
         y = top + i * lane
         d.text((10, y + 12), r["method"][:24], fill="black")
         b0, b1 = r["backward"]
-        d.rectangle([left + b0 * sx, y + 4, left + b1 * sx, y + 16], fill=(190, 190, 190))
+        d.rectangle([left + b0 * sx, y + 4, left + b1 * sx, y + 16], fill=(225, 225, 225))
+        d.rectangle([left + b0 * sx, y + 4, left + r["backward_ops_end"] * sx, y + 16],
+                    fill=(150, 150, 150))
         for j, (_, s, e) in enumerate(r["exchanges"]):
             c = COLORS[j % len(COLORS)]
             d.rectangle([left + s * sx, y + 20, left + max(e, s + 0.2) * sx, y + 34], fill=c)

@@ -112,6 +112,7 @@ class GradcompState:
         self._traffic = Traffic()
         self._raw = 0
         self._last = None            # (Traffic, raw bytes) of the previous step
+        self.trace: list | None = None  # set to [] to record (event, bucket, start, end) times
         self._logs: dict = {}
         self._pending: list[_Pending] = []   # delayed exchanges, oldest first
         self._params: dict[str, torch.Tensor] = {}
@@ -204,6 +205,9 @@ class GradcompState:
             self._queue = queue.Queue()
             self._thread = threading.Thread(target=self._worker, name="gradcomp-comm", daemon=True)
             self._thread.start()
+        if self.trace is not None:
+            now = time.perf_counter()
+            self.trace.append(("submit", bucket, now, now))
         D = self.config.delay
         if D == 0:
             fut = torch.futures.Future(devices=[buf.device] if buf.is_cuda else None)
@@ -278,8 +282,11 @@ class GradcompState:
                 if event is not None:
                     torch.cuda.current_stream(buf.device).wait_event(event)
                 local = buf.clone() if delayed else None
+                t0 = time.perf_counter()
                 with torch.profiler.record_function(f"gradcomp.{self.method}.bucket{bucket}"):
                     out = self._reduce(buf, slices, bucket, params, step, relayout)
+                if self.trace is not None:
+                    self.trace.append(("exchange", bucket, t0, time.perf_counter()))
                 fut.set_result(out.sub_(local) if delayed else out)
             except BaseException as exc:  # noqa: BLE001  (handed to DDP, which re-raises)
                 self._error = exc
