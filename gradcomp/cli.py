@@ -18,7 +18,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 DEFAULT_METHODS = ("ddp,noop,allreduce,fp16,torch-powersgd:rank=2,dgc:ratio=0.001,onebit,"
@@ -195,6 +194,7 @@ def ddp_table(rows) -> str:
         v["bytes"] = "stats" if r["bytes_measured"] else "model"
         v["bound_ms"] = r["bound_s"] * 1e3 if "bound_s" in r else None
         v["codec_ms"] = r["codec_s"] * 1e3 if r.get("codec_s") is not None else None
+        v["comm_ms"] = r["comm_s"] * 1e3 if r.get("comm_s") is not None else None
         be = r.get("breakeven_bps")
         v["breakeven"] = None if be is None else ("always" if be == float("inf") else
                                                   "never" if be == 0 else _rate_name(be))
@@ -206,6 +206,7 @@ def ddp_table(rows) -> str:
             ("x_compute", "x compute", ".2f"), ("bound_ms", "bound ms", ".0f"),
             ("x_bound", "x bound", ".2f"), ("wire_MB", "wire MB", ".3f"), ("bytes", "from", ""),
             ("ratio", "ratio", ".0f"), ("codec_ms", "codec ms", ".1f"),
+            ("comm_ms", "in collectives ms", ".1f"),
             ("at1e+08", "@100M ms", ".0f"), ("at1e+09", "@1G ms", ".0f"),
             ("at1e+10", "@10G ms", ".0f"), ("breakeven", "beats ddp below", "")]
     return report.table(view, cols)

@@ -11,6 +11,7 @@ import socket
 import tempfile
 import time
 import traceback
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,8 @@ def _entry(fn, rank, world, addr, port, outdir, args, pg_timeout, threads, env):
                                 timeout=datetime.timedelta(seconds=pg_timeout))
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
+        from .hooks.state import _close_all
+        _close_all()  # communication threads stop before their process groups go
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001  (reported to the parent)
         with open(os.path.join(outdir, f"rank{rank}.err"), "w") as f:
@@ -77,7 +80,13 @@ def spawn(fn, world: int = 2, args: tuple = (), timeout: float = 300, pg_timeout
             if os.path.exists(path):
                 errors[r] = open(path).read()
             elif procs[r].exitcode != 0 and r not in hung:
-                errors[r] = f"rank {r} exited with code {procs[r].exitcode}"
+                if os.path.exists(os.path.join(d, f"rank{r}.pt")):
+                    # the rank finished and saved its result, then died tearing down (seen
+                    # once in ~50 runs: gloo aborting at exit); the result stands, loudly
+                    warnings.warn(f"rank {r} exited with code {procs[r].exitcode} after "
+                                  f"saving its result", RuntimeWarning)
+                else:
+                    errors[r] = f"rank {r} exited with code {procs[r].exitcode}"
         if hung and not allow_fail:
             raise RankError(f"ranks {hung} still running after {timeout}s; killed", errors)
         if errors and not allow_fail:

@@ -9,7 +9,7 @@ import gradcomp
 from gradcomp import data
 from gradcomp.launch import spawn
 from gradcomp.train import train
-from test_distributed import batch, small_net
+from test_distributed import _train_pair, batch, small_net
 
 LR = 0.05
 
@@ -53,24 +53,9 @@ def test_after_flush_the_updates_sum_to_the_averages(spec):
         torch.testing.assert_close(a, expect, atol=1e-5, rtol=1e-4)
 
 
-def _pair(rank, world, steps):
-    out = []
-    for spec in ("allreduce", "allreduce:delay=0"):
-        net = small_net()
-        model = DDP(net, bucket_cap_mb=0.004)
-        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-        gradcomp.register(model, spec, optimizer=opt, min_numel=0)
-        for step in range(steps):
-            x, y = batch(rank, step)
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-        out.append([p.detach().clone() for p in net.parameters()])
-    return out
-
-
 def test_delay_zero_is_bit_identical_to_synchronous():
-    a, b = spawn(_pair, 2, args=(4,))[0]
+    a, b = spawn(_train_pair, 2, args=("allreduce:delay=0", {"lr": LR, "momentum": 0.9}, 4,
+                                       "allreduce"))[0]
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 

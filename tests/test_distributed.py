@@ -20,10 +20,11 @@ def batch(rank, step):
     return torch.randn(16, 20, generator=g), torch.randint(0, 10, (16,), generator=g)
 
 
-def _train_pair(rank, world, spec, sgd, steps):
-    """Train plain DDP and DDP + gradcomp side by side from one init; return both params."""
+def _train_pair(rank, world, spec, sgd, steps, baseline=None):
+    """Train ``baseline`` (None: plain DDP) and DDP + ``spec`` side by side from one init;
+    return both models' parameters."""
     out = []
-    for use in (None, spec):
+    for use in (baseline, spec):
         net = small_net()
         # tiny buckets: several per step, and DDP rebuilds them after the first iteration
         model = DDP(net, bucket_cap_mb=0.004)

@@ -20,8 +20,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
 from ..config import MethodConfig, check
 from .base import Compressor, register_method
 from .topk import exchange_sparse, sparse_select

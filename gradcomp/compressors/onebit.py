@@ -64,7 +64,7 @@ class OneBit(Compressor):
         if self.small(x):
             return self.dense(x, ctx)
         cfg, W, r = self.config, ctx.comm.world_size, ctx.comm.rank
-        n, chunk = x.numel(), cfg.chunk
+        chunk = cfg.chunk
         # Each parameter starts a new chunk (padded layout), so no chunk mixes a parameter
         # with its neighbours: one scale pair per chunk of ONE tensor, as Seide's per-column.
         pieces, npad = self._padded_layout(ctx, chunk)

@@ -10,11 +10,13 @@ the hook itself returns a future at once: backward never waits on the network.
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import queue
 import threading
 import time
+import weakref
 from typing import Sequence
 
 import torch
@@ -26,6 +28,13 @@ from ..config import MethodConfig
 from ..memory import ParamMemory
 
 _MIX = 0x9E3779B97F4A7C15
+_LIVE: "weakref.WeakSet[GradcompState]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for state in list(_LIVE):
+        state.close()
 
 
 def _mix(*parts: int) -> int:
@@ -205,6 +214,7 @@ class GradcompState:
             self._queue = queue.Queue()
             self._thread = threading.Thread(target=self._worker, name="gradcomp-comm", daemon=True)
             self._thread.start()
+            _LIVE.add(self)
         if self.trace is not None:
             now = time.perf_counter()
             self.trace.append(("submit", bucket, now, now))
@@ -272,9 +282,23 @@ class GradcompState:
                 p.grad = c.to(p.dtype).reshape(p.shape).clone()
         return total
 
+    def close(self) -> None:
+        """Stop the communication thread (after the exchanges queued so far). Called at
+        interpreter exit for every state, so no thread still holds the process group while
+        it is destroyed; a later exchange starts a new thread."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=30)
+            self._thread = None
+        self.group = None
+        self._comm.group = None
+
     def _worker(self):
         while True:
-            bucket, buf, slices, params, step, relayout, event, fut, delayed = self._queue.get()
+            job = self._queue.get()
+            if job is None:
+                return
+            bucket, buf, slices, params, step, relayout, event, fut, delayed = job
             if self._error is not None:
                 fut.set_exception(RuntimeError(f"gradcomp: an earlier exchange failed: {self._error}"))
                 continue
