@@ -190,7 +190,6 @@ def run(sizes=(1 << 20, 25_000_000), device=None, repeats: int = 20) -> list[dic
             lambda: sparse_select(x, DGC_RATIO, DGC_SAMPLE_RATIO, seed=0), copy_med)
         row("dgc_select", n, "torch.topk", "torch", nbytes,
             lambda: torch.topk(x.abs(), k, sorted=False), copy_med)
-        del x
     return rows
 
 

@@ -68,6 +68,10 @@ class ParamMemory:
             out.update(d)
         return out
 
+    def slots(self) -> list[str]:
+        """Names of the flat memory slots in use (e.g. ``residual``, ``velocity``)."""
+        return [s for s, d in self._views.items() if d]
+
     def norm(self, slot: str) -> torch.Tensor | None:
         d = self._views.get(slot)
         if not d:

@@ -56,3 +56,34 @@ def test_ddp_modes_match_plain_ddp(spec, mode):
     assert counted == 4  # optimizer steps, not backward calls
     for a, b in zip(ref, got):
         assert torch.equal(a, b)
+
+
+def _logged(rank, world, log_dir):
+    net = Branchy()
+    model = DDP(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = gradcomp.register(model, "dgc:ratio=0.1,warmup_steps=3", optimizer=opt, min_numel=0,
+                              log_dir=log_dir)
+    for step in range(5):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x, 1), y).backward()
+        opt.step()
+    if state._writer is not None:
+        state._writer.close()
+    return state._writer is not None
+
+
+def test_tensorboard_scalars_on_rank_zero(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    attached = spawn(_logged, 2, args=(str(tmp_path),))
+    assert attached == [True, False]  # rank 0 only
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"gradcomp/compression_ratio", "gradcomp/wire_bytes", "gradcomp/accumulation_norm",
+            "gradcomp/velocity_norm", "gradcomp/sparsity"} <= tags
+    sparsity = [e.value for e in acc.Scalars("gradcomp/sparsity")]
+    assert len(sparsity) == 4 and sparsity == sorted(sparsity)  # warm-up: sparsity rises
+    ratio = acc.Scalars("gradcomp/compression_ratio")[-1].value
+    assert 3 < ratio < 6  # ratio 0.1 sends value + index: 5x

@@ -82,12 +82,13 @@ def take_momentum(optimizer, options: dict) -> dict:
 
 
 def register(model: DistributedDataParallel, method: str, *, optimizer=None,
-             process_group=None, **options) -> GradcompState:
+             process_group=None, log_dir=None, log_all_ranks=False, **options) -> GradcompState:
     """Register a gradcomp communication hook on a DDP model and return its state.
 
     ``method`` is a name or spec (``"powersgd:rank=2"``); ``options`` are the method's
     options (``gradcomp.methods()`` lists them). ``optimizer`` is required for ``dgc``, which
-    takes over the optimizer's momentum. Must be called on every rank (it is collective):
+    takes over the optimizer's momentum. ``log_dir``: TensorBoard scalars per step (rank 0
+    only unless ``log_all_ranks``). Must be called on every rank (it is collective):
     ranks that registered different methods or options all raise ValueError.
 
     Example::
@@ -120,6 +121,9 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None,
         detail = "; ".join(f"rank {r}: {d[1]} {d[2]}" for r, d in zip(ranks, digests))
         raise ValueError(f"ranks registered different gradcomp methods or options: {detail}")
     model.register_comm_hook(state, hook)
+    if log_dir is not None and (log_all_ranks or dist.get_rank(group) == 0):
+        from torch.utils.tensorboard import SummaryWriter
+        state.attach(SummaryWriter(log_dir))
     return state
 
 

@@ -122,6 +122,7 @@ class GradcompState:
         self._raw = 0
         self._last = None            # (Traffic, raw bytes) of the previous step
         self.trace: list | None = None  # set to [] to record (event, bucket, start, end) times
+        self._writer = None
         self._logs: dict = {}
         self._pending: list[_Pending] = []   # delayed exchanges, oldest first
         self._params: dict[str, torch.Tensor] = {}
@@ -137,13 +138,14 @@ class GradcompState:
     def __getstate__(self):
         d = self.__dict__.copy()
         self.drain()
-        for k in ("group", "_comm", "_queue", "_thread", "_error", "_param_names", "_params"):
+        for k in ("group", "_comm", "_queue", "_thread", "_error", "_param_names", "_params",
+                  "_writer"):
             d.pop(k, None)
         return d
 
     def __setstate__(self, d):
         self.__dict__.update(d)
-        self.group, self._param_names, self._params = None, {}, {}
+        self.group, self._param_names, self._params, self._writer = None, {}, {}, None
         self._setup_runtime()
 
     @property
@@ -178,6 +180,8 @@ class GradcompState:
 
     def _reduce(self, buf, params, bucket, param_tensors, step, relayout):
         if bucket == 0:
+            if self._writer is not None and self._raw:
+                self._write_scalars(step - 1)
             self._last = (self._traffic, self._raw)
             self._traffic, self._raw = Traffic(), 0
             self._comm.traffic = self._traffic
@@ -317,6 +321,24 @@ class GradcompState:
                 fut.set_exception(exc)
 
     # ------------------------------------------------------------------ reporting
+    def attach(self, writer) -> None:
+        """Log per-step scalars to a TensorBoard ``SummaryWriter`` (or anything with
+        ``add_scalar``): compression ratio, wire bytes, the norm of each memory slot (residuals,
+        velocities) and what the method
+        records (DGC's sparsity). Written from the communication thread when the next step
+        starts; nothing is computed while no writer is attached."""
+        self._writer = writer
+
+    def _write_scalars(self, step: int) -> None:
+        w, t = self._writer, self._traffic
+        w.add_scalar("gradcomp/compression_ratio", self._raw / t.sent if t.sent else 0.0, step)
+        w.add_scalar("gradcomp/wire_bytes", t.wire, step)
+        w.add_scalar("gradcomp/sent_bytes", t.sent, step)
+        for slot in self.memory.slots():
+            w.add_scalar(f"gradcomp/{slot}_norm", float(self.memory.norm(slot)), step)
+        for key, value in self._logs.items():
+            w.add_scalar(f"gradcomp/{key}", float(value), step)
+
     def stats(self) -> dict:
         """Bytes of the latest step: ``raw_bytes`` (the gradients' own size, what a plain
         allreduce hands over), ``sent_bytes`` (the messages this rank handed to collectives),
