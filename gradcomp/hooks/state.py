@@ -77,6 +77,15 @@ class _Ctx:
         self.state._logs[key] = value
 
 
+def _slices(named) -> list[ParamSlice]:
+    """Flat layout of (name, tensor) pairs laid end to end."""
+    out, off = [], 0
+    for name, t in named:
+        out.append(ParamSlice(name, tuple(t.shape), off, t.numel()))
+        off += t.numel()
+    return out
+
+
 class _Pending:
     """One delayed exchange: its step, the layout it was sent in, and its correction."""
 
@@ -86,12 +95,16 @@ class _Pending:
     def wait(self) -> torch.Tensor:
         return self.job.wait()
 
+    def owed(self):
+        """(name, correction) for each parameter whose correction is not yet applied."""
+        corr = self.wait()
+        for s in self.slices:
+            if s.name not in self.taken:
+                yield s.name, corr[s.offset : s.offset + s.numel]
+
     @classmethod
     def done(cls, step: int, corrections: dict) -> "_Pending":
-        slices, off = [], 0
-        for name, c in corrections.items():
-            slices.append(ParamSlice(name, tuple(c.shape), off, c.numel()))
-            off += c.numel()
+        slices = _slices(corrections.items())
         fut = torch.futures.Future()
         fut.set_result(torch.cat([c.reshape(-1) for c in corrections.values()])
                        if corrections else torch.zeros(0))
@@ -205,10 +218,7 @@ class GradcompState:
                 raise RuntimeError("a bucket holds a parameter the state does not know; "
                                    "register the state on the model it was built for")
             names.append(name)
-        slices, off = [], 0
-        for name, p in zip(names, params):
-            slices.append(ParamSlice(name, tuple(p.shape), off, p.numel()))
-            off += p.numel()
+        slices = _slices(zip(names, params))
         step, relayout = self._begin(bucket, names)
         event = None
         if buf.is_cuda:
@@ -273,12 +283,8 @@ class GradcompState:
         corrections by parameter name. A no-op without delay."""
         total: dict[str, torch.Tensor] = {}
         for e in self._pending:
-            corr = e.wait()
-            for s in e.slices:
-                if s.name in e.taken:
-                    continue
-                c = corr[s.offset : s.offset + s.numel]
-                total[s.name] = total[s.name] + c if s.name in total else c.clone()
+            for name, c in e.owed():
+                total[name] = total[name] + c if name in total else c.clone()
         self._pending = []
         for name, c in total.items():
             p = self._params.get(name)
@@ -361,12 +367,8 @@ class GradcompState:
     def state_dict(self) -> dict:
         """Everything needed to resume exactly: memory by parameter name, the step counter and
         the delayed exchanges still to be applied (waited for first)."""
-        pending = []
-        for e in self._pending:
-            corr = e.wait()
-            pending.append({"step": e.step, "corrections": {
-                s.name: corr[s.offset : s.offset + s.numel].clone()
-                for s in e.slices if s.name not in e.taken}})
+        pending = [{"step": e.step, "corrections": {n: c.clone() for n, c in e.owed()}}
+                   for e in self._pending]
         return {"method": self.method, "config": self.config.to_dict(), "world_size": self.world_size,
                 "step": self.step, "memory": self.memory.state_dict(), "pending": pending}
 
