@@ -81,11 +81,13 @@ def test_stats_count_the_bytes_of_the_tensors_sent():
     x = torch.randn(n)
     expect = {
         "allreduce": 4 * n,
-        "topk:ratio=0.05": 8 * math.ceil(0.05 * n),                           # values + int32 idx
-        # 2 phases; each parameter starts a new chunk
+        # values + int32 indices, k per parameter
+        "topk:ratio=0.05": 8 * sum(math.ceil(0.05 * p.numel) for p in params),
+        # 2 phases; each parameter starts a new chunk (world size 1: one part)
         "onebit:chunk=64": 2 * sum(math.ceil(p.numel / 64) * (8 + 8) for p in params),
-        "terngrad": 4 * len(params) + math.ceil(n / 4),                       # scalers + 2 bits
-        "terngrad:share_scalers=false": math.ceil(n / 4) + 4 * len(params),
+        # scalers + 2 bits per element, each parameter padded to whole bytes
+        "terngrad": 4 * len(params) + sum(math.ceil(p.numel / 4) for p in params),
+        "terngrad:share_scalers=false": 4 * len(params) + sum(math.ceil(p.numel / 4) for p in params),
         "powersgd:rank=2": 4 * ((48 + 40) * 2 + (16 + 72) * 2 + 48),         # P + bias, then Q
     }
     for spec, nbytes in expect.items():

@@ -5,6 +5,12 @@ A method is a frozen config dataclass plus a :class:`Compressor` whose one job i
 over ranks, moving compressed messages through ``ctx.comm``. Persistent per-parameter state
 (residuals, velocities, low-rank factors) lives in ``ctx``, owned by the hook state, so the
 compressor itself is stateless apart from its config and a new method is one small file.
+
+One rule every method keeps: the result for a parameter depends on that parameter alone,
+never on which other parameters share its bucket (thresholds, scales, random streams and
+ownership are all per parameter). DDP lays buckets out differently on its first iteration
+than after its rebuild, so a job resumed from a checkpoint sees other buckets at its first
+step than the uninterrupted job did; this rule is what makes the resumed job bit-exact.
 """
 from __future__ import annotations
 
@@ -43,7 +49,6 @@ class BucketContext(Protocol):
     comm: Comm
     step: int                 # optimizer steps completed before this one
     params: list[ParamSlice]  # layout of x
-    relayout: bool            # True on the first step with this bucket's current layout
 
     def memory(self, slot: str) -> torch.Tensor:
         """Persistent fp32 flat buffer laid out like x, zero at first use, kept per parameter."""
@@ -57,8 +62,8 @@ class BucketContext(Protocol):
     def param_values(self) -> torch.Tensor:
         """The parameters themselves, flat fp32 in x's layout."""
 
-    def seed(self, stream: int) -> int:
-        """A seed for this (step, bucket, rank, stream): reproducible, distinct per rank."""
+    def seed(self, stream: int, name: str) -> int:
+        """A seed for this (step, parameter, rank, stream): reproducible, distinct per rank."""
 
     def log(self, key: str, value) -> None:
         """Record a per-step scalar (a 0-d tensor is fine: no host sync here)."""
@@ -88,8 +93,34 @@ class Compressor(ABC):
         """Plain fp32 allreduce average: small buckets and degenerate settings."""
         return ctx.comm.allreduce(x).div_(ctx.comm.world_size)
 
-    def small(self, x: torch.Tensor) -> bool:
-        return x.numel() < self.config.min_numel
+    def split(self, params) -> tuple[list[ParamSlice], list[ParamSlice]]:
+        """(compressed, sent dense): parameters below ``min_numel`` elements go uncompressed."""
+        big = [p for p in params if p.numel >= self.config.min_numel]
+        return big, [p for p in params if p.numel < self.config.min_numel]
+
+
+def dense_values(x: torch.Tensor, params) -> torch.Tensor:
+    """The elements of ``params`` in x, laid end to end (to ride along in a message)."""
+    if not params:
+        return x.new_zeros(0)
+    return torch.cat([x[p.offset : p.offset + p.numel] for p in params])
+
+
+def put_dense(rows: torch.Tensor, params, out: torch.Tensor) -> None:
+    """out[param] = (sum over ranks of rows (W, m)) / W for the ``params`` packed by
+    :func:`dense_values`: the same arithmetic as :meth:`Compressor.dense`, so a parameter's
+    result does not depend on whether its bucket went dense as a whole. ``rows`` may be the
+    raw bytes of a uint8 message."""
+    if not params:
+        return
+    rows = rows.contiguous().view(torch.float32)
+    total = rows[0].clone()
+    for r in rows[1:]:
+        total += r
+    off = 0
+    for p in params:
+        torch.div(total[off : off + p.numel], rows.shape[0], out=out[p.offset : p.offset + p.numel])
+        off += p.numel
 
 
 @dataclass(frozen=True)

@@ -5,15 +5,17 @@ Momentum moves from the optimizer into the hook (momentum correction), so the op
 be plain SGD: :func:`gradcomp.register` takes the optimizer and moves its momentum, Nesterov
 flag and weight decay here, so momentum can never be applied twice.
 
-Algorithm, per bucket and step (velocity u, accumulation v, both fp32 per parameter):
-  1. g += weight_decay * w; optionally clip g to clip / sqrt(W) in L2 norm (local clipping).
+Algorithm, per parameter and step (velocity u, accumulation v, both fp32 per parameter):
+  1. g += weight_decay * w; optionally clip each parameter's g to clip / sqrt(W) in L2 norm
+     (local clipping; per parameter, so it does not depend on the bucket layout).
   2. u = m u + g;  v = v + u            (Nesterov: v = v + g + m u)
   3. Sparsity warm-up: the sent fraction falls exponentially from ``warmup_ratio`` to
      ``ratio`` over ``warmup_steps`` optimizer steps.
-  4. Select the top-k of |v| (sampled threshold, bounded exact correction: see topk.py).
+  4. Select the top-k of each parameter's |v| (sampled threshold, bounded exact correction:
+     see topk.py). Parameters below ``min_numel`` elements are sent whole: v stays 0.
   5. v[idx] = 0; momentum factor masking: u[idx] = 0.
-  6. Allgather (values, int32 indices), scatter-add, divide by W. The optimizer then does
-     w -= lr * result.
+  6. Allgather (values, int32 indices, dense values), scatter-add, divide by W. The
+     optimizer then does w -= lr * result.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 from ..config import MethodConfig, check
 from .base import Compressor, register_method
-from .topk import exchange_sparse, sparse_select
+from .topk import exchange_sparse, select, zero_dense
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,9 @@ class DGC(Compressor):
             x.add_(ctx.param_values(), alpha=cfg.weight_decay)
         if cfg.clip:
             limit = cfg.clip / math.sqrt(ctx.comm.world_size)
-            x.mul_((limit / (x.norm() + 1e-12)).clamp_(max=1.0))
+            for p in ctx.params:
+                g = x[p.offset : p.offset + p.numel]
+                g.mul_((limit / (g.norm() + 1e-12)).clamp_(max=1.0))
         if cfg.momentum:
             u = ctx.memory("velocity")
             u.mul_(cfg.momentum).add_(x)
@@ -80,18 +84,20 @@ class DGC(Compressor):
                 x.add_(u, alpha=cfg.momentum)
             else:
                 x.copy_(u)
-        if self.small(x):  # everything sent: nothing accumulates, u keeps its momentum
+        big, dense = self.split(ctx.params)
+        if not big:  # everything sent: nothing accumulates, u keeps its momentum
             return self.dense(x, ctx)
         if cfg.error_feedback:
             v = ctx.memory("accumulation")
             x.add_(v)
         ratio = cfg.ratio_at(ctx.step)
         ctx.log("sparsity", 1.0 - ratio)
-        vals, idx = sparse_select(x, ratio, cfg.sample_ratio, ctx.seed(0))
+        vals, idx = select(x, big, ctx, ratio, cfg.sample_ratio)
         idx_l = idx.long()
         if cfg.error_feedback:
             v.copy_(x).index_put_((idx_l,), -vals, accumulate=True)
+            zero_dense(v, dense)
         if cfg.momentum and cfg.masking:
-            # padding slots carry value 0 and index 0: they must not mask u[0]
+            # padding slots carry value 0: they must not mask anything
             u.index_put_((idx_l,), -u[idx_l] * (vals != 0), accumulate=True)
-        return exchange_sparse(vals, idx, x.numel(), ctx)
+        return exchange_sparse(vals, idx, x, dense, ctx)

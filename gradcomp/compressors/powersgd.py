@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import MethodConfig, check
-from .base import Compressor, name_seed, register_method
+from .base import Compressor, dense_values, name_seed, register_method
 
 
 @dataclass(frozen=True)
@@ -66,29 +66,30 @@ class PowerSGD(Compressor):
         if cfg.error_feedback:
             e = ctx.memory("residual")
             x.add_(e)
+        # Matrices are copied out of the bucket: BLAS results can depend on a buffer's
+        # alignment, and a view's alignment depends on the bucket layout (see base.py).
         Ms, Qs = [], []
         for p, n, m, r in mats:
-            Ms.append(x[p.offset : p.offset + p.numel].view(n, m))
+            Ms.append(x[p.offset : p.offset + p.numel].view(n, m).clone())
             Qs.append(ctx.tensor("q", p.name, lambda p=p, m=m, r=r: _init_q(cfg.seed, p.name, m, r, x.device)))
         # 1st collective: every P and every uncompressed tensor together
-        sizes = [n * r for _, n, _, r in mats] + [p.numel for p in dense]
-        buf = torch.empty(sum(sizes), dtype=torch.float32, device=x.device)
-        chunks = list(buf.split(sizes))
-        for M, Q, out in zip(Ms, Qs, chunks):
-            torch.matmul(M, Q, out=out.view(M.shape[0], Q.shape[1]))
-        for p, out in zip(dense, chunks[len(mats):]):
-            out.copy_(x[p.offset : p.offset + p.numel])
+        Ps = [M @ Q for M, Q in zip(Ms, Qs)]
+        buf = torch.cat([P.reshape(-1) for P in Ps] + [dense_values(x, dense)])
         ctx.comm.allreduce(buf)
-        Ps = [_orthonormal(c.view(M.shape[0], Q.shape[1])) for M, Q, c in zip(Ms, Qs, chunks)]
+        sizes = [P.numel() for P in Ps]
+        Ps = [_orthonormal(c.view(P.shape).clone()) for P, c in zip(Ps, buf[: sum(sizes)].split(sizes))]
         # 2nd collective: every Q
         qbuf = torch.cat([(M.t() @ P).reshape(-1) for M, P in zip(Ms, Ps)])
         ctx.comm.allreduce(qbuf)
         out = x.clone() if cfg.error_feedback else x
         for (p, n, m, r), P, Qnew, Q in zip(mats, Ps, qbuf.split([m * r for _, _, m, r in mats]), Qs):
             Q.copy_(Qnew.view(m, r))
-            torch.matmul(P, Q.t(), out=out[p.offset : p.offset + p.numel].view(n, m)).div_(W)
-        for p, c in zip(dense, chunks[len(mats):]):
-            out[p.offset : p.offset + p.numel].copy_(c).div_(W)
+            out[p.offset : p.offset + p.numel] = (P @ Q.t()).div_(W).view(-1)
+        dense_sum = buf[sum(sizes):]
+        off = 0
+        for p in dense:
+            out[p.offset : p.offset + p.numel] = dense_sum[off : off + p.numel] / W
+            off += p.numel
         if cfg.error_feedback:
             torch.sub(x, out, out=e)
             for p in dense:  # sent exactly: no error

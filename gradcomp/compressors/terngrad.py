@@ -1,14 +1,17 @@
 """TernGrad (Wen et al., "TernGrad: Ternary Gradients to Reduce Communication in Distributed
 Deep Learning", NeurIPS 2017, arXiv:1705.07878).
 
-Algorithm, per bucket and step, per layer (parameter) l:
+Algorithm, per step, per layer (parameter) l of at least ``min_numel`` elements (smaller
+ones go dense):
   1. y = g (+ e when error_feedback; the paper has none, we default to it since clipping
      biases the estimate and feedback removes that bias over steps).
   2. Clip y_l to [-c sigma_l, c sigma_l] (sigma_l: standard deviation of y_l; c = ``clip``).
   3. Scaler s_l = max |y_l|; with ``share_scalers`` every rank uses the maximum over ranks
      (one small allreduce), as in the paper's scaler sharing.
-  4. q = sign(y) * Bernoulli(|y| / s): E[s q] = y (unbiased). Two bits per element.
-  5. Allgather the packed codes (and scalers when not shared); decode s * q; average.
+  4. q = sign(y) * Bernoulli(|y| / s): E[s q] = y (unbiased). Two bits per element; each
+     layer draws its own random stream, so its codes do not depend on its bucket.
+  5. Allgather the packed codes (and scalers when not shared, and the dense layers' values);
+     decode s * q; average.
 Each rank sends n/4 bytes (+4 bytes per layer): 16x less than fp32, but allgather means
 every rank receives (W-1) * n/4 bytes, so the saving shrinks as W grows past 8 or so.
 """
@@ -20,7 +23,7 @@ import torch
 
 from .. import kernels
 from ..config import MethodConfig, check
-from .base import Compressor, register_method
+from .base import Compressor, dense_values, put_dense, register_method
 
 
 @dataclass(frozen=True)
@@ -54,36 +57,76 @@ class TernGrad(Compressor):
     name = "terngrad"
     description = "TernGrad: unbiased stochastic ternary {-1,0,+1} x per-layer scaler, 2 bits"
 
+    def __init__(self, config):
+        super().__init__(config)
+        self._layouts = {}
+
     def reduce(self, x, ctx):
-        if self.small(x):
+        big, dense = self.split(ctx.params)
+        if not big:
             return self.dense(x, ctx)
         cfg, W = self.config, ctx.comm.world_size
-        n = x.numel()
-        seg = ctx.segment_ids()
-        nseg = len(ctx.params)
-        lengths = torch.tensor([p.numel for p in ctx.params], device=x.device)
+        pieces, npad, lengths, seg = self._layout(big, x.device)
+        y = _spread(x, pieces, npad)
         e = ctx.memory("residual") if cfg.error_feedback else None
+        res = None
         if e is not None:
-            x.add_(e)
-            unclipped = x.clone() if cfg.clip else None
-        scale = layer_stats(x, lengths, cfg.clip)
+            res = _spread(e, pieces, npad)
+            y.add_(res)
+            unclipped = y.clone() if cfg.clip else None
+        scale = layer_stats(y, lengths, cfg.clip)
         if cfg.share_scalers:
             ctx.comm.allreduce(scale, op="max")
-        pad = (-n) % 4
-        y = torch.cat([x, x.new_zeros(pad)]) if pad else x
-        segp = torch.cat([seg, seg.new_zeros(pad)]) if pad else seg
-        res = torch.zeros_like(y) if e is not None else None
-        packed = kernels.ternary_compress(y, res, scale, segp, ctx.seed(0))
-        if e is not None:
-            e.copy_(res[:n])
-            if unclipped is not None:  # what clipping removed is fed back too
-                e.add_(unclipped).sub_(x)
-        out = torch.zeros(n, dtype=torch.float32, device=x.device)
+        packed = torch.empty(npad // 4, dtype=torch.uint8, device=x.device)
+        zeros = seg.new_zeros(max(at_m[3] for at_m in pieces))
+        for i, ((off, n, at, m), p) in enumerate(zip(pieces, big)):
+            r = res[at : at + m].zero_() if res is not None else None
+            packed[at // 4 : (at + m) // 4] = kernels.ternary_compress(
+                y[at : at + m], r, scale[i : i + 1], zeros[:m], ctx.seed(0, p.name))
+        if res is not None:
+            if cfg.clip:  # what clipping removed is fed back too
+                res.add_(unclipped).sub_(y)
+            _gather(res, e, pieces)
+        tail = dense_values(x, dense).view(torch.uint8)
         if cfg.share_scalers:
-            codes = ctx.comm.allgather(packed)
-            scales = scale.expand(W, nseg)
+            got = ctx.comm.allgather(torch.cat([packed, tail]))
+            scales = scale.expand(W, len(big))
         else:
-            got = ctx.comm.allgather(torch.cat([packed, scale.view(torch.uint8)]))
-            codes = got[:, : packed.numel()].contiguous()
-            scales = got[:, packed.numel():].contiguous().view(torch.float32)
-        return kernels.ternary_decompress(codes, scales, seg, out, 1.0 / W)
+            got = ctx.comm.allgather(torch.cat([packed, scale.view(torch.uint8), tail]))
+            scales = got[:, packed.numel() : packed.numel() + 4 * len(big)].contiguous()
+            scales = scales.view(torch.float32)
+        full = torch.zeros(npad, dtype=torch.float32, device=x.device)
+        kernels.ternary_decompress(got[:, : packed.numel()].contiguous(), scales, seg, full, 1.0 / W)
+        out = torch.empty_like(x)
+        _gather(full, out, pieces)
+        put_dense(got[:, got.shape[1] - tail.numel() :], dense, out)
+        return out
+
+    def _layout(self, params, device):
+        """Each layer padded to whole bytes of codes (a multiple of 4 elements): pieces
+        [(offset in x, numel, offset padded, padded numel)], padded length, the padded
+        lengths and the segment id of every padded element."""
+        key = (tuple((p.name, p.offset, p.numel) for p in params), str(device))
+        hit = self._layouts.get(key)
+        if hit is None:
+            pieces, at = [], 0
+            for p in params:
+                m = -(-p.numel // 4) * 4
+                pieces.append((p.offset, p.numel, at, m))
+                at += m
+            lengths = torch.tensor([m for *_, m in pieces], device=device)
+            seg = torch.repeat_interleave(torch.arange(len(pieces), device=device), lengths)
+            hit = self._layouts[key] = (pieces, at, lengths, seg)
+        return hit
+
+
+def _spread(src, pieces, npad):
+    dst = torch.zeros(npad, dtype=torch.float32, device=src.device)
+    for off, n, at, _ in pieces:
+        dst[at : at + n] = src[off : off + n]
+    return dst
+
+
+def _gather(src, dst, pieces):
+    for off, n, at, _ in pieces:
+        dst[off : off + n] = src[at : at + n]

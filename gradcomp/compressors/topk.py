@@ -2,13 +2,16 @@
 NeurIPS 2018; Aji & Heafield, "Sparse Communication for Distributed Gradient Descent",
 EMNLP 2017).
 
-Algorithm, per bucket and step:
+Algorithm, per parameter and step (parameters below ``min_numel`` elements go dense):
   1. y = g + e (error feedback).
   2. Estimate the magnitude threshold of the k = ceil(ratio * n) largest |y| from a random
-     sample of ``sample_ratio * n`` elements (no sort of the bucket).
+     sample of ``sample_ratio * n`` elements (no sort of the tensor).
   3. Compact up to 2k candidates at or above it, take the exact top k of those.
-  4. e = y - sent; allgather (values, int32 indices) from every rank; scatter-add; divide.
+  4. e = y - sent. One allgather per bucket carries every parameter's (values, int32
+     indices) and the dense parameters' values; scatter-add; divide by W.
 Each rank sends 8k bytes; every rank receives 8k(W-1): it pays when ratio < 1/(2W).
+Selection is per parameter (as in the DGC authors' code), so a tensor's share of the message
+does not depend on which neighbours DDP put in its bucket.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import torch
 
 from .. import kernels
 from ..config import MethodConfig, check
-from .base import Compressor, register_method
+from .base import Compressor, dense_values, put_dense, register_method
 
 # Candidate buffer = CAPACITY_FACTOR * k; the sampled threshold targets TARGET_FACTOR * k so
 # that the count that passes (about 1.5k +- a few sqrt(k)) rarely overflows the buffer.
@@ -60,14 +63,35 @@ def sparse_select(y: torch.Tensor, ratio: float, sample_ratio: float, seed: int)
     return kernels.select_topk(y, thr, k, capacity)
 
 
-def exchange_sparse(values: torch.Tensor, indices: torch.Tensor, n: int, ctx) -> torch.Tensor:
-    """Allgather every rank's (values, indices) as one fp32 message; return the dense average."""
-    msg = torch.cat([values, indices.view(torch.float32)])
-    got = ctx.comm.allgather(msg)  # (W, 2k)
+def select(x: torch.Tensor, params, ctx, ratio: float, sample_ratio: float):
+    """Per-parameter top-k of the bucket x: (values, int32 indices into x) for ``params``."""
+    vals, idxs = [], []
+    for p in params:
+        v, i = sparse_select(x[p.offset : p.offset + p.numel], ratio, sample_ratio,
+                             ctx.seed(0, p.name))
+        vals.append(v)
+        idxs.append(i.add_(p.offset))  # padding slots carry value 0: harmless anywhere
+    return torch.cat(vals), torch.cat(idxs)
+
+
+def exchange_sparse(values: torch.Tensor, indices: torch.Tensor, x: torch.Tensor, dense,
+                    ctx) -> torch.Tensor:
+    """Allgather every rank's (values, indices) and the ``dense`` parameters' values of x as
+    one fp32 message; return the dense average."""
     k = values.numel()
-    out = torch.zeros(n, dtype=torch.float32, device=values.device)
-    kernels.scatter_add(got[:, :k].contiguous(), got[:, k:].contiguous().view(torch.int32), out)
-    return out.div_(ctx.comm.world_size)
+    msg = torch.cat([values, indices.view(torch.float32), dense_values(x, dense)])
+    got = ctx.comm.allgather(msg)  # (W, 2k + dense)
+    out = torch.zeros(x.numel(), dtype=torch.float32, device=values.device)
+    kernels.scatter_add(got[:, :k].contiguous(), got[:, k : 2 * k].contiguous().view(torch.int32), out)
+    out.div_(ctx.comm.world_size)
+    put_dense(got[:, 2 * k :], dense, out)
+    return out
+
+
+def zero_dense(e: torch.Tensor, dense) -> None:
+    """Dense parameters are sent exactly: no error to keep."""
+    for p in dense:
+        e[p.offset : p.offset + p.numel].zero_()
 
 
 @register_method
@@ -77,13 +101,15 @@ class TopK(Compressor):
     description = "top-k sparsification with error feedback (no momentum correction)"
 
     def reduce(self, x, ctx):
-        if self.small(x):
+        big, dense = self.split(ctx.params)
+        if not big:
             return self.dense(x, ctx)
         cfg = self.config
         if cfg.error_feedback:
             e = ctx.memory("residual")
             x.add_(e)
-        vals, idx = sparse_select(x, cfg.ratio, cfg.sample_ratio, ctx.seed(0))
+        vals, idx = select(x, big, ctx, cfg.ratio, cfg.sample_ratio)
         if cfg.error_feedback:
             e.copy_(x).index_put_((idx.long(),), -vals, accumulate=True)
-        return exchange_sparse(vals, idx, x.numel(), ctx)
+            zero_dense(e, dense)
+        return exchange_sparse(vals, idx, x, dense, ctx)

@@ -133,7 +133,7 @@ def _build_state(model, method, optimizer, group, options) -> GradcompState:
         options = take_momentum(optimizer, {**spec_opts, **options})
         method = name
     name, config = build_config(method, **options)
-    names = {}
+    names, numels = {}, {}
     for pname, p in model.module.named_parameters():
         if not p.requires_grad:
             continue
@@ -141,4 +141,5 @@ def _build_state(model, method, optimizer, group, options) -> GradcompState:
             raise TypeError(f"parameter {pname!r} has dtype {p.dtype}: gradients must be float "
                             f"(float32, float16 or bfloat16)")
         names[id(p)] = pname
-    return GradcompState(name, config, group=group, param_names=names)
+        numels[pname] = p.numel()
+    return GradcompState(name, config, group=group, param_names=names, param_numels=numels)

@@ -17,6 +17,7 @@ import queue
 import threading
 import time
 import weakref
+import zlib
 from typing import Sequence
 
 import torch
@@ -48,9 +49,9 @@ class _Ctx:
     """BucketContext for one bucket at one step (see compressors.base.BucketContext)."""
 
     def __init__(self, state: "GradcompState", bucket: int, params: list[ParamSlice],
-                 param_tensors, device, step: int, relayout: bool):
+                 param_tensors, device, step: int):
         self.state, self.bucket, self.params = state, bucket, params
-        self.comm, self.step, self.relayout = state._comm, step, relayout
+        self.comm, self.step = state._comm, step
         self._tensors, self._device = param_tensors, device
 
     def memory(self, slot):
@@ -70,8 +71,9 @@ class _Ctx:
             raise RuntimeError("this bucket was reduced without its parameters")
         return torch.cat([t.detach().reshape(-1).float() for t in self._tensors])
 
-    def seed(self, stream):
-        return _mix(self.state.config.seed, self.step, self.bucket, self.comm.rank, stream)
+    def seed(self, stream, name):
+        return _mix(self.state.config.seed, self.step, zlib.crc32(name.encode()), self.comm.rank,
+                    stream)
 
     def log(self, key, value):
         self.state._logs[key] = value
@@ -116,7 +118,8 @@ class GradcompState:
     directly to call ``register_comm_hook(state, gradcomp.hook)`` yourself."""
 
     def __init__(self, method: str, config: MethodConfig | None = None, *, group=None,
-                 param_names: dict[int, str] | None = None):
+                 param_names: dict[int, str] | None = None,
+                 param_numels: dict[str, int] | None = None):
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}: allowed {', '.join(sorted(METHODS))}")
         spec = METHODS[method]
@@ -129,8 +132,8 @@ class GradcompState:
         self.memory = ParamMemory()
         self.group = group
         self._param_names = param_names or {}
+        self._param_numels = param_numels or {}
         self._step = -1                 # index of the step in flight
-        self._layouts: dict[int, tuple] = {}
         self._traffic = Traffic()
         self._raw = 0
         self._last = None            # (Traffic, raw bytes) of the previous step
@@ -175,23 +178,20 @@ class GradcompState:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     # ------------------------------------------------------------------ the work
-    def _begin(self, bucket: int, names: Sequence[str]) -> tuple[int, bool]:
-        """Book-keeping on the caller's thread: step counter, layout change."""
+    def _begin(self, bucket: int) -> int:
+        """Book-keeping on the caller's thread: the step counter."""
         if bucket == 0:
             self._step += 1
-        layout = tuple(names)
-        relayout = self._layouts.get(bucket) != layout
-        self._layouts[bucket] = layout
-        return max(self._step, 0), relayout
+        return max(self._step, 0)
 
     def reduce(self, x: torch.Tensor, params: Sequence[ParamSlice], bucket: int = 0,
                param_tensors=None) -> torch.Tensor:
         """Synchronously reduce one flat bucket (any float dtype); returns the average in
         x's dtype. The DDP hook runs exactly this, on the communication thread."""
-        step, relayout = self._begin(bucket, [p.name for p in params])
-        return self._reduce(x, list(params), bucket, param_tensors, step, relayout)
+        step = self._begin(bucket)
+        return self._reduce(x, list(params), bucket, param_tensors, step)
 
-    def _reduce(self, buf, params, bucket, param_tensors, step, relayout):
+    def _reduce(self, buf, params, bucket, param_tensors, step):
         if bucket == 0:
             if self._writer is not None and self._raw:
                 self._write_scalars(step - 1)
@@ -201,7 +201,7 @@ class GradcompState:
         self._raw += buf.numel() * buf.element_size()
         x = buf if buf.dtype == torch.float32 else buf.float()
         t0 = time.perf_counter()
-        ctx = _Ctx(self, bucket, params, param_tensors, buf.device, step, relayout)
+        ctx = _Ctx(self, bucket, params, param_tensors, buf.device, step)
         out = self.compressor.reduce(x, ctx)
         if out is not buf:
             buf.copy_(out)
@@ -219,7 +219,7 @@ class GradcompState:
                                    "register the state on the model it was built for")
             names.append(name)
         slices = _slices(zip(names, params))
-        step, relayout = self._begin(bucket, names)
+        step = self._begin(bucket)
         event = None
         if buf.is_cuda:
             event = torch.cuda.Event()
@@ -235,14 +235,14 @@ class GradcompState:
         D = self.config.delay
         if D == 0:
             fut = torch.futures.Future(devices=[buf.device] if buf.is_cuda else None)
-            self._queue.put((bucket, buf, slices, list(params), step, relayout, event, fut, False))
+            self._queue.put((bucket, buf, slices, list(params), step, event, fut, False))
             return fut
         # Delayed averaging: exchange a copy in the background, apply the local gradient now
         # plus the correction (average - local) of step - D.
         for name, p in zip(names, params):
             self._params[name] = p
         job = torch.futures.Future()
-        self._queue.put((bucket, buf.clone(), slices, list(params), step, relayout, event, job, True))
+        self._queue.put((bucket, buf.clone(), slices, list(params), step, event, job, True))
         self._pending.append(_Pending(step, slices, job))
         corr = self._take(step - D, slices, buf)
         if corr is not None:
@@ -308,7 +308,7 @@ class GradcompState:
             job = self._queue.get()
             if job is None:
                 return
-            bucket, buf, slices, params, step, relayout, event, fut, delayed = job
+            bucket, buf, slices, params, step, event, fut, delayed = job
             if self._error is not None:
                 fut.set_exception(RuntimeError(f"gradcomp: an earlier exchange failed: {self._error}"))
                 continue
@@ -318,7 +318,7 @@ class GradcompState:
                 local = buf.clone() if delayed else None
                 t0 = time.perf_counter()
                 with torch.profiler.record_function(f"gradcomp.{self.method}.bucket{bucket}"):
-                    out = self._reduce(buf, slices, bucket, params, step, relayout)
+                    out = self._reduce(buf, slices, bucket, params, step)
                 if self.trace is not None:
                     self.trace.append(("exchange", bucket, t0, time.perf_counter()))
                 fut.set_result(out.sub_(local) if delayed else out)
@@ -384,9 +384,14 @@ class GradcompState:
         if unknown:
             raise ValueError(f"checkpoint holds state for parameters this model lacks: "
                              f"{', '.join(sorted(unknown)[:5])}")
+        for slot, d in sd["memory"]["flat"].items():
+            for name, v in d.items():
+                want = self._param_numels.get(name)
+                if want is not None and v.numel() != want:
+                    raise ValueError(f"checkpoint slot {slot!r} holds {v.numel()} elements for "
+                                     f"parameter {name!r}; this model's has {want}")
         self.memory.load_state_dict(sd["memory"])
         self._step = sd["step"] - 1
-        self._layouts.clear()
         self._pending = [_Pending.done(p["step"], p["corrections"]) for p in sd.get("pending", [])]
 
     @staticmethod

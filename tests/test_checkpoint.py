@@ -1,0 +1,114 @@
+"""Checkpoints: train k steps, save model + optimizer + hook state, restore into fresh
+processes, train k more; the model must equal that of 2k uninterrupted steps, bit for bit.
+
+The resumed job meets DDP's *initial* bucket layout at its first step, where the
+uninterrupted job already runs on the rebuilt one: the buckets below are tiny so the two
+layouts differ, and exactness holds only because every method's result for a parameter
+depends on that parameter alone."""
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradcomp
+from gradcomp.launch import spawn
+from test_distributed import batch, small_net
+
+K = 4
+SGD = {"lr": 0.05, "momentum": 0.9}
+SPECS = ["allreduce", "topk:ratio=0.05", "dgc:ratio=0.02,warmup_steps=6",
+         "onebit:chunk=64", "terngrad", "powersgd:rank=1", "onebit:chunk=64,delay=2",
+         "dgc:ratio=0.05,delay=1"]
+
+
+def _job(spec):
+    net = small_net()
+    model = DDP(net, bucket_cap_mb=0.004)
+    opt = torch.optim.SGD(model.parameters(), **SGD)
+    state = gradcomp.register(model, spec, optimizer=opt, min_numel=0)
+    return net, model, opt, state
+
+
+def _steps(model, opt, rank, steps):
+    for step in steps:
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def _uninterrupted(rank, world, spec):
+    net, model, opt, _ = _job(spec)
+    _steps(model, opt, rank, range(2 * K))
+    return [p.detach().clone() for p in net.parameters()]
+
+
+def _first_half(rank, world, spec, path):
+    net, model, opt, state = _job(spec)
+    _steps(model, opt, rank, range(K))
+    torch.save({"model": net.state_dict(), "opt": opt.state_dict(), "gradcomp": state.state_dict()},
+               f"{path}/rank{rank}.pt")
+
+
+def _second_half(rank, world, spec, path):
+    net, model, opt, state = _job(spec)
+    ck = torch.load(f"{path}/rank{rank}.pt")
+    net.load_state_dict(ck["model"])
+    opt.load_state_dict(ck["opt"])
+    state.load_state_dict(ck["gradcomp"])
+    _steps(model, opt, rank, range(K, 2 * K))
+    return [p.detach().clone() for p in net.parameters()], state.step
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_resume_in_fresh_processes_is_bit_exact(spec, tmp_path):
+    ref = spawn(_uninterrupted, 2, args=(spec,))[0]
+    spawn(_first_half, 2, args=(spec, str(tmp_path)))
+    got, step = spawn(_second_half, 2, args=(spec, str(tmp_path)))[0]
+    assert step == 2 * K
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b), f"{spec}: max diff {(a - b).abs().max():.3g}"
+
+
+def _load_into(rank, world, spec_saved, spec_new, path, net_fn):
+    net, model, opt, state = _job(spec_saved)
+    _steps(model, opt, rank, range(2))
+    sd = state.state_dict()
+    model2 = DDP(net_fn(), bucket_cap_mb=0.004)
+    opt2 = torch.optim.SGD(model2.parameters(), **SGD)
+    other = gradcomp.register(model2, spec_new, optimizer=opt2, min_numel=0)
+    try:
+        other.load_state_dict(sd)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _narrower_net():  # the same parameter names, other shapes
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 48), nn.Tanh(),
+                         nn.Linear(48, 10))
+
+
+def _other_net():  # other parameter names
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(20, 64), nn.Linear(64, 10))
+
+
+@pytest.mark.parametrize("saved, new, net_fn, match", [
+    ("topk:ratio=0.05", "onebit", small_net, "checkpoint is for method 'topk'"),
+    ("topk:ratio=0.05", "topk:ratio=0.1", small_net, "checkpoint is for method 'topk'"),
+    ("topk:ratio=0.05", "topk:ratio=0.05", _other_net, "parameters this model lacks"),
+    ("topk:ratio=0.05", "topk:ratio=0.05", _narrower_net, "elements for parameter"),
+])
+def test_a_checkpoint_for_something_else_is_refused(saved, new, net_fn, match):
+    msgs = spawn(_load_into, 2, args=(saved, new, None, net_fn))
+    assert all(m is not None and match in m for m in msgs), msgs
+
+
+def test_a_checkpoint_from_another_world_size_is_refused():
+    st = gradcomp.GradcompState(*gradcomp.build_config("topk", min_numel=0))
+    sd = st.state_dict()
+    sd["world_size"] = 4
+    with pytest.raises(ValueError, match="saved with world size 4; this job has 1"):
+        st.load_state_dict(sd)
