@@ -51,6 +51,23 @@ class Comm:
             self.traffic.comm_s += time.perf_counter() - t0
         return t
 
+    def any_async(self, flag: bool, device) -> "callable":
+        """Start an OR over ranks of ``flag``; returns ``wait() -> bool``. Runs beside the
+        collectives issued after it, so its latency hides behind theirs."""
+        W = self.world_size
+        t = torch.tensor([1.0 if flag else 0.0], device=device)
+        self.traffic.add(4, 2 * (W - 1) / W)
+        if W == 1:
+            return lambda: bool(flag)
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+
+        def wait() -> bool:
+            t0 = time.perf_counter()
+            work.wait()
+            self.traffic.comm_s += time.perf_counter() - t0
+            return bool(t.item())
+        return wait
+
     def allgather(self, t: torch.Tensor) -> torch.Tensor:
         """(W, *t.shape): every rank's t, in rank order."""
         W = self.world_size

@@ -50,6 +50,32 @@ class ParamMemory:
             t = d[name] = init()
         return t
 
+    def snapshot(self, names) -> dict:
+        """Copies of every slot of the parameters ``names`` (see :meth:`restore`)."""
+        names = set(names)
+        return {
+            "flat": {(s, n): v.clone() for s, d in self._views.items() for n, v in d.items() if n in names},
+            "tensors": {(s, n): t.clone() for s, d in self._tensors.items() for n, t in d.items()
+                        if n in names},
+        }
+
+    def restore(self, snap: dict, names) -> None:
+        """Put the parameters ``names`` back as they were at ``snap``: slots created since
+        start again from zero (flat) or from their initializer (tensors)."""
+        names = set(names)
+        for s, d in self._views.items():
+            for n, v in d.items():
+                if n in names:
+                    old = snap["flat"].get((s, n))
+                    v.copy_(old) if old is not None else v.zero_()
+        for s, d in self._tensors.items():
+            for n in [n for n in d if n in names]:
+                old = snap["tensors"].get((s, n))
+                if old is None:
+                    del d[n]
+                else:
+                    d[n].copy_(old)
+
     def state_dict(self) -> dict:
         return {
             "flat": {s: {n: v.clone() for n, v in d.items()} for s, d in self._views.items()},

@@ -12,11 +12,12 @@ is 0.1 point and the binomial standard error at ~45% accuracy is ~1.6 points; ru
 same method with different seeds spread by about that much, so 3 points is ~2 standard
 errors of one comparison: a real loss of accuracy fails it, seed noise does not.
 
-DGC runs at ratio 0.01 with 100 warm-up steps: 0.001 needs more steps than this budget
-(an element is sent every ~1000 steps at 0.001 and the run has ~320). The ablation runs at
-the same budget: top-k at 99.9% sparsity without DGC's momentum correction and warm-up
-(momentum left in the optimizer and applied to the sparse average), against DGC at the same
-99.9% (measured 35.0% against 42.9%).
+DGC runs at ratio 0.01 with 100 warm-up steps. The ablation runs DGC at 99.9% sparsity
+(ratio 0.001, 200 warm-up steps) with and without its accumulation (error feedback): without
+it, 99.9% of every gradient is simply dropped. Top-k at 0.001 without DGC's momentum
+correction and warm-up used to be the ablation; since selection became per parameter (every
+layer gets its share each step) it lands only ~2 points below DGC here (43.4% against
+45.3%), within noise, so it is reported in bench/RESULTS.md and not asserted.
 """
 import pytest
 
@@ -40,7 +41,8 @@ METHODS = {
     "powersgd": "powersgd:rank=4",
 }
 ABLATIONS = {  # name: (ablated spec, spec with the safeguard, at the same compression)
-    "sparse-without-momentum-correction": ("topk:ratio=0.001", "dgc:ratio=0.001,warmup_steps=200"),
+    "sparse-without-error-feedback": ("dgc:ratio=0.001,warmup_steps=200,error_feedback=false",
+                                      "dgc:ratio=0.001,warmup_steps=200"),
 }
 
 

@@ -12,6 +12,7 @@ from .base import Compressor, register_method
 class AllReduce(Compressor):
     name = "allreduce"
     description = "uncompressed fp32 allreduce (baseline)"
+    stateless = True  # inf/NaN simply propagate, as with DDP's own allreduce
 
     def reduce(self, x, ctx):
         return self.dense(x, ctx)

@@ -78,6 +78,7 @@ class Compressor(ABC):
     Config: type[MethodConfig] = MethodConfig
     name: str = ""
     description: str = ""
+    stateless: bool = False  # True: no memory to protect from inf/NaN (plain allreduce)
 
     def __init__(self, config: MethodConfig):
         self.config = config

@@ -81,13 +81,16 @@ def take_momentum(optimizer, options: dict) -> dict:
     return {**{k: v for k, v in src.items() if v}, **options}
 
 
-def register(model: DistributedDataParallel, method: str, *, optimizer=None,
+def register(model: DistributedDataParallel, method: str, *, optimizer=None, scaler=None,
              process_group=None, log_dir=None, log_all_ranks=False, **options) -> GradcompState:
     """Register a gradcomp communication hook on a DDP model and return its state.
 
     ``method`` is a name or spec (``"powersgd:rank=2"``); ``options`` are the method's
     options (``gradcomp.methods()`` lists them). ``optimizer`` is required for ``dgc``, which
-    takes over the optimizer's momentum. ``log_dir``: TensorBoard scalars per step (rank 0
+    takes over the optimizer's momentum. ``scaler``: the ``torch.amp.GradScaler`` of an fp16
+    job, whose loss scale the gradients carry; the hook keeps its memory unscaled so that
+    scale changes do not corrupt it (not with ``delay``: a rank's overflow would reach the
+    others only D steps later). ``log_dir``: TensorBoard scalars per step (rank 0
     only unless ``log_all_ranks``). Must be called on every rank (it is collective):
     ranks that registered different methods or options all raise ValueError.
 
@@ -110,6 +113,13 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None,
     error, state = None, None
     try:
         state = _build_state(model, method, optimizer, group, options)
+        if scaler is not None:
+            if state.config.delay:
+                raise ValueError(f"scaler= with delay={state.config.delay}: a GradScaler skips a "
+                                 f"step on the rank that overflowed, and with delay the others "
+                                 f"learn of it only {state.config.delay} steps later; use "
+                                 f"delay=0, or bfloat16 without a scaler")
+            state.scaler = scaler
         mine = (state.digest(), state.method, state.config.to_dict())
     except (TypeError, ValueError) as exc:
         error, mine = exc, ("error", type(exc).__name__, str(exc))

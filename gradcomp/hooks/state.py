@@ -141,6 +141,8 @@ class GradcompState:
         self._writer = None
         self._logs: dict = {}
         self._pending: list[_Pending] = []   # delayed exchanges, oldest first
+        self._skipped: int | None = None     # index of a step whose gradients were not finite
+        self.scaler = None  # a torch.amp.GradScaler whose scale the gradients carry
         self._params: dict[str, torch.Tensor] = {}
         self._setup_runtime()
 
@@ -155,13 +157,14 @@ class GradcompState:
         d = self.__dict__.copy()
         self.drain()
         for k in ("group", "_comm", "_queue", "_thread", "_error", "_param_names", "_params",
-                  "_writer"):
+                  "_writer", "scaler"):
             d.pop(k, None)
         return d
 
     def __setstate__(self, d):
         self.__dict__.update(d)
         self.group, self._param_names, self._params, self._writer = None, {}, {}, None
+        self.scaler = None
         self._setup_runtime()
 
     @property
@@ -179,9 +182,15 @@ class GradcompState:
 
     # ------------------------------------------------------------------ the work
     def _begin(self, bucket: int) -> int:
-        """Book-keeping on the caller's thread: the step counter."""
+        """Book-keeping on the caller's thread: the step counter. A step whose gradients held
+        inf/NaN on some rank is not an optimizer step (a GradScaler skips it): without delay,
+        the next step reuses its index, so schedules and random streams go on as if it
+        never happened."""
         if bucket == 0:
-            self._step += 1
+            if self._skipped is not None and self._skipped == self._step and not self.config.delay:
+                self._skipped = None
+            else:
+                self._step += 1
         return max(self._step, 0)
 
     def reduce(self, x: torch.Tensor, params: Sequence[ParamSlice], bucket: int = 0,
@@ -191,7 +200,7 @@ class GradcompState:
         step = self._begin(bucket)
         return self._reduce(x, list(params), bucket, param_tensors, step)
 
-    def _reduce(self, buf, params, bucket, param_tensors, step):
+    def _reduce(self, buf, params, bucket, param_tensors, step, scale=None):
         if bucket == 0:
             if self._writer is not None and self._raw:
                 self._write_scalars(step - 1)
@@ -200,13 +209,40 @@ class GradcompState:
             self._comm.traffic = self._traffic
         self._raw += buf.numel() * buf.element_size()
         x = buf if buf.dtype == torch.float32 else buf.float()
+        if scale is not None:  # memory holds unscaled values: the loss scale may change
+            x = x / scale
         t0 = time.perf_counter()
         ctx = _Ctx(self, bucket, params, param_tensors, buf.device, step)
-        out = self.compressor.reduce(x, ctx)
+        if self.compressor.stateless:
+            out = self.compressor.reduce(x, ctx)
+        else:
+            out = self._guarded(x, ctx)
+        if scale is not None:
+            out = out * scale
         if out is not buf:
             buf.copy_(out)
         self._traffic.total_s += time.perf_counter() - t0
         return buf
+
+    def _guarded(self, x, ctx):
+        """Reduce with inf/NaN protection. Whether any rank's bucket holds a non-finite value
+        travels beside the exchange; if one does, the step is garbage (a GradScaler skips
+        it): the result is a plain allreduce of the gradients, so the non-finite values
+        reach every rank exactly as without compression, and the memory of the bucket's
+        parameters is put back as it was, not poisoned for the rest of training."""
+        finite = bool(torch.isfinite(x).all())
+        any_bad = self._comm.any_async(not finite, x.device)
+        names = [p.name for p in ctx.params]
+        snap = self.memory.snapshot(names)
+        orig = x.clone()
+        if not finite:  # the compressor must still run (same collectives on every rank)
+            x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+        out = self.compressor.reduce(x, ctx)
+        if not any_bad():
+            return out
+        self.memory.restore(snap, names)
+        self._skipped = ctx.step
+        return self._comm.allreduce(orig).div_(self.world_size)
 
     # ------------------------------------------------------------------ DDP side
     def submit(self, bucket: int, buf: torch.Tensor, params) -> torch.futures.Future:
@@ -220,6 +256,7 @@ class GradcompState:
             names.append(name)
         slices = _slices(zip(names, params))
         step = self._begin(bucket)
+        scale = self._scale()
         event = None
         if buf.is_cuda:
             event = torch.cuda.Event()
@@ -235,14 +272,14 @@ class GradcompState:
         D = self.config.delay
         if D == 0:
             fut = torch.futures.Future(devices=[buf.device] if buf.is_cuda else None)
-            self._queue.put((bucket, buf, slices, list(params), step, event, fut, False))
+            self._queue.put((bucket, buf, slices, list(params), step, scale, event, fut, False))
             return fut
         # Delayed averaging: exchange a copy in the background, apply the local gradient now
         # plus the correction (average - local) of step - D.
         for name, p in zip(names, params):
             self._params[name] = p
         job = torch.futures.Future()
-        self._queue.put((bucket, buf.clone(), slices, list(params), step, event, job, True))
+        self._queue.put((bucket, buf.clone(), slices, list(params), step, None, event, job, True))
         self._pending.append(_Pending(step, slices, job))
         corr = self._take(step - D, slices, buf)
         if corr is not None:
@@ -250,6 +287,14 @@ class GradcompState:
         fut = torch.futures.Future(devices=[buf.device] if buf.is_cuda else None)
         fut.set_result(buf)
         return fut
+
+    def _scale(self):
+        """The loss scale the current gradients carry (a copy: the scaler updates it in place
+        after the step), or None without an enabled GradScaler."""
+        s = self.scaler
+        if s is None or not s.is_enabled() or getattr(s, "_scale", None) is None:
+            return None
+        return s._scale.detach().clone()
 
     def _take(self, step: int, slices, like: torch.Tensor):
         """The corrections of ``step`` for the parameters in ``slices``, in their layout."""
@@ -308,7 +353,7 @@ class GradcompState:
             job = self._queue.get()
             if job is None:
                 return
-            bucket, buf, slices, params, step, event, fut, delayed = job
+            bucket, buf, slices, params, step, scale, event, fut, delayed = job
             if self._error is not None:
                 fut.set_exception(RuntimeError(f"gradcomp: an earlier exchange failed: {self._error}"))
                 continue
@@ -318,7 +363,7 @@ class GradcompState:
                 local = buf.clone() if delayed else None
                 t0 = time.perf_counter()
                 with torch.profiler.record_function(f"gradcomp.{self.method}.bucket{bucket}"):
-                    out = self._reduce(buf, slices, bucket, params, step)
+                    out = self._reduce(buf, slices, bucket, params, step, scale)
                 if self.trace is not None:
                     self.trace.append(("exchange", bucket, t0, time.perf_counter()))
                 fut.set_result(out.sub_(local) if delayed else out)

@@ -1,0 +1,132 @@
+"""Mixed precision and bad gradients: half-precision models, a GradScaler whose scale changes,
+and steps whose gradients hold inf/NaN."""
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradcomp
+from gradcomp.launch import spawn
+from test_distributed import batch, small_net
+from test_methods import layout, state_for, SHAPES
+
+STATEFUL = ["topk:ratio=0.05", "dgc:ratio=0.05,momentum=0.9,warmup_steps=4", "onebit:chunk=64",
+            "terngrad", "powersgd:rank=1"]
+
+
+def _memory(state):
+    return state.state_dict()["memory"]
+
+
+@pytest.mark.parametrize("spec", STATEFUL)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_step_propagates_and_leaves_memory_alone(spec, bad):
+    """The result carries the inf/NaN as a plain allreduce would; the memory and the step
+    counter are as if the step never happened, so the next step equals that of a state
+    that never saw it."""
+    params = layout(list(SHAPES))
+    n = sum(p.numel for p in params)
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(n, generator=g) for _ in range(4)]
+    hit, clean = state_for(spec), state_for(spec)
+    for x in xs[:2]:
+        hit.reduce(x.clone(), params)
+        clean.reduce(x.clone(), params)
+    before = _memory(hit)
+    poisoned = xs[2].clone()
+    poisoned[[5, 700, n - 1]] = bad
+    out = hit.reduce(poisoned.clone(), params)
+    torch.testing.assert_close(out, poisoned, rtol=0, atol=0, equal_nan=True)  # W=1: identity
+    torch.testing.assert_close(_memory(hit), before, rtol=0, atol=0)
+    for x in xs[2:]:
+        assert torch.equal(hit.reduce(x.clone(), params), clean.reduce(x.clone(), params))
+    assert hit.step == clean.step
+
+
+def _scaled_run(rank, world, spec, mode, steps=8, bad_step=3):
+    """mode: 'scaler' (GradScaler passed to register, inf on rank 0 at bad_step),
+    'plain' (no scaling; bad_step left out), 'unregistered' (GradScaler not passed)."""
+    net = small_net()
+    model = DDP(net, bucket_cap_mb=0.004)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2,
+                                  enabled=mode != "plain")
+    state = gradcomp.register(model, spec, optimizer=opt, min_numel=0,
+                              scaler=scaler if mode == "scaler" else None)
+    scales = []
+    for step in range(steps):
+        if step == bad_step and mode != "scaler":
+            continue
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        if step == bad_step and rank == 0:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale() if scaler.is_enabled() else 1.0)
+    return [p.detach().clone() for p in net.parameters()], scales, state.step
+
+
+@pytest.mark.parametrize("spec", STATEFUL)
+def test_grad_scaler_with_changing_scale_and_an_overflow_matches_unscaled_training(spec):
+    """Loss scaling by powers of two is exact in fp32, so a job with a GradScaler whose scale
+    grows every 2 steps and backs off after an overflow on ONE rank must end bit-identical to
+    the same job trained without scaling and without that step. Not passing the scaler to
+    register() keeps scaled values in the memory: that run must differ."""
+    (scaled, scales, step_a), _ = spawn(_scaled_run, 2, args=(spec, "scaler"))
+    (plain, _, step_b), _ = spawn(_scaled_run, 2, args=(spec, "plain"))
+    assert len(set(scales)) >= 3  # the scale really changed, up and down
+    assert step_a == step_b == 7
+    for a, b in zip(scaled, plain):
+        assert torch.equal(a, b), f"max diff {(a - b).abs().max():.3g}"
+    (wrong, _, _), _ = spawn(_scaled_run, 2, args=(spec, "unregistered", 8, 99))
+    (plain8, _, _), _ = spawn(_scaled_run, 2, args=(spec, "plain", 8, 99))
+    assert any(not torch.equal(a, b) for a, b in zip(wrong, plain8))
+
+
+def test_scaler_with_delay_is_refused_at_registration():
+    msgs = spawn(_register_scaler_delay, 2)
+    assert all("scaler= with delay=1" in m for m in msgs)
+
+
+def _register_scaler_delay(rank, world):
+    model = DDP(small_net())
+    try:
+        gradcomp.register(model, "onebit", delay=1, scaler=torch.amp.GradScaler("cpu"))
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def _half_run(rank, world, spec, dtype, autocast):
+    net = small_net()
+    if not autocast:
+        net = net.to(dtype)
+    model = DDP(net, bucket_cap_mb=0.004)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    state = gradcomp.register(model, spec, optimizer=opt, min_numel=0)
+    losses = []
+    for step in range(10):
+        x, y = batch(rank, step % 2)
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+            loss = nn.functional.cross_entropy(model(x.to(dtype) if not autocast else x), y)
+        loss.float().backward()
+        opt.step()
+        losses.append(float(loss))
+    mem = state.state_dict()["memory"]["flat"]
+    return ([p.detach().float() for p in net.parameters()], losses,
+            {v.dtype for d in mem.values() for v in d.values()})
+
+
+@pytest.mark.parametrize("spec", STATEFUL)
+@pytest.mark.parametrize("dtype, autocast", [(torch.bfloat16, False), (torch.float16, False),
+                                             (torch.bfloat16, True)])
+def test_half_precision_training_works_with_fp32_memory(spec, dtype, autocast):
+    (p0, l0, m0), (p1, _, _) = spawn(_half_run, 2, args=(spec, dtype, autocast))
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1))  # ranks stay in step
+    assert all(torch.isfinite(a).all() for a in p0)
+    assert m0 == {torch.float32}
+    assert sum(l0[-2:]) < sum(l0[:2])  # it learns (the same two batches, repeated)
