@@ -28,6 +28,10 @@ class Traffic:
         self.comm_s = 0.0   # wall time inside collectives
         self.total_s = 0.0  # wall time of whole exchanges (compress + collectives + decompress)
 
+    def merge(self, other: "Traffic") -> None:
+        for k in self.__slots__:
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+
     def add(self, nbytes: int, wire_factor: float) -> None:
         self.sent += nbytes
         self.wire += nbytes * wire_factor

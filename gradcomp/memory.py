@@ -6,9 +6,12 @@ State is *addressed* by parameter name, never by bucket index: when DDP rebuilds
 buckets after the first iteration (or a layout changes for any reason) each parameter's
 values are copied into the new layout, so nothing resets silently. ``state_dict`` is keyed
 by parameter name and is valid whatever the bucket layout of the process that loads it.
+Buckets' exchanges run on several threads at once (disjoint parameters): changes to the
+dictionaries, and walks over them, hold a lock.
 """
 from __future__ import annotations
 
+import threading
 from typing import Callable, Sequence
 
 import torch
@@ -19,10 +22,24 @@ class ParamMemory:
         self._views: dict[str, dict[str, torch.Tensor]] = {}       # slot -> name -> flat view
         self._flat: dict[tuple[str, int], tuple[tuple, torch.Tensor]] = {}  # (slot, bucket)
         self._tensors: dict[str, dict[str, torch.Tensor]] = {}     # slot -> name -> tensor
+        self._lock = threading.RLock()
+
+    def __getstate__(self):
+        d = self.__dict__.copy()
+        d.pop("_lock")
+        return d
+
+    def __setstate__(self, d):
+        self.__dict__.update(d)
+        self._lock = threading.RLock()
 
     def flat(self, slot: str, bucket: int, names: Sequence[str], numels: Sequence[int],
              device) -> torch.Tensor:
         """The flat fp32 buffer of ``slot`` for a bucket holding ``names`` in this order."""
+        with self._lock:
+            return self._flat_locked(slot, bucket, names, numels, device)
+
+    def _flat_locked(self, slot, bucket, names, numels, device):
         layout = tuple(names)
         hit = self._flat.get((slot, bucket))
         if hit is not None and hit[0] == layout and hit[1].device == torch.device(device):
@@ -44,43 +61,49 @@ class ParamMemory:
         return buf
 
     def tensor(self, slot: str, name: str, init: Callable[[], torch.Tensor]) -> torch.Tensor:
-        d = self._tensors.setdefault(slot, {})
-        t = d.get(name)
-        if t is None:
-            t = d[name] = init()
-        return t
+        with self._lock:
+            d = self._tensors.setdefault(slot, {})
+            t = d.get(name)
+            if t is None:
+                t = d[name] = init()
+            return t
 
     def snapshot(self, names) -> dict:
         """Copies of every slot of the parameters ``names`` (see :meth:`restore`)."""
         names = set(names)
-        return {
-            "flat": {(s, n): v.clone() for s, d in self._views.items() for n, v in d.items() if n in names},
-            "tensors": {(s, n): t.clone() for s, d in self._tensors.items() for n, t in d.items()
-                        if n in names},
-        }
+        with self._lock:
+            return {
+                "flat": {(s, n): v.clone() for s, d in self._views.items() for n, v in d.items()
+                         if n in names},
+                "tensors": {(s, n): t.clone() for s, d in self._tensors.items()
+                            for n, t in d.items() if n in names},
+            }
 
     def restore(self, snap: dict, names) -> None:
         """Put the parameters ``names`` back as they were at ``snap``: slots created since
         start again from zero (flat) or from their initializer (tensors)."""
         names = set(names)
-        for s, d in self._views.items():
-            for n, v in d.items():
-                if n in names:
-                    old = snap["flat"].get((s, n))
-                    v.copy_(old) if old is not None else v.zero_()
-        for s, d in self._tensors.items():
-            for n in [n for n in d if n in names]:
-                old = snap["tensors"].get((s, n))
-                if old is None:
-                    del d[n]
-                else:
-                    d[n].copy_(old)
+        with self._lock:
+            for s, d in self._views.items():
+                for n, v in d.items():
+                    if n in names:
+                        old = snap["flat"].get((s, n))
+                        v.copy_(old) if old is not None else v.zero_()
+            for s, d in self._tensors.items():
+                for n in [n for n in d if n in names]:
+                    old = snap["tensors"].get((s, n))
+                    if old is None:
+                        del d[n]
+                    else:
+                        d[n].copy_(old)
 
     def state_dict(self) -> dict:
-        return {
-            "flat": {s: {n: v.clone() for n, v in d.items()} for s, d in self._views.items()},
-            "tensors": {s: {n: t.clone() for n, t in d.items()} for s, d in self._tensors.items()},
-        }
+        with self._lock:
+            return {
+                "flat": {s: {n: v.clone() for n, v in d.items()} for s, d in self._views.items()},
+                "tensors": {s: {n: t.clone() for n, t in d.items()}
+                            for s, d in self._tensors.items()},
+            }
 
     def load_state_dict(self, sd: dict) -> None:
         self._flat.clear()
@@ -96,10 +119,12 @@ class ParamMemory:
 
     def slots(self) -> list[str]:
         """Names of the flat memory slots in use (e.g. ``residual``, ``velocity``)."""
-        return [s for s, d in self._views.items() if d]
+        with self._lock:
+            return [s for s, d in self._views.items() if d]
 
     def norm(self, slot: str) -> torch.Tensor | None:
-        d = self._views.get(slot)
-        if not d:
+        with self._lock:
+            views = list(self._views.get(slot, {}).values())
+        if not views:
             return None
-        return torch.stack([v.norm() for v in d.values()]).norm()
+        return torch.stack([v.norm() for v in views]).norm()

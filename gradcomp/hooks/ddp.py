@@ -82,7 +82,8 @@ def take_momentum(optimizer, options: dict) -> dict:
 
 
 def register(model: DistributedDataParallel, method: str, *, optimizer=None, scaler=None,
-             process_group=None, log_dir=None, log_all_ranks=False, **options) -> GradcompState:
+             lanes: int = 4, process_group=None, log_dir=None, log_all_ranks=False,
+             **options) -> GradcompState:
     """Register a gradcomp communication hook on a DDP model and return its state.
 
     ``method`` is a name or spec (``"powersgd:rank=2"``); ``options`` are the method's
@@ -112,6 +113,8 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
     # options are bad cannot leave the others waiting in a collective.
     error, state = None, None
     try:
+        if isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1:
+            raise ValueError(f"invalid lanes={lanes!r}: allowed an integer >= 1")
         state = _build_state(model, method, optimizer, group, options)
         if scaler is not None:
             if state.config.delay:
@@ -120,7 +123,7 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
                                  f"learn of it only {state.config.delay} steps later; use "
                                  f"delay=0, or bfloat16 without a scaler")
             state.scaler = scaler
-        mine = (state.digest(), state.method, state.config.to_dict())
+        mine = (f"{state.digest()}/{lanes}", state.method, {**state.config.to_dict(), "lanes": lanes})
     except (TypeError, ValueError) as exc:
         error, mine = exc, ("error", type(exc).__name__, str(exc))
     digests = [None] * len(ranks)
@@ -130,6 +133,9 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
     if any(d[0] != mine[0] for d in digests):
         detail = "; ".join(f"rank {r}: {d[1]} {d[2]}" for r, d in zip(ranks, digests))
         raise ValueError(f"ranks registered different gradcomp methods or options: {detail}")
+    # every rank agreed on `lanes`: each creates the same groups in the same order
+    state.add_lanes([dist.new_group(ranks=ranks, backend=dist.get_backend(pg))
+                     for _ in range(lanes - 1)])
     model.register_comm_hook(state, hook)
     if log_dir is not None and (log_all_ranks or dist.get_rank(group) == 0):
         from torch.utils.tensorboard import SummaryWriter

@@ -1,12 +1,15 @@
 """The hook state: one method's config and compressor, its per-parameter memory, the step
 counter, the byte counters, and the communication thread that runs the exchanges.
 
-Why a thread: a bucket's exchange may need several dependent collectives (PowerSGD's two
+Why threads: a bucket's exchange may need several dependent collectives (PowerSGD's two
 allreduces, 1-bit's all-to-all then allgather). Issuing the second one from a future's
 callback would let ranks interleave different buckets' collectives in different orders.
-Here every exchange runs start to finish, in bucket order, on one thread per state and on a
-process group of its own, so every rank issues the same collectives in the same order, and
-the hook itself returns a future at once: backward never waits on the network.
+Here every exchange runs start to finish on a *lane*: a thread with a process group of its
+own. Bucket b always goes to lane b % lanes, so every rank issues the same collectives in
+the same order on each group, a bucket's consecutive steps run in order (its memory carries
+from one to the next), and different buckets' exchanges run side by side: on a link with
+latency a step pays about one bucket's round trips, not the sum over buckets. The hook
+itself returns a future at once: backward never waits on the network.
 """
 from __future__ import annotations
 
@@ -48,10 +51,10 @@ def _mix(*parts: int) -> int:
 class _Ctx:
     """BucketContext for one bucket at one step (see compressors.base.BucketContext)."""
 
-    def __init__(self, state: "GradcompState", bucket: int, params: list[ParamSlice],
+    def __init__(self, state: "GradcompState", comm: Comm, bucket: int, params: list[ParamSlice],
                  param_tensors, device, step: int):
         self.state, self.bucket, self.params = state, bucket, params
-        self.comm, self.step = state._comm, step
+        self.comm, self.step = comm, step
         self._tensors, self._device = param_tensors, device
 
     def memory(self, slot):
@@ -113,12 +116,37 @@ class _Pending:
         return cls(step, slices, fut)
 
 
+class _Lane:
+    """A communication thread and the process group it alone uses; its jobs run in order."""
+
+    def __init__(self, state: "GradcompState", group):
+        self.state, self.comm = state, Comm(group)
+        self.queue: queue.Queue | None = None
+        self.thread: threading.Thread | None = None
+
+    def put(self, job) -> None:
+        if self.thread is None:
+            self.queue = queue.Queue()
+            self.thread = threading.Thread(target=self.state._worker, args=(self,),
+                                           name="gradcomp-comm", daemon=True)
+            self.thread.start()
+            _LIVE.add(self.state)
+        self.queue.put(job)
+
+    def close(self) -> None:
+        if self.thread is not None:
+            self.queue.put(None)
+            self.thread.join(timeout=30)
+            self.thread = None
+        self.comm.group = None
+
+
 class GradcompState:
     """Everything one registered hook owns. Build it with :func:`gradcomp.register`, or
     directly to call ``register_comm_hook(state, gradcomp.hook)`` yourself."""
 
     def __init__(self, method: str, config: MethodConfig | None = None, *, group=None,
-                 param_names: dict[int, str] | None = None,
+                 lane_groups: Sequence = (), param_names: dict[int, str] | None = None,
                  param_numels: dict[str, int] | None = None):
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}: allowed {', '.join(sorted(METHODS))}")
@@ -131,12 +159,12 @@ class GradcompState:
         self.compressor = spec.compressor(config)
         self.memory = ParamMemory()
         self.group = group
+        self._lane_groups = list(lane_groups)  # more process groups: more buckets in flight
         self._param_names = param_names or {}
         self._param_numels = param_numels or {}
         self._step = -1                 # index of the step in flight
-        self._traffic = Traffic()
-        self._raw = 0
-        self._last = None            # (Traffic, raw bytes) of the previous step
+        self._records: dict[int, list] = {}  # step -> [Traffic, raw bytes], summed over buckets
+        self._layouts: dict[int, tuple] = {}
         self.trace: list | None = None  # set to [] to record (event, bucket, start, end) times
         self._writer = None
         self._logs: dict = {}
@@ -148,28 +176,37 @@ class GradcompState:
 
     # ------------------------------------------------------------------ runtime
     def _setup_runtime(self):
-        self._comm = Comm(self.group, self._traffic)
-        self._queue: queue.Queue | None = None
-        self._thread: threading.Thread | None = None
+        self._lanes = [_Lane(self, g) for g in [self.group, *self._lane_groups]]
+        self._lock = threading.Lock()
         self._error: BaseException | None = None
 
     def __getstate__(self):
         d = self.__dict__.copy()
         self.drain()
-        for k in ("group", "_comm", "_queue", "_thread", "_error", "_param_names", "_params",
-                  "_writer", "scaler"):
+        for k in ("group", "_lane_groups", "_lanes", "_lock", "_error", "_param_names",
+                  "_params", "_writer", "scaler"):
             d.pop(k, None)
         return d
 
     def __setstate__(self, d):
         self.__dict__.update(d)
         self.group, self._param_names, self._params, self._writer = None, {}, {}, None
-        self.scaler = None
+        self._lane_groups, self.scaler = [], None
         self._setup_runtime()
 
     @property
     def world_size(self) -> int:
-        return self._comm.world_size
+        return self._lanes[0].comm.world_size
+
+    def add_lanes(self, groups: Sequence) -> None:
+        """More process groups, one lane each (before the first exchange)."""
+        self._lane_groups += list(groups)
+        self._lanes += [_Lane(self, g) for g in groups]
+
+    @property
+    def lanes(self) -> int:
+        """How many buckets' exchanges can run at once (one process group each)."""
+        return len(self._lanes)
 
     @property
     def step(self) -> int:
@@ -189,6 +226,8 @@ class GradcompState:
         if bucket == 0:
             if self._skipped is not None and self._skipped == self._step and not self.config.delay:
                 self._skipped = None
+                with self._lock:
+                    self._records.pop(self._step, None)
             else:
                 self._step += 1
         return max(self._step, 0)
@@ -198,21 +237,18 @@ class GradcompState:
         """Synchronously reduce one flat bucket (any float dtype); returns the average in
         x's dtype. The DDP hook runs exactly this, on the communication thread."""
         step = self._begin(bucket)
-        return self._reduce(x, list(params), bucket, param_tensors, step)
+        return self._reduce(self._lanes[0].comm, x, list(params), bucket, param_tensors, step)
 
-    def _reduce(self, buf, params, bucket, param_tensors, step, scale=None):
-        if bucket == 0:
-            if self._writer is not None and self._raw:
-                self._write_scalars(step - 1)
-            self._last = (self._traffic, self._raw)
-            self._traffic, self._raw = Traffic(), 0
-            self._comm.traffic = self._traffic
-        self._raw += buf.numel() * buf.element_size()
+    def _reduce(self, comm, buf, params, bucket, param_tensors, step, scale=None):
+        if bucket == 0 and self._writer is not None:
+            # the last step every exchange of which has finished by now
+            self._write_scalars(step - 1 - self.config.delay)
+        traffic = comm.traffic = Traffic()
         x = buf if buf.dtype == torch.float32 else buf.float()
         if scale is not None:  # memory holds unscaled values: the loss scale may change
             x = x / scale
         t0 = time.perf_counter()
-        ctx = _Ctx(self, bucket, params, param_tensors, buf.device, step)
+        ctx = _Ctx(self, comm, bucket, params, param_tensors, buf.device, step)
         if self.compressor.stateless:
             out = self.compressor.reduce(x, ctx)
         else:
@@ -221,7 +257,13 @@ class GradcompState:
             out = out * scale
         if out is not buf:
             buf.copy_(out)
-        self._traffic.total_s += time.perf_counter() - t0
+        traffic.total_s += time.perf_counter() - t0
+        with self._lock:
+            rec = self._records.setdefault(step, [Traffic(), 0])
+            rec[0].merge(traffic)
+            rec[1] += buf.numel() * buf.element_size()
+            for old in [k for k in self._records if k < step - self.config.delay - 4]:
+                del self._records[old]
         return buf
 
     def _guarded(self, x, ctx):
@@ -231,7 +273,7 @@ class GradcompState:
         reach every rank exactly as without compression, and the memory of the bucket's
         parameters is put back as it was, not poisoned for the rest of training."""
         finite = bool(torch.isfinite(x).all())
-        any_bad = self._comm.any_async(not finite, x.device)
+        any_bad = ctx.comm.any_async(not finite, x.device)
         names = [p.name for p in ctx.params]
         snap = self.memory.snapshot(names)
         orig = x.clone()
@@ -242,7 +284,7 @@ class GradcompState:
             return out
         self.memory.restore(snap, names)
         self._skipped = ctx.step
-        return self._comm.allreduce(orig).div_(self.world_size)
+        return ctx.comm.allreduce(orig).div_(self.world_size)
 
     # ------------------------------------------------------------------ DDP side
     def submit(self, bucket: int, buf: torch.Tensor, params) -> torch.futures.Future:
@@ -261,25 +303,28 @@ class GradcompState:
         if buf.is_cuda:
             event = torch.cuda.Event()
             event.record()
-        if self._thread is None:
-            self._queue = queue.Queue()
-            self._thread = threading.Thread(target=self._worker, name="gradcomp-comm", daemon=True)
-            self._thread.start()
-            _LIVE.add(self)
+        lane = self._lanes[bucket % len(self._lanes)]
+        D = self.config.delay
+        layout = tuple(names)
+        if D and self._layouts.get(bucket) != layout and len(self._lanes) > 1:
+            # DDP moved parameters between buckets (its rebuild): a parameter's previous
+            # exchange may sit on another lane and must finish before its next one starts
+            # (without delay every exchange of the previous step has finished already)
+            self.drain()
+        self._layouts[bucket] = layout
         if self.trace is not None:
             now = time.perf_counter()
             self.trace.append(("submit", bucket, now, now))
-        D = self.config.delay
         if D == 0:
             fut = torch.futures.Future(devices=[buf.device] if buf.is_cuda else None)
-            self._queue.put((bucket, buf, slices, list(params), step, scale, event, fut, False))
+            lane.put((bucket, buf, slices, list(params), step, scale, event, fut, False))
             return fut
         # Delayed averaging: exchange a copy in the background, apply the local gradient now
         # plus the correction (average - local) of step - D.
         for name, p in zip(names, params):
             self._params[name] = p
         job = torch.futures.Future()
-        self._queue.put((bucket, buf.clone(), slices, list(params), step, None, event, job, True))
+        lane.put((bucket, buf.clone(), slices, list(params), step, None, event, job, True))
         self._pending.append(_Pending(step, slices, job))
         corr = self._take(step - D, slices, buf)
         if corr is not None:
@@ -338,19 +383,16 @@ class GradcompState:
         return total
 
     def close(self) -> None:
-        """Stop the communication thread (after the exchanges queued so far). Called at
-        interpreter exit for every state, so no thread still holds the process group while
-        it is destroyed; a later exchange starts a new thread."""
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join(timeout=30)
-            self._thread = None
+        """Stop the communication threads (after the exchanges queued so far). Called at
+        interpreter exit for every state, so no thread still holds a process group while
+        it is destroyed."""
+        for lane in self._lanes:
+            lane.close()
         self.group = None
-        self._comm.group = None
 
-    def _worker(self):
+    def _worker(self, lane: _Lane):
         while True:
-            job = self._queue.get()
+            job = lane.queue.get()
             if job is None:
                 return
             bucket, buf, slices, params, step, scale, event, fut, delayed = job
@@ -363,7 +405,7 @@ class GradcompState:
                 local = buf.clone() if delayed else None
                 t0 = time.perf_counter()
                 with torch.profiler.record_function(f"gradcomp.{self.method}.bucket{bucket}"):
-                    out = self._reduce(buf, slices, bucket, params, step, scale)
+                    out = self._reduce(lane.comm, buf, slices, bucket, params, step, scale)
                 if self.trace is not None:
                     self.trace.append(("exchange", bucket, t0, time.perf_counter()))
                 fut.set_result(out.sub_(local) if delayed else out)
@@ -380,14 +422,20 @@ class GradcompState:
         starts; nothing is computed while no writer is attached."""
         self._writer = writer
 
+    def _record(self, step: int):
+        with self._lock:
+            return self._records.get(step) or [Traffic(), 0]
+
     def _write_scalars(self, step: int) -> None:
-        w, t = self._writer, self._traffic
-        w.add_scalar("gradcomp/compression_ratio", self._raw / t.sent if t.sent else 0.0, step)
+        if step < 0:
+            return
+        w, (t, raw) = self._writer, self._record(step)
+        w.add_scalar("gradcomp/compression_ratio", raw / t.sent if t.sent else 0.0, step)
         w.add_scalar("gradcomp/wire_bytes", t.wire, step)
         w.add_scalar("gradcomp/sent_bytes", t.sent, step)
         for slot in self.memory.slots():
             w.add_scalar(f"gradcomp/{slot}_norm", float(self.memory.norm(slot)), step)
-        for key, value in self._logs.items():
+        for key, value in list(self._logs.items()):
             w.add_scalar(f"gradcomp/{key}", float(value), step)
 
     def stats(self) -> dict:
@@ -395,9 +443,10 @@ class GradcompState:
         allreduce hands over), ``sent_bytes`` (the messages this rank handed to collectives),
         ``wire_bytes`` / ``raw_wire_bytes`` (what ring-style collectives put on this rank's
         link for those two), their ``ratio``, the number of ``collectives``, and the seconds
-        spent inside collectives (``comm_s``) and compressing/decompressing (``codec_s``)."""
-        # with delay, the current step's exchanges may still run: report the last whole one
-        t, raw = self._last if self.config.delay and self._last else (self._traffic, self._raw)
+        spent inside collectives (``comm_s``) and compressing/decompressing (``codec_s``),
+        summed over the step's buckets. With ``delay=D`` the latest step whose exchanges
+        have all finished is D steps back."""
+        t, raw = self._record(self._step - self.config.delay)
         W = self.world_size
         raw_wire = raw * 2 * (W - 1) / W
         return {
