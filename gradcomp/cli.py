@@ -30,6 +30,11 @@ class UsageError(Exception):
     pass
 
 
+def _lanes(args) -> None:
+    if getattr(args, "lanes", 1) < 1:
+        raise UsageError(f"--lanes {args.lanes}: expected an integer >= 1")
+
+
 def _methods(text: str) -> list[str]:
     from .train import check_spec
     specs = _split_specs(text)
@@ -112,6 +117,7 @@ def cmd_ddp(args) -> int:
     from . import bench, report
     from .train import TrainConfig
     methods = _methods(args.methods)
+    _lanes(args)
     torchrun = _under_torchrun()
     if torchrun and args.link:
         raise UsageError("--link shapes local ranks; under torchrun your real network is the link")
@@ -174,8 +180,10 @@ def cmd_ddp(args) -> int:
 
 
 def _delay_opts(method, args):
-    return {"delay": args.delay} if args.delay and method.partition(":")[0] not in (
-        "ddp", "noop", "fp16", "torch-powersgd") else {}
+    """Options for register(): --delay and --lanes, for gradcomp methods only."""
+    if method.partition(":")[0] in ("ddp", "noop", "fp16", "torch-powersgd"):
+        return {}
+    return {"lanes": args.lanes, **({"delay": args.delay} if args.delay else {})}
 
 
 def _rate_name(rate):
@@ -232,6 +240,7 @@ def cmd_convergence(args) -> int:
     from . import bench, report
     from .train import TrainConfig
     methods = _methods(args.methods)
+    _lanes(args)
     worlds = _worlds(str(args.world))
     data_dir = _data(args)
     out_dir = Path(args.out)
@@ -282,6 +291,7 @@ def cmd_overlap(args) -> int:
     from . import bench, report
     from .launch import spawn
     methods = _methods(args.methods)
+    _lanes(args)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -331,6 +341,8 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--batch", type=int, default=batch, help="per rank")
         s.add_argument("--seed", type=int, default=0)
         s.add_argument("--delay", type=int, default=0, help="delayed averaging steps")
+        s.add_argument("--lanes", type=int, default=4,
+                       help="buckets whose exchanges may run at once (one process group each)")
         s.add_argument("--json", default=None)
         s.add_argument("--tensorboard", default=None, metavar="DIR")
         s.add_argument("--out", default="bench/out", help="directory for plots")
