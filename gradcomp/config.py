@@ -5,9 +5,9 @@ import dataclasses
 import typing
 from dataclasses import dataclass
 
-# Buckets (and, for PowerSGD, tensors) with fewer elements than this go as one plain fp32
-# allreduce: below it the compressed message plus its metadata saves less than a round trip
-# costs. 4096 elements = 16 KiB, about 0.13 ms at 1 Gbit/s.
+# Tensors with fewer elements than this go uncompressed: below it the compressed message plus
+# its metadata saves less than a round trip costs. 4096 elements = 16 KiB, about 0.13 ms at
+# 1 Gbit/s.
 DEFAULT_MIN_NUMEL = 4096
 
 
@@ -20,8 +20,11 @@ def check(ok: bool, name: str, value, allowed: str) -> None:
 class MethodConfig:
     """Options every method has.
 
-    min_numel: buckets smaller than this many elements are sent uncompressed.
+    min_numel: tensors smaller than this many elements are sent uncompressed.
     error_feedback: keep what compression dropped and add it to the next step's gradient.
+    dense_steps: the first dense_steps optimizer steps go as a plain fp32 allreduce, as in
+        1-bit Adam's warm-up (Tang et al. 2021) and torch's start_powerSGD_iter: the first
+        steps' large, fast-changing gradients are where compression error hurts most.
     seed: seeds every random stream of the method (same on all ranks).
     delay: delayed gradient averaging (Zhu et al., NeurIPS 2021): apply the local gradient at
         once and the average ``delay`` steps later; 0 = synchronous.
@@ -31,6 +34,7 @@ class MethodConfig:
     error_feedback: bool = True
     seed: int = 0
     delay: int = 0
+    dense_steps: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -42,6 +46,7 @@ class MethodConfig:
                 raise TypeError(f"invalid {f.name}={v!r}: expected {_type_name(t)}")
         check(self.min_numel >= 0, "min_numel", self.min_numel, "an integer >= 0")
         check(self.delay >= 0, "delay", self.delay, "an integer >= 0 (0 = synchronous)")
+        check(self.dense_steps >= 0, "dense_steps", self.dense_steps, "an integer >= 0")
         self.validate()
 
     def validate(self) -> None:

@@ -59,7 +59,9 @@ def acc():
     specs = ["allreduce", *METHODS.values()]
     for a, b in ABLATIONS.values():
         specs += [s for s in (a, b) if s not in specs]
-    return spawn(_accuracies, 2, args=(specs,), timeout=1800)[0]
+    got = spawn(_accuracies, 2, args=(specs,), timeout=1800)[0]
+    print("test accuracy %:", {s: round(a, 2) for s, a in got.items()})  # shown with -rP
+    return got
 
 
 def test_allreduce_learns(acc):

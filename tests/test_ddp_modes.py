@@ -58,12 +58,12 @@ def test_ddp_modes_match_plain_ddp(spec, mode):
         assert torch.equal(a, b)
 
 
-def _logged(rank, world, log_dir):
+def _logged(rank, world, log_dir, spec="dgc:ratio=0.1,warmup_steps=3", details=False):
     net = Branchy()
     model = DDP(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    state = gradcomp.register(model, "dgc:ratio=0.1,warmup_steps=3", optimizer=opt, min_numel=0,
-                              log_dir=log_dir)
+    state = gradcomp.register(model, spec, optimizer=opt, min_numel=0,
+                              log_dir=log_dir, log_details=details)
     for step in range(5):
         x, y = batch(rank, step)
         opt.zero_grad()
@@ -82,8 +82,22 @@ def test_tensorboard_scalars_on_rank_zero(tmp_path):
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     assert {"gradcomp/compression_ratio", "gradcomp/wire_bytes", "gradcomp/accumulation_norm",
-            "gradcomp/velocity_norm", "gradcomp/sparsity"} <= tags
+            "gradcomp/velocity_norm", "gradcomp/sparsity", "gradcomp/threshold"} <= tags
+    assert all(e.value > 0 for e in acc.Scalars("gradcomp/threshold"))
     sparsity = [e.value for e in acc.Scalars("gradcomp/sparsity")]
     assert len(sparsity) == 4 and sparsity == sorted(sparsity)  # warm-up: sparsity rises
     ratio = acc.Scalars("gradcomp/compression_ratio")[-1].value
     assert 3 < ratio < 6  # ratio 0.1 sends value + index: 5x
+
+
+def test_powersgd_approximation_error_is_logged_when_asked(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    for details, sub in ((True, "on"), (False, "off")):
+        spawn(_logged, 2, args=(str(tmp_path / sub), "powersgd:rank=1", details))
+    on, off = EventAccumulator(str(tmp_path / "on")), EventAccumulator(str(tmp_path / "off"))
+    on.Reload()
+    off.Reload()
+    errs = [e.value for e in on.Scalars("gradcomp/approx_error")]
+    assert len(errs) == 4 and all(0 < v < 1 for v in errs)  # rank 1 of a real gradient
+    assert "gradcomp/approx_error" not in off.Tags()["scalars"]
+    assert "gradcomp/residual_norm" in off.Tags()["scalars"]

@@ -145,3 +145,14 @@ def test_state_pickles_without_its_runtime():
     st2 = pickle.loads(pickle.dumps(st))
     assert st2.group is None and st2.step == 1
     torch.testing.assert_close(st2.state_dict()["memory"], st.state_dict()["memory"])
+
+
+@pytest.mark.parametrize("spec", ["onebit:chunk=64", "terngrad", "powersgd:rank=1", "topk:ratio=0.05"])
+def test_dense_steps_send_the_first_steps_uncompressed(spec):
+    state = state_for(spec, dense_steps=2)
+    params = layout(list(SHAPES))
+    xs = [torch.randn(sum(p.numel for p in params)) for _ in range(3)]
+    for x in xs[:2]:
+        assert torch.equal(state.reduce(x.clone(), params), x)
+        assert state.memory.names() == set()  # nothing compressed, nothing remembered
+    assert not torch.equal(state.reduce(xs[2].clone(), params), xs[2])

@@ -130,3 +130,32 @@ def test_half_precision_training_works_with_fp32_memory(spec, dtype, autocast):
     assert all(torch.isfinite(a).all() for a in p0)
     assert m0 == {torch.float32}
     assert sum(l0[-2:]) < sum(l0[:2])  # it learns (the same two batches, repeated)
+
+
+def _two_rank_bad(rank, world, spec):
+    import torch.distributed as dist
+    name, cfg = gradcomp.build_config(spec, min_numel=0)
+    st = gradcomp.GradcompState(name, cfg, group=dist.new_group([0, 1]))
+    params = layout(list(SHAPES))
+    n = sum(p.numel for p in params)
+    g = torch.Generator().manual_seed(rank)
+    st.reduce(torch.randn(n, generator=g), params)
+    before = _memory(st)
+    x = torch.randn(n, generator=g)
+    if rank == 0:
+        x[[3, 500]] = float("nan")
+    else:
+        x[[500, 900]] = float("inf")
+        x[1000] = -float("inf")
+    out = st.reduce(x.clone(), params)
+    return out, before, _memory(st)
+
+
+@pytest.mark.parametrize("spec", STATEFUL)
+def test_non_finite_on_some_ranks_reaches_all_at_allreduce_positions(spec):
+    got = spawn(_two_rank_bad, 2, args=(spec,))
+    for out, before, after in got:
+        bad = (~torch.isfinite(out)).nonzero().view(-1).tolist()
+        assert bad == [3, 500, 900, 1000]  # nan + inf = nan: as a plain allreduce
+        assert out[900] == float("inf") and out[1000] == -float("inf")
+        torch.testing.assert_close(after, before, rtol=0, atol=0)

@@ -49,6 +49,8 @@ class BucketContext(Protocol):
     comm: Comm
     step: int                 # optimizer steps completed before this one
     params: list[ParamSlice]  # layout of x
+    logging: bool             # a writer is attached: per-step scalars are wanted
+    details: bool             # ... and costly diagnostics too (PowerSGD's approximation error)
 
     def memory(self, slot: str) -> torch.Tensor:
         """Persistent fp32 flat buffer laid out like x, zero at first use, kept per parameter."""
@@ -66,7 +68,8 @@ class BucketContext(Protocol):
         """A seed for this (step, parameter, rank, stream): reproducible, distinct per rank."""
 
     def log(self, key: str, value) -> None:
-        """Record a per-step scalar (a 0-d tensor is fine: no host sync here)."""
+        """Record a per-step scalar (a 0-d tensor is fine: no host sync here); values logged
+        by several buckets in one step are averaged."""
 
 
 def name_seed(base: int, name: str) -> int:

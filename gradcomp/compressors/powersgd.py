@@ -90,6 +90,9 @@ class PowerSGD(Compressor):
         for p in dense:
             out[p.offset : p.offset + p.numel] = dense_sum[off : off + p.numel] / W
             off += p.numel
+        if ctx.details:  # how much of this rank's matrix the shared rank-r basis P misses
+            err = [(M - P @ (P.t() @ M)).norm() / (M.norm() + 1e-30) for M, P in zip(Ms, Ps)]
+            ctx.log("approx_error", torch.stack(err).mean())
         if cfg.error_feedback:
             torch.sub(x, out, out=e)
             for p in dense:  # sent exactly: no error

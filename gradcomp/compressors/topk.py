@@ -46,8 +46,9 @@ class TopKConfig(MethodConfig):
         check(0 < self.sample_ratio <= 1, "sample_ratio", self.sample_ratio, "a number in (0, 1]")
 
 
-def sparse_select(y: torch.Tensor, ratio: float, sample_ratio: float, seed: int):
-    """(values, int32 indices) of about the ratio*n largest |y|; k fixed per (n, ratio)."""
+def sparse_select(y: torch.Tensor, ratio: float, sample_ratio: float, seed: int, thresholds=None):
+    """(values, int32 indices) of about the ratio*n largest |y|; k fixed per (n, ratio).
+    The sampled threshold is appended to ``thresholds`` when a list is given."""
     n = y.numel()
     k = max(1, math.ceil(ratio * n))
     if k >= n:  # every element: keep the sparse format so the path is the same one
@@ -60,17 +61,23 @@ def sparse_select(y: torch.Tensor, ratio: float, sample_ratio: float, seed: int)
     m = min(n, max(math.ceil(sample_ratio * n), math.ceil(MIN_SAMPLE_HITS * n / target)))
     sample = torch.randint(0, n, (m,), generator=g, device=y.device)
     thr = kernels.sample_threshold(y.abs(), target, sample)
+    if thresholds is not None:
+        thresholds.append(thr)
     return kernels.select_topk(y, thr, k, capacity)
 
 
 def select(x: torch.Tensor, params, ctx, ratio: float, sample_ratio: float):
-    """Per-parameter top-k of the bucket x: (values, int32 indices into x) for ``params``."""
+    """Per-parameter top-k of the bucket x: (values, int32 indices into x) for ``params``.
+    Logs the mean sampled threshold when a writer is attached."""
     vals, idxs = [], []
+    thresholds = [] if ctx.logging else None
     for p in params:
         v, i = sparse_select(x[p.offset : p.offset + p.numel], ratio, sample_ratio,
-                             ctx.seed(0, p.name))
+                             ctx.seed(0, p.name), thresholds)
         vals.append(v)
         idxs.append(i.add_(p.offset))  # padding slots carry value 0: harmless anywhere
+    if thresholds:
+        ctx.log("threshold", torch.stack(thresholds).mean())
     return torch.cat(vals), torch.cat(idxs)
 
 

@@ -83,7 +83,7 @@ def take_momentum(optimizer, options: dict) -> dict:
 
 def register(model: DistributedDataParallel, method: str, *, optimizer=None, scaler=None,
              lanes: int = 4, process_group=None, log_dir=None, log_all_ranks=False,
-             **options) -> GradcompState:
+             log_details=False, **options) -> GradcompState:
     """Register a gradcomp communication hook on a DDP model and return its state.
 
     ``method`` is a name or spec (``"powersgd:rank=2"``); ``options`` are the method's
@@ -92,7 +92,8 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
     job, whose loss scale the gradients carry; the hook keeps its memory unscaled so that
     scale changes do not corrupt it (not with ``delay``: a rank's overflow would reach the
     others only D steps later). ``log_dir``: TensorBoard scalars per step (rank 0
-    only unless ``log_all_ranks``). Must be called on every rank (it is collective):
+    only unless ``log_all_ranks``; ``log_details`` adds costly diagnostics such as PowerSGD's
+    approximation error: see :meth:`GradcompState.attach`). Must be called on every rank (it is collective):
     ranks that registered different methods or options all raise ValueError.
 
     Example::
@@ -139,7 +140,7 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
     model.register_comm_hook(state, hook)
     if log_dir is not None and (log_all_ranks or dist.get_rank(group) == 0):
         from torch.utils.tensorboard import SummaryWriter
-        state.attach(SummaryWriter(log_dir))
+        state.attach(SummaryWriter(log_dir), details=log_details)
     return state
 
 

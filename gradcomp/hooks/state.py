@@ -55,6 +55,8 @@ class _Ctx:
                  param_tensors, device, step: int):
         self.state, self.bucket, self.params = state, bucket, params
         self.comm, self.step = comm, step
+        self.logging = state._writer is not None
+        self.details = self.logging and state._details
         self._tensors, self._device = param_tensors, device
 
     def memory(self, slot):
@@ -79,7 +81,12 @@ class _Ctx:
                     stream)
 
     def log(self, key, value):
-        self.state._logs[key] = value
+        if not self.logging:
+            return
+        with self.state._lock:
+            logs = self.state._logs.setdefault(self.step, {})
+            total, n = logs.get(key, (0.0, 0))
+            logs[key] = (total + value, n + 1)
 
 
 def _slices(named) -> list[ParamSlice]:
@@ -167,7 +174,8 @@ class GradcompState:
         self._layouts: dict[int, tuple] = {}
         self.trace: list | None = None  # set to [] to record (event, bucket, start, end) times
         self._writer = None
-        self._logs: dict = {}
+        self._details = False
+        self._logs: dict = {}  # step -> key -> (sum, count) of what methods logged
         self._pending: list[_Pending] = []   # delayed exchanges, oldest first
         self._skipped: int | None = None     # index of a step whose gradients were not finite
         self.scaler = None  # a torch.amp.GradScaler whose scale the gradients carry
@@ -249,7 +257,9 @@ class GradcompState:
             x = x / scale
         t0 = time.perf_counter()
         ctx = _Ctx(self, comm, bucket, params, param_tensors, buf.device, step)
-        if self.compressor.stateless:
+        if step < self.config.dense_steps:  # warm-up: uncompressed, memory untouched
+            out = self.compressor.dense(x, ctx)
+        elif self.compressor.stateless:
             out = self.compressor.reduce(x, ctx)
         else:
             out = self._guarded(x, ctx)
@@ -269,22 +279,24 @@ class GradcompState:
     def _guarded(self, x, ctx):
         """Reduce with inf/NaN protection. Whether any rank's bucket holds a non-finite value
         travels beside the exchange; if one does, the step is garbage (a GradScaler skips
-        it): the result is a plain allreduce of the gradients, so the non-finite values
-        reach every rank exactly as without compression, and the memory of the bucket's
-        parameters is put back as it was, not poisoned for the rest of training."""
-        finite = bool(torch.isfinite(x).all())
+        it): the memory of the bucket's parameters is put back as it was, not poisoned for
+        the rest of training, and the result is an allreduce of the non-finite ranks'
+        gradients (the others add zeros), so every rank gets inf/NaN at exactly the
+        positions a plain allreduce would give them."""
+        finite = bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())  # 1 pass
         any_bad = ctx.comm.any_async(not finite, x.device)
         names = [p.name for p in ctx.params]
         snap = self.memory.snapshot(names)
-        orig = x.clone()
+        orig = None
         if not finite:  # the compressor must still run (same collectives on every rank)
+            orig = x.clone()
             x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
         out = self.compressor.reduce(x, ctx)
         if not any_bad():
             return out
         self.memory.restore(snap, names)
         self._skipped = ctx.step
-        return ctx.comm.allreduce(orig).div_(self.world_size)
+        return ctx.comm.allreduce(orig if orig is not None else torch.zeros_like(x)).div_(self.world_size)
 
     # ------------------------------------------------------------------ DDP side
     def submit(self, bucket: int, buf: torch.Tensor, params) -> torch.futures.Future:
@@ -414,13 +426,14 @@ class GradcompState:
                 fut.set_exception(exc)
 
     # ------------------------------------------------------------------ reporting
-    def attach(self, writer) -> None:
+    def attach(self, writer, details: bool = False) -> None:
         """Log per-step scalars to a TensorBoard ``SummaryWriter`` (or anything with
-        ``add_scalar``): compression ratio, wire bytes, the norm of each memory slot (residuals,
-        velocities) and what the method
-        records (DGC's sparsity). Written from the communication thread when the next step
-        starts; nothing is computed while no writer is attached."""
-        self._writer = writer
+        ``add_scalar``): compression ratio, wire and sent bytes, the norm of each memory slot
+        (residuals, velocities) and what the method records (DGC's sparsity and mean sampled
+        threshold; with ``details`` also PowerSGD's relative approximation error, which costs
+        a pass over the gradient). Written from the communication thread when a step's
+        exchanges have all finished; nothing is computed while no writer is attached."""
+        self._writer, self._details = writer, details
 
     def _record(self, step: int):
         with self._lock:
@@ -435,8 +448,12 @@ class GradcompState:
         w.add_scalar("gradcomp/sent_bytes", t.sent, step)
         for slot in self.memory.slots():
             w.add_scalar(f"gradcomp/{slot}_norm", float(self.memory.norm(slot)), step)
-        for key, value in list(self._logs.items()):
-            w.add_scalar(f"gradcomp/{key}", float(value), step)
+        with self._lock:
+            logs = self._logs.pop(step, {})
+            for old in [k for k in self._logs if k < step]:
+                del self._logs[old]
+        for key, (total, n) in logs.items():
+            w.add_scalar(f"gradcomp/{key}", float(total) / n, step)
 
     def stats(self) -> dict:
         """Bytes of the latest step: ``raw_bytes`` (the gradients' own size, what a plain

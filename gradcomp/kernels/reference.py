@@ -20,24 +20,61 @@ def check_flat(x: torch.Tensor, name: str = "x") -> None:
 
 
 # --------------------------------------------------------------------------- bit packing
+# Packing by one multiply per word: with b_i in {0, 1} the bytes of a little-endian int64
+# v = sum b_i 2^(8i), v * PACK8 puts b_i at bit 56 + i and every other product either above
+# bit 63 (dropped) or at a distinct position below bit 56 (no carries), so the top byte is
+# sum b_i 2^i. The same for four 2-bit codes in an int32 with PACK4 (top byte sum c_i 4^i).
+PACK8 = 0x0102040810204080
+PACK4 = (1 << 24) | (1 << 18) | (1 << 12) | (1 << 6)
+_UNPACK: dict = {}
+
+
+def _words(t: torch.Tensor, dtype) -> torch.Tensor | None:
+    """t's bytes as words of ``dtype`` when t is contiguous and aligned for it, else None."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    if t.is_contiguous() and t.numel() % size == 0 and (t.storage_offset() * t.element_size()) % size == 0:
+        return t.view(torch.uint8).view(dtype)
+    return None
+
+
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     """Pack a bool tensor of n elements (n % 8 == 0) into n/8 bytes. Reads n, writes n/8."""
-    b = bits.view(-1, 8).to(torch.uint8)
+    w = _words(bits, torch.int64)
+    if w is not None:
+        return ((w * PACK8) >> 56).to(torch.uint8)  # int64 wraps; the cast keeps the low byte
+    b = bits.reshape(-1, 8).to(torch.uint8)
     out = b[:, 0].clone()
-    for i in range(1, 8):  # 8 strided passes over n/8 beat a sum over a size-8 dim
+    for i in range(1, 8):
         out |= b[:, i] << i
     return out
 
 
+def _unpack_table(device, bits: int) -> torch.Tensor:
+    """int64 per byte value: its 8 bits (or 4 2-bit codes, as int32) spread one per byte."""
+    key = (str(device), bits)
+    t = _UNPACK.get(key)
+    if t is None:
+        v = torch.arange(256, dtype=torch.int64)
+        if bits == 1:
+            t = sum(((v >> i) & 1) << (8 * i) for i in range(8))
+        else:
+            t = sum(((v >> (2 * i)) & 3) << (8 * i) for i in range(4)).to(torch.int32)
+        t = _UNPACK[key] = t.to(device)
+    return t
+
+
 def unpack_bits(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack_bits`: n/8 bytes -> n bools."""
-    shifts = torch.arange(8, device=packed.device, dtype=torch.uint8)
-    return ((packed.unsqueeze(-1) >> shifts) & 1).view(*packed.shape[:-1], -1).bool()
+    """Inverse of :func:`pack_bits`: n/8 bytes -> n bools (one table lookup per byte)."""
+    words = _unpack_table(packed.device, 1)[packed.long()]
+    return words.view(torch.uint8).view(*packed.shape[:-1], -1).view(torch.bool)
 
 
 def pack_2bit(codes: torch.Tensor) -> torch.Tensor:
     """Pack uint8 codes in {0,1,2,3} (n % 4 == 0) four to a byte. Reads n, writes n/4."""
-    c = codes.view(-1, 4)
+    w = _words(codes, torch.int32)
+    if w is not None:
+        return ((w * PACK4) >> 24).to(torch.uint8)
+    c = codes.reshape(-1, 4)
     out = c[:, 0].clone()
     for i in range(1, 4):
         out |= c[:, i] << (2 * i)
@@ -45,8 +82,8 @@ def pack_2bit(codes: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_2bit(packed: torch.Tensor) -> torch.Tensor:
-    shifts = torch.arange(0, 8, 2, device=packed.device, dtype=torch.uint8)
-    return ((packed.unsqueeze(-1) >> shifts) & 3).view(*packed.shape[:-1], -1)
+    words = _unpack_table(packed.device, 2)[packed.long()]
+    return words.view(torch.uint8).view(*packed.shape[:-1], -1)
 
 
 # --------------------------------------------------------------------------- 1-bit SGD
@@ -65,7 +102,7 @@ def onebit_compress(x: torch.Tensor, residual: torch.Tensor | None, chunk: int):
     pos = yc >= 0
     npos = pos.sum(dim=1)
     nneg = chunk - npos
-    psum = torch.where(pos, yc, 0.0).sum(dim=1)
+    psum = yc.clamp_min(0.0).sum(dim=1)  # the same sum as over where(pos, yc, 0)
     nsum = yc.sum(dim=1) - psum
     scales = torch.stack([psum / npos.clamp_min(1), nsum / nneg.clamp_min(1)])
     if residual is not None:
