@@ -125,13 +125,15 @@ class OneBit(Compressor):
 
 def _spread(src, pieces, W, part):
     """(W, part) zero-padded: row j holds part j of every parameter of the flat ``src``."""
-    dst = torch.zeros(W, part, dtype=torch.float32, device=src.device)
+    dst = torch.empty(W, part, dtype=torch.float32, device=src.device)
     for off, n, col, width in pieces:
         block = dst[:, col : col + width]
         q, rem = divmod(n, width)
         block[:q].copy_(src[off : off + q * width].view(q, width))
         if rem:
             block[q, :rem].copy_(src[off + q * width : off + n])
+            block[q, rem:].zero_()
+        block[q + (rem > 0):].zero_()  # only the padding is zeroed, not the whole buffer
     return dst
 
 

@@ -38,16 +38,22 @@ class TernGradConfig(MethodConfig):
         check(self.clip >= 0, "clip", self.clip, "a number >= 0 (0 = off)")
 
 
-def layer_stats(y: torch.Tensor, lengths: torch.Tensor, clip: float) -> torch.Tensor:
+def layer_stats(y: torch.Tensor, lengths: torch.Tensor, clip: float, pieces=None) -> torch.Tensor:
     """Clip y in place at clip * sigma per segment (consecutive runs of ``lengths``); return
-    the per-segment max |y|."""
+    the per-segment max |y|. ``pieces`` [(.., .., start, length)] clips segment by segment
+    (bounds stay on the device) instead of spreading the bound over every element."""
     if clip:
         mean = torch.segment_reduce(y, "mean", lengths=lengths)
         meansq = torch.segment_reduce(y * y, "mean", lengths=lengths)
-        sigma = (meansq - mean * mean).clamp_min(0).sqrt()
-        bound = torch.repeat_interleave(clip * sigma, lengths, output_size=y.numel())
-        torch.minimum(y, bound, out=y)
-        torch.maximum(y, -bound, out=y)
+        bound = (meansq - mean * mean).clamp_min(0).sqrt().mul_(clip)
+        if pieces is None:
+            full = torch.repeat_interleave(bound, lengths, output_size=y.numel())
+            torch.minimum(y, full, out=y)
+            torch.maximum(y, -full, out=y)
+        else:
+            for i, (*_, at, m) in enumerate(pieces):
+                seg = y[at : at + m]
+                torch.clamp(seg, min=-bound[i : i + 1], max=bound[i : i + 1], out=seg)
     return torch.segment_reduce(y.abs(), "max", lengths=lengths)
 
 
@@ -66,7 +72,7 @@ class TernGrad(Compressor):
         if not big:
             return self.dense(x, ctx)
         cfg, W = self.config, ctx.comm.world_size
-        pieces, npad, lengths, seg = self._layout(big, x.device)
+        pieces, npad, lengths = self._layout(big, x.device)
         y = _spread(x, pieces, npad)
         e = ctx.memory("residual") if cfg.error_feedback else None
         res = None
@@ -74,11 +80,11 @@ class TernGrad(Compressor):
             res = _spread(e, pieces, npad)
             y.add_(res)
             unclipped = y.clone() if cfg.clip else None
-        scale = layer_stats(y, lengths, cfg.clip)
+        scale = layer_stats(y, lengths, cfg.clip, pieces)
         if cfg.share_scalers:
             ctx.comm.allreduce(scale, op="max")
         packed = torch.empty(npad // 4, dtype=torch.uint8, device=x.device)
-        zeros = seg.new_zeros(max(at_m[3] for at_m in pieces))
+        zeros = lengths.new_zeros(max(m for *_, m in pieces))  # segment ids of one layer
         for i, ((off, n, at, m), p) in enumerate(zip(pieces, big)):
             r = res[at : at + m].zero_() if res is not None else None
             packed[at // 4 : (at + m) // 4] = kernels.ternary_compress(
@@ -96,7 +102,9 @@ class TernGrad(Compressor):
             scales = got[:, packed.numel() : packed.numel() + 4 * len(big)].contiguous()
             scales = scales.view(torch.float32)
         full = torch.zeros(npad, dtype=torch.float32, device=x.device)
-        kernels.ternary_decompress(got[:, : packed.numel()].contiguous(), scales, seg, full, 1.0 / W)
+        for i, (_, _, at, m) in enumerate(pieces):  # one layer at a time: one scale each
+            kernels.ternary_decompress(got[:, at // 4 : (at + m) // 4].contiguous(),
+                                       scales[:, i : i + 1], zeros[:m], full[at : at + m], 1.0 / W)
         out = torch.empty_like(x)
         _gather(full, out, pieces)
         put_dense(got[:, got.shape[1] - tail.numel() :], dense, out)
@@ -104,8 +112,8 @@ class TernGrad(Compressor):
 
     def _layout(self, params, device):
         """Each layer padded to whole bytes of codes (a multiple of 4 elements): pieces
-        [(offset in x, numel, offset padded, padded numel)], padded length, the padded
-        lengths and the segment id of every padded element."""
+        [(offset in x, numel, offset padded, padded numel)], padded length and the padded
+        lengths."""
         key = (tuple((p.name, p.offset, p.numel) for p in params), str(device))
         hit = self._layouts.get(key)
         if hit is None:
@@ -115,15 +123,15 @@ class TernGrad(Compressor):
                 pieces.append((p.offset, p.numel, at, m))
                 at += m
             lengths = torch.tensor([m for *_, m in pieces], device=device)
-            seg = torch.repeat_interleave(torch.arange(len(pieces), device=device), lengths)
-            hit = self._layouts[key] = (pieces, at, lengths, seg)
+            hit = self._layouts[key] = (pieces, at, lengths)
         return hit
 
 
 def _spread(src, pieces, npad):
-    dst = torch.zeros(npad, dtype=torch.float32, device=src.device)
-    for off, n, at, _ in pieces:
+    dst = torch.empty(npad, dtype=torch.float32, device=src.device)
+    for off, n, at, m in pieces:
         dst[at : at + n] = src[off : off + n]
+        dst[at + n : at + m].zero_()  # the padding (up to 3 elements)
     return dst
 
 

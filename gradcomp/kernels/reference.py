@@ -106,9 +106,16 @@ def onebit_compress(x: torch.Tensor, residual: torch.Tensor | None, chunk: int):
     nsum = yc.sum(dim=1) - psum
     scales = torch.stack([psum / npos.clamp_min(1), nsum / nneg.clamp_min(1)])
     if residual is not None:
-        deq = torch.where(pos, scales[0].unsqueeze(1), scales[1].unsqueeze(1))
-        torch.sub(yc, deq, out=residual.view(-1, chunk))
+        torch.sub(yc, _dequant(pos, scales[0], scales[1]), out=residual.view(-1, chunk))
     return pack_bits(pos.view(-1)), scales
+
+
+def _dequant(pos: torch.Tensor, high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """where(pos, high, low) per chunk row, computed as low + pos * (high - low) at half the
+    cost of a broadcasting where on the CPU; a chosen ``high`` may differ from the scale in
+    its last bits (one rounding of high - low). Encoder and decoder both use it, so the
+    error-feedback residual accounts for exactly what the decoder produces."""
+    return pos.to(torch.float32).mul_((high - low).unsqueeze(-1)).add_(low.unsqueeze(-1))
 
 
 def onebit_decompress(bits: torch.Tensor, scales: torch.Tensor, chunk: int, out: torch.Tensor,
@@ -118,8 +125,10 @@ def onebit_decompress(bits: torch.Tensor, scales: torch.Tensor, chunk: int, out:
     bits: (W, n/8) uint8, scales: (W, 2, n/chunk). Reads W*(n/8 + 8n/chunk) + 4n, writes 4n.
     """
     pos = unpack_bits(bits).view(bits.shape[0], -1, chunk)
-    vals = torch.where(pos, scales[:, 0].unsqueeze(-1), scales[:, 1].unsqueeze(-1))
-    out.view(-1, chunk).add_(vals.sum(dim=0), alpha=alpha)
+    total = _dequant(pos[0], scales[0, 0], scales[0, 1])
+    for w in range(1, pos.shape[0]):
+        total += _dequant(pos[w], scales[w, 0], scales[w, 1])
+    out.view(-1, chunk).add_(total, alpha=alpha)
     return out
 
 
@@ -142,12 +151,12 @@ def ternary_compress(x: torch.Tensor, residual: torch.Tensor | None, scale: torc
     """
     check_flat(x)
     y = x + residual if residual is not None else x
-    s = scale[seg]
-    u = uniform(seed, y.numel(), y.device)
-    keep = u * s < y.abs()
-    codes = torch.where(keep, torch.where(y >= 0, 1, 2), 0).to(torch.uint8)
+    s = scale if scale.numel() == 1 else scale[seg]  # one layer: no gather
+    keep = uniform(seed, y.numel(), y.device).mul_(s) < y.abs()
+    neg = y < 0
+    codes = neg.to(torch.uint8).add_(1).mul_(keep)  # 0 -> 0, +1 -> 1, -1 -> 2
     if residual is not None:
-        q = torch.where(keep, torch.where(y >= 0, s, -s), 0.0)
+        q = neg.to(torch.float32).mul_(-2.0).add_(1.0).mul_(keep).mul_(s)  # s * sign * keep
         torch.sub(y, q, out=residual)
     return pack_2bit(codes)
 
@@ -157,7 +166,8 @@ def ternary_decompress(packed: torch.Tensor, scale: torch.Tensor, seg: torch.Ten
     """Accumulate alpha * sum_w s[w] * q[w] into out. packed (W, n/4), scale (W, S)."""
     codes = unpack_2bit(packed)[:, : out.numel()]
     sign = (codes == 1).float() - (codes == 2).float()
-    out.add_((sign * scale[:, seg]).sum(dim=0), alpha=alpha)
+    s = scale if scale.shape[1] == 1 else scale[:, seg]  # one layer: no gather
+    out.add_((sign * s).sum(dim=0), alpha=alpha)
     return out
 
 
