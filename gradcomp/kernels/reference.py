@@ -111,11 +111,9 @@ def onebit_compress(x: torch.Tensor, residual: torch.Tensor | None, chunk: int):
 
 
 def _dequant(pos: torch.Tensor, high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-    """where(pos, high, low) per chunk row, computed as low + pos * (high - low) at half the
-    cost of a broadcasting where on the CPU; a chosen ``high`` may differ from the scale in
-    its last bits (one rounding of high - low). Encoder and decoder both use it, so the
-    error-feedback residual accounts for exactly what the decoder produces."""
-    return pos.to(torch.float32).mul_((high - low).unsqueeze(-1)).add_(low.unsqueeze(-1))
+    """where(pos, high, low) per chunk row: the scales exactly (the decoder's specification;
+    a multiply-add would be faster on the CPU but can round the chosen scale)."""
+    return torch.where(pos, high.unsqueeze(-1), low.unsqueeze(-1))
 
 
 def onebit_decompress(bits: torch.Tensor, scales: torch.Tensor, chunk: int, out: torch.Tensor,
