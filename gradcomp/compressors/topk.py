@@ -60,7 +60,7 @@ def sparse_select(y: torch.Tensor, ratio: float, sample_ratio: float, seed: int,
     # enough samples that ~MIN_SAMPLE_HITS of them land above the threshold
     m = min(n, max(math.ceil(sample_ratio * n), math.ceil(MIN_SAMPLE_HITS * n / target)))
     sample = torch.randint(0, n, (m,), generator=g, device=y.device)
-    thr = kernels.sample_threshold(y.abs(), target, sample)
+    thr = kernels.sample_threshold(y, target, sample)
     if thresholds is not None:
         thresholds.append(thr)
     return kernels.select_topk(y, thr, k, capacity)

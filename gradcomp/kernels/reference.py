@@ -170,14 +170,15 @@ def ternary_decompress(packed: torch.Tensor, scale: torch.Tensor, seg: torch.Ten
 
 
 # --------------------------------------------------------------------------- top-k select
-def sample_threshold(xabs: torch.Tensor, k: int, sample: torch.Tensor) -> torch.Tensor:
-    """Estimate the magnitude of the k-th largest element from a random sample (no full sort).
+def sample_threshold(x: torch.Tensor, k: int, sample: torch.Tensor) -> torch.Tensor:
+    """Estimate the magnitude of the k-th largest |x| from a random sample (no full sort, and
+    no pass over x: only the sampled elements are read).
 
-    xabs: (n,) magnitudes; sample: int64 indices into xabs. Returns a 0-d tensor t such that
-    about k elements have |x| >= t.
+    x: (n,) values; sample: int64 indices into x. Returns a 0-d tensor t such that about k
+    elements have |x| >= t.
     """
-    s = xabs[sample]
-    ks = max(1, min(s.numel(), -(-k * s.numel() // xabs.numel())))
+    s = x[sample].abs()
+    ks = max(1, min(s.numel(), -(-k * s.numel() // x.numel())))
     return torch.topk(s, ks, sorted=False).values.min()
 
 

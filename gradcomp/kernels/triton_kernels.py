@@ -44,13 +44,14 @@ from .reference import check_flat
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
-# Elements per program (a power of two, >= 64). Native: 4096 (16 KiB of fp32 per load,
-# 4 warps x 32 lanes x 32 elements), the range the Triton tutorials use for memory-bound
-# elementwise kernels; it has NOT been tuned on hardware here: gradcomp.bench_kernels reports
-# each kernel's bandwidth against a plain copy to check it. The interpreter runs programs one
-# after another in Python, so its cost is per program: 65536 keeps a 4M-element test at a
-# few seconds. Read at call time, so tests can shrink it to exercise many programs.
-BLOCK = 65536 if _INTERPRET else 4096
+# Elements per program (a power of two, >= 64). Native: 2048 with 4 warps, chosen by a sweep
+# on an H100 (bench/gpu_probe.py sweep, recorded in bench/RESULTS.md): at 25M elements it puts
+# every quantize/pack/unpack kernel at 78-121% of the bandwidth of a copy of the same bytes, where
+# 4096 left ternary_decompress at 60% and 16384 collapsed (register spills). The
+# interpreter runs programs one after another in Python, so its cost is per program: 65536
+# keeps a 4M-element test at a few seconds. Read at call time, so tests can shrink it to
+# exercise many programs.
+BLOCK = 65536 if _INTERPRET else 2048
 NUM_WARPS = 4
 
 _U64 = (1 << 64) - 1

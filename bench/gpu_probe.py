@@ -1,0 +1,126 @@
+"""Where the GPU time goes (one CUDA device): kernel block/warp sweep, the DGC select broken
+into its steps, and a torch.profiler table of one DDP step per method (NCCL, one rank).
+
+    PYTHONPATH=. python3 bench/gpu_probe.py [sweep] [dgc] [profile]
+"""
+import math
+import os
+import sys
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from gradcomp import bench_kernels as bk
+from gradcomp.compressors.topk import CAPACITY_FACTOR, TARGET_FACTOR, sparse_select
+from gradcomp.kernels import reference
+from gradcomp.kernels import triton_kernels as tk
+
+DEV = torch.device("cuda")
+N = 25_000_000
+
+
+def ms(fn):
+    return do_bench(fn, warmup=20, rep=100, return_mode="median")
+
+
+def sweep():
+    print("== block / warps sweep at n=%d (vs copy of the same bytes)" % N)
+    keep = ("onebit_compress", "onebit_decompress", "ternary_compress", "ternary_decompress",
+            "select_topk")
+    cases = [c for c in bk._cases(N, DEV) if c[0] in keep]
+    copies = {name: ms(bk._copy_fn(nbytes, DEV)) for name, nbytes, _, _ in cases}
+    print(f"{'kernel':<20}" + "".join(f"{b:>7}/{w}w" for b in (2048, 4096, 8192, 16384) for w in (4, 8)))
+    for name, nbytes, fn, _ in cases:
+        cells = []
+        for b in (2048, 4096, 8192, 16384):
+            for w in (4, 8):
+                tk.BLOCK, tk.NUM_WARPS = b, w
+                cells.append(copies[name] / ms(fn))
+        print(f"{name:<20}" + "".join(f"{c:>10.2f}" for c in cells))
+    tk.BLOCK, tk.NUM_WARPS = 4096, 4
+
+
+def dgc(n=N, ratio=0.001):
+    print(f"== DGC select steps at n={n}, ratio={ratio} (ms, median)")
+    x = torch.randn(n, device=DEV)
+    k = max(1, math.ceil(ratio * n))
+    target, capacity = math.ceil(TARGET_FACTOR * k), CAPACITY_FACTOR * k
+    m = max(math.ceil(0.01 * n), math.ceil(32 * n / target))
+    g = torch.Generator(device=DEV)
+    g.manual_seed(0)
+    sample = torch.randint(0, n, (m,), generator=g, device=DEV)
+    thr = reference.sample_threshold(x, target, sample)
+    nb = triton.cdiv(n, tk.BLOCK)
+    counts = torch.empty(nb, dtype=torch.int32, device=DEV)
+    start = torch.zeros(nb, dtype=torch.int64, device=DEV)
+    cv = torch.zeros(capacity, device=DEV)
+    ci = torch.zeros(capacity, dtype=torch.int32, device=DEV)
+    tk._count_kernel[(nb,)](x, thr, counts, n, BLOCK_=tk.BLOCK)
+    start = torch.cumsum(counts, 0, dtype=torch.int64) - counts
+    tk._compact_kernel[(nb,)](x, thr, start, cv, ci, n, capacity, BLOCK_=tk.BLOCK)
+    rows = {
+        "copy of x (read+write)": lambda: torch.empty_like(x).copy_(x),
+        "x.abs()": lambda: x.abs(),
+        "generator + randint(m)": lambda: torch.randint(0, n, (m,), generator=torch.Generator(device=DEV).manual_seed(0), device=DEV),
+        "x[sample].abs()": lambda: x[sample].abs(),
+        "sample_threshold(x)": lambda: reference.sample_threshold(x, target, sample),
+        "topk(sample, ks)": lambda: torch.topk(x[sample].abs(), max(1, target * m // n), sorted=False),
+        "count kernel": lambda: tk._count_kernel[(nb,)](x, thr, counts, n, BLOCK_=tk.BLOCK),
+        "cumsum(counts)": lambda: torch.cumsum(counts, 0, dtype=torch.int64) - counts,
+        "compact kernel": lambda: tk._compact_kernel[(nb,)](x, thr, start, cv, ci, n, capacity, BLOCK_=tk.BLOCK),
+        f"topk(cand {capacity}, {k})": lambda: torch.topk(cv.abs(), k, sorted=False),
+        f"kthvalue(cand, {capacity - k + 1})": lambda: torch.kthvalue(cv.abs(), capacity - k + 1),
+        "sort(cand)": lambda: torch.sort(cv.abs()),
+        "select_topk (all)": lambda: tk.select_topk(x, thr, k, capacity),
+        "sparse_select (all)": lambda: sparse_select(x, ratio, 0.01, seed=0),
+        "torch.topk(x.abs(), k)": lambda: torch.topk(x.abs(), k, sorted=False),
+    }
+    for name, fn in rows.items():
+        print(f"  {name:<34}{ms(fn):>9.4f}")
+
+
+def profile(methods=("dgc:ratio=0.001", "onebit", "powersgd:rank=2")):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import gradcomp
+    from gradcomp import models
+    from gradcomp.hooks import parse_spec
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    xb = torch.randn(128, 3, 32, 32, device=DEV)
+    yb = torch.randint(0, 10, (128,), device=DEV)
+    for spec in methods:
+        torch.manual_seed(0)
+        net = DDP(models.build("resnet18").to(DEV), device_ids=[0], broadcast_buffers=False)
+        opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+        name, opts = parse_spec(spec)
+        state = gradcomp.register(net, name, optimizer=opt if name == "dgc" else None, **opts)
+
+        def step():
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(net(xb), yb).backward()
+            opt.step()
+        for _ in range(8):
+            step()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+        ka = prof.key_averages()
+        print(f"== profile {spec}: 3 steps, top ops by self CPU time")
+        print(ka.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=48))
+        syncs = [(e.key, e.count) for e in ka if "ynchronize" in e.key or "Memcpy" in e.key
+                 or e.key.startswith("gradcomp.")]
+        print("syncs/copies/buckets:", syncs)
+        state.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    what = sys.argv[1:] or ["sweep", "dgc", "profile"]
+    for w in what:
+        {"sweep": sweep, "dgc": dgc, "profile": profile}[w]()
