@@ -68,27 +68,58 @@ class ParamMemory:
                 t = d[name] = init()
             return t
 
-    def snapshot(self, names) -> dict:
-        """Copies of every slot of the parameters ``names`` (see :meth:`restore`)."""
+    def snapshot(self, names, bucket=None) -> dict:
+        """Copies of every slot of the parameters ``names`` (see :meth:`restore`). Where a
+        slot's flat buffer for ``bucket`` holds exactly ``names``, it is copied whole (one
+        copy per slot instead of one per parameter: on a GPU each is a launch)."""
+        layout = tuple(names)
         names = set(names)
         with self._lock:
+            whole, flat = {}, {}
+            for s, d in self._views.items():
+                buf = self._whole(s, bucket, layout)
+                if buf is not None:
+                    whole[s] = (buf, buf.clone())
+                else:
+                    flat.update({(s, n): v.clone() for n, v in d.items() if n in names})
             return {
-                "flat": {(s, n): v.clone() for s, d in self._views.items() for n, v in d.items()
-                         if n in names},
+                "bucket": bucket, "whole": whole, "flat": flat,
                 "tensors": {(s, n): t.clone() for s, d in self._tensors.items()
                             for n, t in d.items() if n in names},
             }
 
+    def _whole(self, slot, bucket, layout):
+        """The flat buffer of (slot, bucket) if every view of ``layout`` lies in it, in order."""
+        hit = self._flat.get((slot, bucket))
+        if hit is None or hit[0] != layout:
+            return None
+        views = self._views.get(slot, {})
+        if all(views.get(n) is not None and views[n]._base is hit[1] for n in layout):
+            return hit[1]
+        return None
+
     def restore(self, snap: dict, names) -> None:
         """Put the parameters ``names`` back as they were at ``snap``: slots created since
         start again from zero (flat) or from their initializer (tensors)."""
+        layout = tuple(names)
         names = set(names)
         with self._lock:
             for s, d in self._views.items():
-                for n, v in d.items():
-                    if n in names:
+                buf, old_whole = snap["whole"].get(s, (None, None))
+                if buf is not None and buf is self._whole(s, snap["bucket"], layout):
+                    buf.copy_(old_whole)
+                    continue
+                off = 0
+                for n in layout:  # views in layout order: offsets into a whole copy
+                    v = d.get(n)
+                    if v is None:
+                        continue
+                    if old_whole is not None:
+                        v.copy_(old_whole[off : off + v.numel()])
+                    else:
                         old = snap["flat"].get((s, n))
                         v.copy_(old) if old is not None else v.zero_()
+                    off += v.numel()
             for s, d in self._tensors.items():
                 for n in [n for n in d if n in names]:
                     old = snap["tensors"].get((s, n))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -93,8 +94,12 @@ def train(rank: int, world: int, cfg: TrainConfig | dict) -> dict:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
         torch.cuda.set_device(device)
     net = models.build(cfg.model).to(device)
-    model = DDP(net, broadcast_buffers=cfg.broadcast_buffers,
-                device_ids=[device.index] if device.type == "cuda" else None)
+    with warnings.catch_warnings():
+        # torch >= 2.13 deprecates broadcast_buffers for forward_sync_buffers; the old spelling
+        # still means exactly what is asked for here (no per-forward buffer broadcast)
+        warnings.filterwarnings("ignore", message=".*broadcast_buffers", category=FutureWarning)
+        model = DDP(net, broadcast_buffers=cfg.broadcast_buffers,
+                    device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr * world, momentum=cfg.momentum,
                           weight_decay=cfg.weight_decay, nesterov=cfg.momentum > 0)
     state = attach(model, cfg.method, opt, **cfg.options)

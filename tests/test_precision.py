@@ -43,6 +43,32 @@ def test_a_non_finite_step_propagates_and_leaves_memory_alone(spec, bad):
     assert hit.step == clean.step
 
 
+def test_memory_restore_after_whole_bucket_and_relayout_snapshots():
+    """The guard's snapshot copies a bucket's flat buffer whole; restore puts every
+    parameter back, also when the bucket's layout changed in between, and zeroes a slot
+    created after the snapshot."""
+    from gradcomp.memory import ParamMemory
+    m = ParamMemory()
+    buf = m.flat("r", 0, ["a", "b"], [3, 2], "cpu")
+    buf.copy_(torch.arange(5.0))
+    q = m.tensor("q", "a", lambda: torch.ones(2))
+    snap = m.snapshot(["a", "b"], 0)
+    assert set(snap["whole"]) == {"r"} and not snap["flat"]  # one copy, not one per name
+    buf.mul_(-1)
+    q.mul_(5)
+    m.flat("v", 0, ["a", "b"], [3, 2], "cpu").fill_(7)
+    m.restore(snap, ["a", "b"])
+    assert torch.equal(m.flat("r", 0, ["a", "b"], [3, 2], "cpu"), torch.arange(5.0))
+    assert torch.equal(m.flat("v", 0, ["a", "b"], [3, 2], "cpu"), torch.zeros(5))
+    assert torch.equal(q, torch.ones(2))
+    snap = m.snapshot(["a", "b"], 0)
+    buf.mul_(-1)
+    m.flat("r", 0, ["b", "a"], [2, 3], "cpu")  # DDP moved them: a new buffer, values kept
+    m.restore(snap, ["a", "b"])
+    assert torch.equal(m.flat("r", 0, ["b", "a"], [2, 3], "cpu"),
+                       torch.tensor([3.0, 4.0, 0.0, 1.0, 2.0]))
+
+
 def _scaled_run(rank, world, spec, mode, steps=8, bad_step=3):
     """mode: 'scaler' (GradScaler passed to register, inf on rank 0 at bad_step),
     'plain' (no scaling; bad_step left out), 'unregistered' (GradScaler not passed)."""

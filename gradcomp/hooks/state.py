@@ -286,7 +286,7 @@ class GradcompState:
         finite = bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())  # 1 pass
         any_bad = ctx.comm.any_async(not finite, x.device)
         names = [p.name for p in ctx.params]
-        snap = self.memory.snapshot(names)
+        snap = self.memory.snapshot(names, ctx.bucket)
         orig = None
         if not finite:  # the compressor must still run (same collectives on every rank)
             orig = x.clone()
