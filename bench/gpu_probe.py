@@ -123,4 +123,7 @@ def profile(methods=("dgc:ratio=0.001", "onebit", "powersgd:rank=2")):
 if __name__ == "__main__":
     what = sys.argv[1:] or ["sweep", "dgc", "profile"]
     for w in what:
-        {"sweep": sweep, "dgc": dgc, "profile": profile}[w]()
+        if w.startswith("profile="):  # profile=spec,spec
+            profile(tuple(w.split("=", 1)[1].split(";")))
+        else:
+            {"sweep": sweep, "dgc": dgc, "profile": profile}[w]()
