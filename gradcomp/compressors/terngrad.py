@@ -102,9 +102,10 @@ class TernGrad(Compressor):
             scales = got[:, packed.numel() : packed.numel() + 4 * len(big)].contiguous()
             scales = scales.view(torch.float32)
         full = torch.zeros(npad, dtype=torch.float32, device=x.device)
+        scales = scales.t().contiguous()  # (layers, W): each layer's W scales contiguous
         for i, (_, _, at, m) in enumerate(pieces):  # one layer at a time: one scale each
             kernels.ternary_decompress(got[:, at // 4 : (at + m) // 4].contiguous(),
-                                       scales[:, i : i + 1], zeros[:m], full[at : at + m], 1.0 / W)
+                                       scales[i].view(W, 1), zeros[:m], full[at : at + m], 1.0 / W)
         out = torch.empty_like(x)
         _gather(full, out, pieces)
         put_dense(got[:, got.shape[1] - tail.numel() :], dense, out)

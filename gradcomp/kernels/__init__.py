@@ -2,7 +2,9 @@
 
 CPU tensors run the pure-torch reference (:mod:`.reference`), which is the specification.
 CUDA tensors run the Triton kernels when Triton is importable; Triton is imported lazily so
-the package imports without it. Set ``GRADCOMP_KERNELS=reference`` to force the reference.
+the package imports without it. Set ``GRADCOMP_KERNELS=reference`` to force the reference,
+or ``GRADCOMP_KERNELS=triton`` (with ``TRITON_INTERPRET=1`` for CPU tensors) to run the
+kernels on every tensor: that is how the tests drive the compressors' GPU path on a CPU.
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ _triton = None
 
 def _use_triton(t: torch.Tensor) -> bool:
     global _triton
-    if t.device.type != "cuda" or os.environ.get("GRADCOMP_KERNELS") == "reference":
+    mode = os.environ.get("GRADCOMP_KERNELS", "auto")
+    if mode == "reference" or (t.device.type != "cuda" and mode != "triton"):
         return False
     if _triton is None:
         try:
