@@ -35,6 +35,14 @@ def _lanes(args) -> None:
         raise UsageError(f"--lanes {args.lanes}: expected an integer >= 1")
 
 
+def _device(args) -> str:
+    if args.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: no CUDA device is available here")
+    return args.device
+
+
 def _methods(text: str) -> list[str]:
     from .train import check_spec
     specs = _split_specs(text)
@@ -118,6 +126,7 @@ def cmd_ddp(args) -> int:
     from .train import TrainConfig
     methods = _methods(args.methods)
     _lanes(args)
+    _device(args)
     torchrun = _under_torchrun()
     if torchrun and args.link:
         raise UsageError("--link shapes local ranks; under torchrun your real network is the link")
@@ -146,7 +155,8 @@ def cmd_ddp(args) -> int:
         _progress(i, len(jobs), f"world {w} link {_rate_name(rate)} {m}")
         cfg = TrainConfig(method=m, model=args.model, data=data_dir, synthetic=args.synthetic,
                           epochs=0, max_steps=args.steps + args.warmup, batch=args.batch,
-                          eval=False, seed=args.seed, options=_delay_opts(m, args))
+                          eval=False, seed=args.seed, options=_delay_opts(m, args),
+                          device=args.device)
         if torchrun:
             res = _torchrun_ranks(cfg)[0]
         elif rate is None:
@@ -241,6 +251,7 @@ def cmd_convergence(args) -> int:
     from .train import TrainConfig
     methods = _methods(args.methods)
     _lanes(args)
+    _device(args)
     worlds = _worlds(str(args.world))
     data_dir = _data(args)
     out_dir = Path(args.out)
@@ -251,7 +262,7 @@ def cmd_convergence(args) -> int:
         _progress(i, len(methods), m)
         cfg = TrainConfig(method=m, model=args.model, data=data_dir, synthetic=args.synthetic,
                           epochs=args.epochs, batch=args.batch, lr=args.lr, seed=args.seed,
-                          eval=True, options=_delay_opts(m, args))
+                          eval=True, options=_delay_opts(m, args), device=args.device)
         res = bench.run_ranks(worlds[0], cfg)[0]
         results[m] = res
         for c in res["curve"]:
@@ -346,6 +357,8 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--json", default=None)
         s.add_argument("--tensorboard", default=None, metavar="DIR")
         s.add_argument("--out", default="bench/out", help="directory for plots")
+        s.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
+                       help="auto: a GPU per rank under NCCL; cuda: GPUs also with gloo ranks")
 
     d = sub.add_parser("ddp", help="end-to-end step time per method and link")
     common(d, DEFAULT_METHODS, "resnet_small", 32)

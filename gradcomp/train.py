@@ -77,6 +77,9 @@ class TrainConfig:
     # DDP's per-forward broadcast of BatchNorm buffers is a blocking round trip that no comm
     # hook can hide; off, each rank keeps its own running statistics (rank 0's are evaluated).
     broadcast_buffers: bool = False
+    # "auto": a GPU per rank under NCCL, else the CPU; "cuda": a GPU per rank whatever the
+    # backend (several gloo ranks may share one GPU); "cpu"
+    device: str = "auto"
 
 
 def train(rank: int, world: int, cfg: TrainConfig | dict) -> dict:
@@ -89,8 +92,11 @@ def train(rank: int, world: int, cfg: TrainConfig | dict) -> dict:
         (xtr, ytr), (xte, yte) = data.load(data.resolve(cfg.data))
     if cfg.train_subset:
         xtr, ytr = xtr[: cfg.train_subset], ytr[: cfg.train_subset]
+    if cfg.device not in ("auto", "cuda", "cpu"):
+        raise ValueError(f"device={cfg.device!r}: allowed 'auto', 'cuda', 'cpu'")
     device = torch.device("cpu")
-    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()
+                                and dist.get_backend() == "nccl"):
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
         torch.cuda.set_device(device)
     net = models.build(cfg.model).to(device)

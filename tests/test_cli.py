@@ -23,6 +23,13 @@ def test_bad_input_is_one_line_and_exit_2(argv, match, capsys):
     assert len(err) == 1 and err[0].startswith("gradcomp-bench: error:") and match in err[0]
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+def test_device_cuda_without_a_gpu_is_refused(capsys):
+    assert cli.main(["convergence", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--device cuda: no CUDA device" in err[0]
+
+
 def test_spec_list_splitting_keeps_options_with_their_method():
     assert cli._split_specs("a:x=1,y=2,b,c:z=3") == ["a:x=1,y=2", "b", "c:z=3"]
 
