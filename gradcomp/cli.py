@@ -22,7 +22,7 @@ from pathlib import Path
 
 DEFAULT_METHODS = ("ddp,noop,allreduce,fp16,torch-powersgd:rank=2,dgc:ratio=0.001,onebit,"
                    "terngrad,powersgd:rank=2,topk:ratio=0.01")
-CONVERGENCE_METHODS = ("allreduce,dgc:ratio=0.001,warmup_steps=300,onebit,terngrad,"
+CONVERGENCE_METHODS = ("allreduce,dgc:ratio=0.001,warmup_steps=300,onebit:dense_steps=100,terngrad,"
                        "powersgd:rank=2,topk:ratio=0.01,torch-powersgd:rank=2")
 
 
