@@ -1,8 +1,9 @@
 """Micro-benchmarks of the quantize and select steps.
 
 For each kernel and size, three timings of the same work on one device:
-  * ``dispatch``: ``gradcomp.kernels.<fn>``, what the compressors call (Triton on CUDA, the
-    torch reference on CPU);
+  * ``dispatch``: ``gradcomp.kernels.<fn>``, what the compressors call (Triton on CUDA; on
+    the CPU the blocked path of :mod:`gradcomp.kernels.cpu` for the 1-bit and TernGrad steps,
+    the torch reference for the others);
   * ``reference``: ``gradcomp.kernels.reference.<fn>``;
   * ``copy``: ``dst.copy_(src)`` moving as many bytes as the kernel must read plus write,
     the bandwidth yardstick.
@@ -178,7 +179,7 @@ def run(sizes=(1 << 20, 25_000_000), device=None, repeats: int = 20) -> list[dic
         backend = "triton" if kernels._use_triton(probe) else "reference"
         for kernel, nbytes, dispatch_fn, ref_fn in _cases(n, device):
             copy_med = row(kernel, n, "copy", "torch", nbytes, _copy_fn(nbytes, device), None)
-            row(kernel, n, "dispatch", backend, nbytes, dispatch_fn, copy_med)
+            row(kernel, n, "dispatch", kernels.backend(kernel, probe), nbytes, dispatch_fn, copy_med)
             row(kernel, n, "reference", "reference", nbytes, ref_fn, copy_med)
 
         # DGC: sampled threshold + select_topk at ratio 0.001 vs an exact top-k of |x|

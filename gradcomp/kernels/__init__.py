@@ -1,7 +1,9 @@
 """Quantize and select steps, dispatched by device.
 
-CPU tensors run the pure-torch reference (:mod:`.reference`), which is the specification.
-CUDA tensors run the Triton kernels when Triton is importable; Triton is imported lazily so
+CPU tensors run pure torch: the 1-bit and TernGrad steps through :mod:`.cpu` (the reference's arithmetic
+block by block, bit-identical to it), everything else through the reference
+(:mod:`.reference`), which is the specification. CUDA tensors run the Triton kernels when
+Triton is importable; Triton is imported lazily so
 the package imports without it. Set ``GRADCOMP_KERNELS=reference`` to force the reference,
 or ``GRADCOMP_KERNELS=triton`` (with ``TRITON_INTERPRET=1`` for CPU tensors) to run the
 kernels on every tensor: that is how the tests drive the compressors' GPU path on a CPU.
@@ -12,7 +14,7 @@ import os
 
 import torch
 
-from . import reference
+from . import cpu, reference
 from .reference import (  # noqa: F401  (re-exported helpers with no kernel of their own)
     check_flat, pack_2bit, pack_bits, sample_threshold, unpack_2bit, unpack_bits, uniform,
 )
@@ -34,8 +36,17 @@ def _use_triton(t: torch.Tensor) -> bool:
     return bool(_triton)
 
 
+def backend(name: str, t: torch.Tensor) -> str:
+    """Which implementation of step ``name`` runs for tensors like ``t``: "triton", "cpu" or
+    "reference"."""
+    if _use_triton(t):
+        return "triton"
+    auto = os.environ.get("GRADCOMP_KERNELS", "auto") == "auto"
+    return "cpu" if t.device.type == "cpu" and auto and hasattr(cpu, name) else "reference"
+
+
 def _impl(name: str, t: torch.Tensor):
-    return getattr(_triton, name) if _use_triton(t) else getattr(reference, name)
+    return getattr({"triton": _triton, "cpu": cpu, "reference": reference}[backend(name, t)], name)
 
 
 def onebit_compress(x, residual, chunk):

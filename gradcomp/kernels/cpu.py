@@ -1,0 +1,194 @@
+"""The CPU path of the 1-bit and TernGrad steps: the reference's arithmetic, block by block.
+
+The reference (:mod:`.reference`) is written for clarity: each step is one torch op over the
+whole bucket, so a bucket larger than the caches is read from memory once per op, and its
+``torch.where`` over a bool mask (the dequantization) is a slow, unvectorized op on the CPU.
+Here the same steps run over blocks of whole chunks small enough to stay in the caches
+(``BLOCK`` elements), with the 1-bit selection written as float arithmetic that is exact:
+with h in {0, 1}, ``h * hi + (1 - h) * lo`` is exactly ``hi`` or ``lo`` (one product is an
+exact zero), and bits unpacked by a table of floats. TernGrad draws the same uniforms from
+the same generator, block after block. The results are **bit-identical** to the reference (tested), so the reference
+stays the specification and a run resumes exactly whichever path wrote its state.
+
+Still pure torch (no native code), which bounds the gain: every op is a pass over a block,
+and unpacking bits costs a table lookup per byte. See bench/RESULTS.md, section 6.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import reference
+from .reference import PACK8, check_flat
+
+BLOCK = 1 << 18  # elements per block: ~1 MB per fp32 temporary, within this L2 + L3
+_BITS: dict = {}
+
+
+def _fp32(*ts) -> bool:
+    return all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu") for t in ts)
+
+
+def _chunks_per_block(chunk: int) -> int:
+    return max(1, BLOCK // chunk)
+
+
+def onebit_compress(x: torch.Tensor, residual: torch.Tensor | None, chunk: int):
+    """:func:`reference.onebit_compress`, block by block. Same arguments, same results."""
+    check_flat(x)
+    if not _fp32(x, residual) or x.numel() < 2 * chunk or x.numel() % chunk:
+        return reference.onebit_compress(x, residual, chunk)
+    n = x.numel()
+    C = n // chunk
+    y = residual.add_(x) if residual is not None else x  # x + r == r + x exactly
+    bits = torch.empty(n // 8, dtype=torch.uint8)
+    scales = torch.empty(2, C)
+    cb = _chunks_per_block(chunk)
+    h = torch.empty(cb * chunk)
+    pos = torch.empty(cb * chunk, dtype=torch.bool)
+    words = torch.empty(cb * chunk // 8, dtype=torch.int64)
+    for c0 in range(0, C, cb):
+        c1 = min(C, c0 + cb)
+        m = (c1 - c0) * chunk
+        yb = y[c0 * chunk : c0 * chunk + m].view(c1 - c0, chunk)
+        hb = h[:m].view(c1 - c0, chunk)
+        torch.clamp(yb, min=0.0, out=hb)
+        psum = hb.sum(dim=1)
+        nsum = yb.sum(dim=1) - psum
+        torch.ge(yb, 0, out=hb)  # h = 1.0 where y >= 0, else 0.0
+        npos = hb.sum(dim=1)  # exact: integers below 2^24
+        hi = psum / npos.clamp_min(1)
+        lo = nsum / (chunk - npos).clamp_min(1)
+        scales[0, c0:c1] = hi
+        scales[1, c0:c1] = lo
+        pb = pos[:m]
+        torch.ge(yb.view(-1), 0, out=pb)
+        wb = words[: m // 8]
+        torch.mul(pb.view(torch.int64), PACK8, out=wb)
+        bits[c0 * chunk // 8 : (c0 * chunk + m) // 8].copy_(wb.bitwise_right_shift_(56))
+        if residual is not None:
+            if torch.isfinite(hi).all() and torch.isfinite(lo).all():
+                _sub_dequant(yb, hb, hi, lo)
+            else:  # 0 * inf is NaN: the reference's selection for this block
+                yb.sub_(reference._dequant(pb.view(c1 - c0, chunk), hi, lo))
+    return bits, scales
+
+
+def _sub_dequant(y: torch.Tensor, h: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> None:
+    """y -= where(h == 1, hi, lo) per row, exactly (finite hi, lo); h is overwritten."""
+    y.addcmul_(h, hi.unsqueeze(1), value=-1.0)  # y - hi where h = 1, y - 0 where h = 0
+    h.neg_().add_(1.0)
+    y.addcmul_(h, lo.unsqueeze(1), value=-1.0)
+
+
+def _bit_table() -> torch.Tensor:
+    t = _BITS.get("f32")
+    if t is None:
+        v = torch.arange(256).unsqueeze(1)
+        t = _BITS["f32"] = ((v >> torch.arange(8)) & 1).to(torch.float32)  # LSB first
+    return t
+
+
+def onebit_decompress(bits: torch.Tensor, scales: torch.Tensor, chunk: int, out: torch.Tensor,
+                      alpha: float = 1.0) -> torch.Tensor:
+    """:func:`reference.onebit_decompress`, block by block. Same arguments, same results."""
+    W = bits.shape[0]
+    n = out.numel()
+    if not _fp32(out, scales) or n < 2 * chunk or n % chunk or not out.is_contiguous() or W == 0:
+        return reference.onebit_decompress(bits, scales, chunk, out, alpha)
+    C = n // chunk
+    table = _bit_table()
+    cb = _chunks_per_block(chunk)
+    h = torch.empty(cb * chunk)
+    deq = torch.empty(cb * chunk)
+    acc = torch.empty(cb * chunk)
+    finite = bool(torch.isfinite(scales).all())
+    for c0 in range(0, C, cb):
+        c1 = min(C, c0 + cb)
+        m = (c1 - c0) * chunk
+        b0, b1 = c0 * chunk // 8, (c0 * chunk + m) // 8
+        ab = acc[:m].view(c1 - c0, chunk)
+        for w in range(W):
+            hi, lo = scales[w, 0, c0:c1], scales[w, 1, c0:c1]
+            target = ab if w == 0 else deq[:m].view(c1 - c0, chunk)
+            if finite:
+                hb = h[:m].view(c1 - c0, chunk)
+                torch.index_select(table, 0, bits[w, b0:b1].long(), out=hb.view(-1, 8))
+                torch.mul(hb, hi.unsqueeze(1), out=target)  # hi where the bit is set, else 0
+                hb.neg_().add_(1.0)
+                target.addcmul_(hb, lo.unsqueeze(1))  # + lo where it is not, else + 0
+            else:  # 0 * inf is NaN: the reference's selection
+                pos = reference.unpack_bits(bits[w, b0:b1]).view(c1 - c0, chunk)
+                target.copy_(reference._dequant(pos, hi, lo))
+            if w > 0:
+                ab.add_(target)
+        out[c0 * chunk : c0 * chunk + m].view(c1 - c0, chunk).add_(ab, alpha=alpha)
+    return out
+
+
+# --------------------------------------------------------------------------- TernGrad
+def _code_table() -> torch.Tensor:
+    """float per 2-bit code, four codes per byte, LSB first: 1 -> +1, 2 -> -1, 0 and 3 -> 0
+    (the reference's ``(codes == 1).float() - (codes == 2).float()``)."""
+    t = _BITS.get("tern")
+    if t is None:
+        codes = (torch.arange(256).unsqueeze(1) >> (2 * torch.arange(4))) & 3
+        t = _BITS["tern"] = (codes == 1).float() - (codes == 2).float()
+    return t
+
+
+def ternary_compress(x: torch.Tensor, residual: torch.Tensor | None, scale: torch.Tensor,
+                     seg: torch.Tensor, seed: int) -> torch.Tensor:
+    """:func:`reference.ternary_compress`, block by block, drawing the same uniforms from the
+    same generator in order. Same arguments, same results."""
+    check_flat(x)
+    n = x.numel()
+    if not _fp32(x, residual, scale) or n < 8 or n % 4:
+        return reference.ternary_compress(x, residual, scale, seg, seed)
+    y = residual.add_(x) if residual is not None else x
+    g = torch.Generator()
+    g.manual_seed(seed)
+    one = scale.numel() == 1
+    B = min(n, max(4, BLOCK // 4 * 4))
+    u, a, q = torch.empty(B), torch.empty(B), torch.empty(B)
+    keep, neg = torch.empty(B, dtype=torch.bool), torch.empty(B, dtype=torch.bool)
+    codes = torch.empty(B, dtype=torch.uint8)
+    words = torch.empty(B // 4, dtype=torch.int32)
+    packed = torch.empty(n // 4, dtype=torch.uint8)
+    for e0 in range(0, n, B):
+        m = min(B, n - e0)
+        yb = y[e0 : e0 + m]
+        s = scale if one else scale.index_select(0, seg[e0 : e0 + m])
+        ub = u[:m].uniform_(generator=g).mul_(s)
+        kb = torch.lt(ub, torch.abs(yb, out=a[:m]), out=keep[:m])
+        nb = torch.lt(yb, 0, out=neg[:m])
+        cb = torch.add(nb.view(torch.uint8), 1, out=codes[:m]).mul_(kb.view(torch.uint8))
+        wb = torch.mul(cb.view(torch.int32), reference.PACK4, out=words[: m // 4])
+        packed[e0 // 4 : (e0 + m) // 4].copy_(wb.bitwise_right_shift_(24))
+        if residual is not None:
+            qb = torch.lt(yb, 0, out=q[:m]).mul_(-2.0).add_(1.0).mul_(kb).mul_(s)
+            yb.sub_(qb)
+    return packed
+
+
+def ternary_decompress(packed: torch.Tensor, scale: torch.Tensor, seg: torch.Tensor,
+                       out: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """:func:`reference.ternary_decompress`, block by block. Same arguments, same results."""
+    W, n = packed.shape[0], out.numel()
+    if not _fp32(out, scale) or n < 8 or n % 4 or not out.is_contiguous() or W == 0:
+        return reference.ternary_decompress(packed, scale, seg, out, alpha)
+    table = _code_table()
+    one = scale.shape[1] == 1
+    B = min(n, max(4, BLOCK // 4 * 4))
+    terms = torch.empty(W, B)
+    total = torch.empty(B)
+    for e0 in range(0, n, B):
+        m = min(B, n - e0)
+        tb = terms[:, :m]
+        segb = None if one else seg[e0 : e0 + m]
+        for w in range(W):
+            row = tb[w]
+            torch.index_select(table, 0, packed[w, e0 // 4 : (e0 + m) // 4].long(), out=row.view(-1, 4))
+            row.mul_(scale[w] if one else scale[w].index_select(0, segb))
+        torch.sum(tb, dim=0, out=total[:m])
+        out[e0 : e0 + m].add_(total[:m], alpha=alpha)
+    return out
