@@ -2,7 +2,7 @@
 
 For each kernel and size, three timings of the same work on one device:
   * ``dispatch``: ``gradcomp.kernels.<fn>``, what the compressors call (Triton on CUDA; on
-    the CPU the blocked path of :mod:`gradcomp.kernels.cpu` for the 1-bit and TernGrad steps,
+    the CPU the blocked path of :mod:`gradcomp.kernels.cpu` where it has one,
     the torch reference for the others);
   * ``reference``: ``gradcomp.kernels.reference.<fn>``;
   * ``copy``: ``dst.copy_(src)`` moving as many bytes as the kernel must read plus write,

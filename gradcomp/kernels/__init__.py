@@ -1,6 +1,6 @@
 """Quantize and select steps, dispatched by device.
 
-CPU tensors run pure torch: the 1-bit and TernGrad steps through :mod:`.cpu` (the reference's arithmetic
+CPU tensors run pure torch: the 1-bit steps and TernGrad's decoder through :mod:`.cpu` (the reference's arithmetic
 block by block, bit-identical to it), everything else through the reference
 (:mod:`.reference`), which is the specification. CUDA tensors run the Triton kernels when
 Triton is importable; Triton is imported lazily so

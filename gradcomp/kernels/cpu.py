@@ -1,4 +1,5 @@
-"""The CPU path of the 1-bit and TernGrad steps: the reference's arithmetic, block by block.
+"""The CPU path of the 1-bit steps and TernGrad's decoder: the reference's arithmetic, block
+by block.
 
 The reference (:mod:`.reference`) is written for clarity: each step is one torch op over the
 whole bucket, so a bucket larger than the caches is read from memory once per op, and its
@@ -6,12 +7,16 @@ whole bucket, so a bucket larger than the caches is read from memory once per op
 Here the same steps run over blocks of whole chunks small enough to stay in the caches
 (``BLOCK`` elements), with the 1-bit selection written as float arithmetic that is exact:
 with h in {0, 1}, ``h * hi + (1 - h) * lo`` is exactly ``hi`` or ``lo`` (one product is an
-exact zero), and bits unpacked by a table of floats. TernGrad draws the same uniforms from
-the same generator, block after block. The results are **bit-identical** to the reference (tested), so the reference
-stays the specification and a run resumes exactly whichever path wrote its state.
+exact zero), and bits and ternary codes unpacked by a table of floats. The results are
+**bit-identical** to the reference (tested), so the reference stays the specification and a
+run resumes exactly whichever path wrote its state.
 
 Still pure torch (no native code), which bounds the gain: every op is a pass over a block,
-and unpacking bits costs a table lookup per byte. See bench/RESULTS.md, section 6.
+and unpacking bits costs a table lookup per byte. Below ``MIN_NUMEL`` elements the
+reference is as fast (its temporaries fit the caches) and runs instead. TernGrad's encoder
+has no blocked version: its time goes to drawing one uniform per element from torch's
+generator, which blocking does not change (measured: no gain at layer sizes). See
+bench/RESULTS.md, section 6.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from . import reference
 from .reference import PACK8, check_flat
 
 BLOCK = 1 << 18  # elements per block: ~1 MB per fp32 temporary, within this L2 + L3
+MIN_NUMEL = 1 << 17  # 1-bit steps on fewer elements run the reference
 _BITS: dict = {}
 
 
@@ -35,7 +41,7 @@ def _chunks_per_block(chunk: int) -> int:
 def onebit_compress(x: torch.Tensor, residual: torch.Tensor | None, chunk: int):
     """:func:`reference.onebit_compress`, block by block. Same arguments, same results."""
     check_flat(x)
-    if not _fp32(x, residual) or x.numel() < 2 * chunk or x.numel() % chunk:
+    if not _fp32(x, residual) or x.numel() < max(MIN_NUMEL, 2 * chunk) or x.numel() % chunk:
         return reference.onebit_compress(x, residual, chunk)
     n = x.numel()
     C = n // chunk
@@ -93,7 +99,8 @@ def onebit_decompress(bits: torch.Tensor, scales: torch.Tensor, chunk: int, out:
     """:func:`reference.onebit_decompress`, block by block. Same arguments, same results."""
     W = bits.shape[0]
     n = out.numel()
-    if not _fp32(out, scales) or n < 2 * chunk or n % chunk or not out.is_contiguous() or W == 0:
+    if (not _fp32(out, scales) or n < max(MIN_NUMEL, 2 * chunk) or n % chunk
+            or not out.is_contiguous() or W == 0):
         return reference.onebit_decompress(bits, scales, chunk, out, alpha)
     C = n // chunk
     table = _bit_table()
@@ -134,40 +141,6 @@ def _code_table() -> torch.Tensor:
         codes = (torch.arange(256).unsqueeze(1) >> (2 * torch.arange(4))) & 3
         t = _BITS["tern"] = (codes == 1).float() - (codes == 2).float()
     return t
-
-
-def ternary_compress(x: torch.Tensor, residual: torch.Tensor | None, scale: torch.Tensor,
-                     seg: torch.Tensor, seed: int) -> torch.Tensor:
-    """:func:`reference.ternary_compress`, block by block, drawing the same uniforms from the
-    same generator in order. Same arguments, same results."""
-    check_flat(x)
-    n = x.numel()
-    if not _fp32(x, residual, scale) or n < 8 or n % 4:
-        return reference.ternary_compress(x, residual, scale, seg, seed)
-    y = residual.add_(x) if residual is not None else x
-    g = torch.Generator()
-    g.manual_seed(seed)
-    one = scale.numel() == 1
-    B = min(n, max(4, BLOCK // 4 * 4))
-    u, a, q = torch.empty(B), torch.empty(B), torch.empty(B)
-    keep, neg = torch.empty(B, dtype=torch.bool), torch.empty(B, dtype=torch.bool)
-    codes = torch.empty(B, dtype=torch.uint8)
-    words = torch.empty(B // 4, dtype=torch.int32)
-    packed = torch.empty(n // 4, dtype=torch.uint8)
-    for e0 in range(0, n, B):
-        m = min(B, n - e0)
-        yb = y[e0 : e0 + m]
-        s = scale if one else scale.index_select(0, seg[e0 : e0 + m])
-        ub = u[:m].uniform_(generator=g).mul_(s)
-        kb = torch.lt(ub, torch.abs(yb, out=a[:m]), out=keep[:m])
-        nb = torch.lt(yb, 0, out=neg[:m])
-        cb = torch.add(nb.view(torch.uint8), 1, out=codes[:m]).mul_(kb.view(torch.uint8))
-        wb = torch.mul(cb.view(torch.int32), reference.PACK4, out=words[: m // 4])
-        packed[e0 // 4 : (e0 + m) // 4].copy_(wb.bitwise_right_shift_(24))
-        if residual is not None:
-            qb = torch.lt(yb, 0, out=q[:m]).mul_(-2.0).add_(1.0).mul_(kb).mul_(s)
-            yb.sub_(qb)
-    return packed
 
 
 def ternary_decompress(packed: torch.Tensor, scale: torch.Tensor, seg: torch.Tensor,
