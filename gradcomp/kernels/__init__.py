@@ -46,7 +46,8 @@ def backend(name: str, t: torch.Tensor) -> str:
 
 
 def _impl(name: str, t: torch.Tensor):
-    return getattr({"triton": _triton, "cpu": cpu, "reference": reference}[backend(name, t)], name)
+    which = backend(name, t)  # first: it imports the Triton module on first use
+    return getattr({"triton": _triton, "cpu": cpu, "reference": reference}[which], name)
 
 
 def onebit_compress(x, residual, chunk):
