@@ -176,10 +176,10 @@ def run(sizes=(1 << 20, 25_000_000), device=None, repeats: int = 20) -> list[dic
 
     for n in sizes:
         probe = torch.empty(1, device=device)
-        backend = "triton" if kernels._use_triton(probe) else "reference"
         for kernel, nbytes, dispatch_fn, ref_fn in _cases(n, device):
             copy_med = row(kernel, n, "copy", "torch", nbytes, _copy_fn(nbytes, device), None)
-            row(kernel, n, "dispatch", kernels.backend(kernel, probe), nbytes, dispatch_fn, copy_med)
+            impl = kernels.backend(kernel, probe)
+            row(kernel, n, "dispatch", impl, nbytes, dispatch_fn, copy_med)
             row(kernel, n, "reference", "reference", nbytes, ref_fn, copy_med)
 
         # DGC: sampled threshold + select_topk at ratio 0.001 vs an exact top-k of |x|
@@ -187,7 +187,7 @@ def run(sizes=(1 << 20, 25_000_000), device=None, repeats: int = 20) -> list[dic
         k = max(1, math.ceil(DGC_RATIO * n))
         nbytes = 4 * n + 8 * k
         copy_med = row("dgc_select", n, "copy", "torch", nbytes, _copy_fn(nbytes, device), None)
-        row("dgc_select", n, "dispatch", backend, nbytes,
+        row("dgc_select", n, "dispatch", kernels.backend("select_topk", probe), nbytes,
             lambda: sparse_select(x, DGC_RATIO, DGC_SAMPLE_RATIO, seed=0), copy_med)
         row("dgc_select", n, "torch.topk", "torch", nbytes,
             lambda: torch.topk(x.abs(), k, sorted=False), copy_med)

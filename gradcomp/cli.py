@@ -35,12 +35,11 @@ def _lanes(args) -> None:
         raise UsageError(f"--lanes {args.lanes}: expected an integer >= 1")
 
 
-def _device(args) -> str:
+def _check_device(args) -> None:
     if args.device == "cuda":
         import torch
         if not torch.cuda.is_available():
             raise UsageError("--device cuda: no CUDA device is available here")
-    return args.device
 
 
 def _methods(text: str) -> list[str]:
@@ -126,7 +125,7 @@ def cmd_ddp(args) -> int:
     from .train import TrainConfig
     methods = _methods(args.methods)
     _lanes(args)
-    _device(args)
+    _check_device(args)
     torchrun = _under_torchrun()
     if torchrun and args.link:
         raise UsageError("--link shapes local ranks; under torchrun your real network is the link")
@@ -251,7 +250,7 @@ def cmd_convergence(args) -> int:
     from .train import TrainConfig
     methods = _methods(args.methods)
     _lanes(args)
-    _device(args)
+    _check_device(args)
     worlds = _worlds(str(args.world))
     data_dir = _data(args)
     out_dir = Path(args.out)

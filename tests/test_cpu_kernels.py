@@ -99,7 +99,8 @@ def test_round_trip_with_the_reference_decoder():
     a = ref.onebit_decompress(bits.unsqueeze(0), scales.unsqueeze(0), chunk, torch.zeros(n))
     b = cpu.onebit_decompress(bits.unsqueeze(0), scales.unsqueeze(0), chunk, torch.zeros(n))
     assert torch.equal(a, b)
-    torch.testing.assert_close(a.double() + r.double(), (x + values(n, 4)).double(), rtol=0, atol=1e-5)
+    want = (x + values(n, 4)).double()
+    torch.testing.assert_close(a.double() + r.double(), want, rtol=0, atol=1e-5)
 
 
 def test_refuses_non_contiguous_input():

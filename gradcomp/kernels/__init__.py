@@ -1,12 +1,12 @@
 """Quantize and select steps, dispatched by device.
 
-CPU tensors run pure torch: the 1-bit steps and TernGrad's decoder through :mod:`.cpu` (the reference's arithmetic
-block by block, bit-identical to it), everything else through the reference
-(:mod:`.reference`), which is the specification. CUDA tensors run the Triton kernels when
-Triton is importable; Triton is imported lazily so
-the package imports without it. Set ``GRADCOMP_KERNELS=reference`` to force the reference,
-or ``GRADCOMP_KERNELS=triton`` (with ``TRITON_INTERPRET=1`` for CPU tensors) to run the
-kernels on every tensor: that is how the tests drive the compressors' GPU path on a CPU.
+CPU tensors run pure torch: the 1-bit steps and TernGrad's decoder through :mod:`.cpu` (the
+reference's arithmetic block by block, bit-identical to it), everything else through the
+reference (:mod:`.reference`), which is the specification. CUDA tensors run the Triton
+kernels when Triton is importable; Triton is imported lazily so the package imports without
+it. Set ``GRADCOMP_KERNELS=reference`` to force the reference, or ``GRADCOMP_KERNELS=triton``
+(with ``TRITON_INTERPRET=1`` for CPU tensors) to run the kernels on every tensor: that is how
+the tests drive the compressors' GPU path on a CPU.
 """
 from __future__ import annotations
 
@@ -22,32 +22,31 @@ from .reference import (  # noqa: F401  (re-exported helpers with no kernel of t
 _triton = None
 
 
-def _use_triton(t: torch.Tensor) -> bool:
+def _triton_module():
+    """The Triton kernels module, imported on first use; False when Triton is missing."""
     global _triton
-    mode = os.environ.get("GRADCOMP_KERNELS", "auto")
-    if mode == "reference" or (t.device.type != "cuda" and mode != "triton"):
-        return False
     if _triton is None:
         try:
             from . import triton_kernels
             _triton = triton_kernels
         except ImportError:
             _triton = False
-    return bool(_triton)
+    return _triton
 
 
 def backend(name: str, t: torch.Tensor) -> str:
     """Which implementation of step ``name`` runs for tensors like ``t``: "triton", "cpu" or
     "reference"."""
-    if _use_triton(t):
+    mode = os.environ.get("GRADCOMP_KERNELS", "auto")
+    if mode != "reference" and (t.device.type == "cuda" or mode == "triton") and _triton_module():
         return "triton"
-    auto = os.environ.get("GRADCOMP_KERNELS", "auto") == "auto"
-    return "cpu" if t.device.type == "cpu" and auto and hasattr(cpu, name) else "reference"
+    blocked = t.device.type == "cpu" and mode == "auto" and hasattr(cpu, name)
+    return "cpu" if blocked else "reference"
 
 
 def _impl(name: str, t: torch.Tensor):
-    which = backend(name, t)  # first: it imports the Triton module on first use
-    return getattr({"triton": _triton, "cpu": cpu, "reference": reference}[which], name)
+    which = backend(name, t)
+    return getattr(_triton if which == "triton" else cpu if which == "cpu" else reference, name)
 
 
 def onebit_compress(x, residual, chunk):

@@ -20,6 +20,8 @@ bench/RESULTS.md, section 6.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import reference
@@ -27,11 +29,15 @@ from .reference import PACK8, check_flat
 
 BLOCK = 1 << 18  # elements per block: ~1 MB per fp32 temporary, within this L2 + L3
 MIN_NUMEL = 1 << 17  # 1-bit steps on fewer elements run the reference
-_BITS: dict = {}
 
 
 def _fp32(*ts) -> bool:
     return all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu") for t in ts)
+
+
+def _onebit_blocks(n: int, chunk: int) -> bool:
+    """Whether the blocked 1-bit path takes n elements: whole chunks, and enough of them."""
+    return n >= max(MIN_NUMEL, 2 * chunk) and n % chunk == 0
 
 
 def _chunks_per_block(chunk: int) -> int:
@@ -41,7 +47,7 @@ def _chunks_per_block(chunk: int) -> int:
 def onebit_compress(x: torch.Tensor, residual: torch.Tensor | None, chunk: int):
     """:func:`reference.onebit_compress`, block by block. Same arguments, same results."""
     check_flat(x)
-    if not _fp32(x, residual) or x.numel() < max(MIN_NUMEL, 2 * chunk) or x.numel() % chunk:
+    if not _fp32(x, residual) or not _onebit_blocks(x.numel(), chunk):
         return reference.onebit_compress(x, residual, chunk)
     n = x.numel()
     C = n // chunk
@@ -67,7 +73,8 @@ def onebit_compress(x: torch.Tensor, residual: torch.Tensor | None, chunk: int):
         scales[0, c0:c1] = hi
         scales[1, c0:c1] = lo
         pb = pos[:m]
-        torch.ge(yb.view(-1), 0, out=pb)
+        torch.ge(yb.view(-1), 0, out=pb)  # the same test as bools, for packing: cheaper
+        # than converting h (bool <-> float conversions are slow, unvectorized CPU ops)
         wb = words[: m // 8]
         torch.mul(pb.view(torch.int64), PACK8, out=wb)
         bits[c0 * chunk // 8 : (c0 * chunk + m) // 8].copy_(wb.bitwise_right_shift_(56))
@@ -86,12 +93,11 @@ def _sub_dequant(y: torch.Tensor, h: torch.Tensor, hi: torch.Tensor, lo: torch.T
     y.addcmul_(h, lo.unsqueeze(1), value=-1.0)
 
 
+@functools.cache
 def _bit_table() -> torch.Tensor:
-    t = _BITS.get("f32")
-    if t is None:
-        v = torch.arange(256).unsqueeze(1)
-        t = _BITS["f32"] = ((v >> torch.arange(8)) & 1).to(torch.float32)  # LSB first
-    return t
+    """float per bit, eight bits per byte, LSB first."""
+    v = torch.arange(256).unsqueeze(1)
+    return ((v >> torch.arange(8)) & 1).to(torch.float32)
 
 
 def onebit_decompress(bits: torch.Tensor, scales: torch.Tensor, chunk: int, out: torch.Tensor,
@@ -99,8 +105,7 @@ def onebit_decompress(bits: torch.Tensor, scales: torch.Tensor, chunk: int, out:
     """:func:`reference.onebit_decompress`, block by block. Same arguments, same results."""
     W = bits.shape[0]
     n = out.numel()
-    if (not _fp32(out, scales) or n < max(MIN_NUMEL, 2 * chunk) or n % chunk
-            or not out.is_contiguous() or W == 0):
+    if not _fp32(out, scales) or not _onebit_blocks(n, chunk) or not out.is_contiguous() or W == 0:
         return reference.onebit_decompress(bits, scales, chunk, out, alpha)
     C = n // chunk
     table = _bit_table()
@@ -133,14 +138,12 @@ def onebit_decompress(bits: torch.Tensor, scales: torch.Tensor, chunk: int, out:
 
 
 # --------------------------------------------------------------------------- TernGrad
+@functools.cache
 def _code_table() -> torch.Tensor:
     """float per 2-bit code, four codes per byte, LSB first: 1 -> +1, 2 -> -1, 0 and 3 -> 0
     (the reference's ``(codes == 1).float() - (codes == 2).float()``)."""
-    t = _BITS.get("tern")
-    if t is None:
-        codes = (torch.arange(256).unsqueeze(1) >> (2 * torch.arange(4))) & 3
-        t = _BITS["tern"] = (codes == 1).float() - (codes == 2).float()
-    return t
+    codes = (torch.arange(256).unsqueeze(1) >> (2 * torch.arange(4))) & 3
+    return (codes == 1).float() - (codes == 2).float()
 
 
 def ternary_decompress(packed: torch.Tensor, scale: torch.Tensor, seg: torch.Tensor,
@@ -160,7 +163,8 @@ def ternary_decompress(packed: torch.Tensor, scale: torch.Tensor, seg: torch.Ten
         segb = None if one else seg[e0 : e0 + m]
         for w in range(W):
             row = tb[w]
-            torch.index_select(table, 0, packed[w, e0 // 4 : (e0 + m) // 4].long(), out=row.view(-1, 4))
+            codes = packed[w, e0 // 4 : (e0 + m) // 4].long()
+            torch.index_select(table, 0, codes, out=row.view(-1, 4))
             row.mul_(scale[w] if one else scale[w].index_select(0, segb))
         torch.sum(tb, dim=0, out=total[:m])
         out[e0 : e0 + m].add_(total[:m], alpha=alpha)
