@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -190,9 +191,23 @@ def cmd_ddp(args) -> int:
 
 def _delay_opts(method, args):
     """Options for register(): --delay and --lanes, for gradcomp methods only."""
-    if method.partition(":")[0] in ("ddp", "noop", "fp16", "torch-powersgd"):
+    if not _is_gradcomp(method):
         return {}
     return {"lanes": args.lanes, **({"delay": args.delay} if args.delay else {})}
+
+
+def _is_gradcomp(method) -> bool:
+    from .train import BASELINES
+    return method.partition(":")[0] not in BASELINES
+
+
+def _hook_log(method, args):
+    """With --tensorboard, a gradcomp method also writes the hook's own per-step scalars
+    (memory norms, DGC's sparsity, PowerSGD's approximation error) under DIR/hook/<method>."""
+    if not args.tensorboard or not _is_gradcomp(method):
+        return {}
+    return {"log_dir": str(Path(args.tensorboard) / "hook" / re.sub(r"[^\w.=-]+", "_", method)),
+            "log_details": True}
 
 
 def _rate_name(rate):
@@ -261,7 +276,8 @@ def cmd_convergence(args) -> int:
         _progress(i, len(methods), m)
         cfg = TrainConfig(method=m, model=args.model, data=data_dir, synthetic=args.synthetic,
                           epochs=args.epochs, batch=args.batch, lr=args.lr, seed=args.seed,
-                          eval=True, options=_delay_opts(m, args), device=args.device)
+                          eval=True, options={**_delay_opts(m, args), **_hook_log(m, args)},
+                          device=args.device)
         res = bench.run_ranks(worlds[0], cfg)[0]
         results[m] = res
         for c in res["curve"]:

@@ -156,6 +156,7 @@ def train(rank: int, world: int, cfg: TrainConfig | dict) -> dict:
     if state is not None:
         out["stats"] = state.stats()
         out["stats_history"] = hist
+        state.close()
     if cfg.eval:
         out.update(curve[-1])
     return out

@@ -39,3 +39,32 @@ def test_installed_console_script_reports_bad_input():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "unknown method 'bogus'" in out.stderr
+
+
+def test_convergence_tensorboard_has_the_hooks_own_scalars(tmp_path):
+    """--tensorboard: the CLI's curves per method, and for a gradcomp method the hook's own
+    per-step scalars (memory norm, PowerSGD's approximation error) under DIR/hook/<method>."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = tmp_path / "tb"
+    argv = ["convergence", "--synthetic", "--model", "resnet_small", "--epochs", "0.5",
+            "--methods", "allreduce,powersgd:rank=1,min_numel=0", "--tensorboard", str(tb),
+            "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+
+    def scalars(d):
+        acc = EventAccumulator(str(d))
+        acc.Reload()
+        return {t: [e.value for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+
+    top = scalars(tb)
+    assert {"allreduce/test_acc", "powersgd:rank=1,min_numel=0/test_acc"} <= set(top)
+    hook = tb / "hook"
+    assert sorted(p.name for p in hook.iterdir()) == ["allreduce", "powersgd_rank=1_min_numel=0"]
+    ps = scalars(hook / "powersgd_rank=1_min_numel=0")
+    steps = len(top["powersgd:rank=1,min_numel=0/compression_ratio"])
+    # every finished step but the last is written (a step's scalars go out with the next one)
+    assert len(ps["gradcomp/approx_error"]) == steps - 1 >= 5
+    assert all(0 < v < 1 for v in ps["gradcomp/approx_error"])  # rank 1 misses some of M
+    assert all(v > 0 for v in ps["gradcomp/residual_norm"])
+    assert "gradcomp/approx_error" not in scalars(hook / "allreduce")

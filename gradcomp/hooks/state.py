@@ -397,10 +397,12 @@ class GradcompState:
     def close(self) -> None:
         """Stop the communication threads (after the exchanges queued so far). Called at
         interpreter exit for every state, so no thread still holds a process group while
-        it is destroyed."""
+        it is destroyed. An attached writer is flushed (its last scalars reach disk)."""
         for lane in self._lanes:
             lane.close()
         self.group = None
+        if self._writer is not None and hasattr(self._writer, "flush"):
+            self._writer.flush()
 
     def _worker(self, lane: _Lane):
         while True:
