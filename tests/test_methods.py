@@ -156,3 +156,43 @@ def test_dense_steps_send_the_first_steps_uncompressed(spec):
         assert torch.equal(state.reduce(x.clone(), params), x)
         assert state.memory.names() == set()  # nothing compressed, nothing remembered
     assert not torch.equal(state.reduce(xs[2].clone(), params), xs[2])
+
+
+class _Scalars:
+    def __init__(self):
+        self.seen = {}
+
+    def add_scalar(self, tag, value, step):
+        self.seen.setdefault(tag, []).append(value)
+
+
+@pytest.mark.parametrize("spec, exact", [("powersgd:rank=40,min_compression_rate=0", True),
+                                         ("powersgd:rank=1", False), ("onebit:chunk=64", False),
+                                         ("terngrad", False), ("topk:ratio=0.05", False)])
+def test_residual_fraction_is_what_the_residual_holds_back(spec, exact):
+    """With details, an error-feedback method logs ||residual after|| / ||gradient + residual
+    before|| per step: 0 when the message carries everything (PowerSGD at full rank), and
+    exactly that ratio otherwise (recomputed here from the memory around each step)."""
+    names = ["fc.weight", "conv.weight"]
+    params = layout(names)
+    st = state_for(spec)
+    w = _Scalars()
+    st.attach(w, details=True)
+    gen = torch.Generator().manual_seed(0)
+    want = []
+    for step in range(4):
+        g = torch.randn(params[-1].offset + params[-1].numel, generator=gen)
+        before = st.memory.flat("residual", 0, names, [p.numel for p in params], g.device).clone()
+        st.reduce(g.clone(), params)
+        after = st.memory.flat("residual", 0, names, [p.numel for p in params], g.device)
+        want.append(float(after.norm() / (g + before).norm()))
+    st.reduce(torch.zeros_like(g), params)  # step 3's scalars go out with step 4
+    got = w.seen["gradcomp/residual_fraction"]
+    assert got == pytest.approx(want, rel=1e-5)
+    # (TernGrad's stochastic rounding error is about as large as its input: up to ~1.2)
+    assert all(v < 1e-5 for v in got) if exact else all(0.05 < v < 1.5 for v in got)
+    plain = state_for(spec)
+    plain.attach(_Scalars(), details=False)
+    plain.reduce(torch.randn(params[-1].offset + params[-1].numel), params)
+    plain.reduce(torch.randn(params[-1].offset + params[-1].numel), params)
+    assert "gradcomp/residual_fraction" not in plain._writer.seen

@@ -82,6 +82,9 @@ class Compressor(ABC):
     name: str = ""
     description: str = ""
     stateless: bool = False  # True: no memory to protect from inf/NaN (plain allreduce)
+    # the memory slot holding what error feedback keeps back for later (x's layout), if any:
+    # with diagnostics on, the state logs how much of each step's input it holds back
+    residual_slot: str | None = None
 
     def __init__(self, config: MethodConfig):
         self.config = config

@@ -57,6 +57,7 @@ def decode_sum(msgs: torch.Tensor, chunk: int, out: torch.Tensor, alpha: float) 
 class OneBit(Compressor):
     Config = OneBitConfig
     name = "onebit"
+    residual_slot = "residual"
     description = "1-bit SGD: sign bits + 2 scales per chunk, error feedback, two-phase reduce"
 
     def __init__(self, config):

@@ -42,6 +42,7 @@ class PowerSGDConfig(MethodConfig):
 class PowerSGD(Compressor):
     Config = PowerSGDConfig
     name = "powersgd"
+    residual_slot = "residual"
     description = "PowerSGD: rank-r power iteration with warm start and error feedback"
 
     def plan(self, params):

@@ -61,6 +61,7 @@ def layer_stats(y: torch.Tensor, lengths: torch.Tensor, clip: float, pieces=None
 class TernGrad(Compressor):
     Config = TernGradConfig
     name = "terngrad"
+    residual_slot = "residual"
     description = "TernGrad: unbiased stochastic ternary {-1,0,+1} x per-layer scaler, 2 bits"
 
     def __init__(self, config):

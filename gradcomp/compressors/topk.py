@@ -105,6 +105,7 @@ def zero_dense(e: torch.Tensor, dense) -> None:
 class TopK(Compressor):
     Config = TopKConfig
     name = "topk"
+    residual_slot = "residual"
     description = "top-k sparsification with error feedback (no momentum correction)"
 
     def reduce(self, x, ctx):

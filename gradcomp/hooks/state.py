@@ -262,7 +262,12 @@ class GradcompState:
         elif self.compressor.stateless:
             out = self.compressor.reduce(x, ctx)
         else:
+            slot = self.compressor.residual_slot if self.config.error_feedback else None
+            if ctx.details and slot:
+                held = torch.linalg.vector_norm(x + ctx.memory(slot))
             out = self._guarded(x, ctx)
+            if ctx.details and slot:  # the part of this step's input the message did not carry
+                ctx.log("residual_fraction", torch.linalg.vector_norm(ctx.memory(slot)) / held.clamp_min(1e-30))
         if scale is not None:
             out = out * scale
         if out is not buf:
@@ -432,8 +437,11 @@ class GradcompState:
         """Log per-step scalars to a TensorBoard ``SummaryWriter`` (or anything with
         ``add_scalar``): compression ratio, wire and sent bytes, the norm of each memory slot
         (residuals, velocities) and what the method records (DGC's sparsity and mean sampled
-        threshold; with ``details`` also PowerSGD's relative approximation error, which costs
-        a pass over the gradient). Written from the communication thread when a step's
+        threshold; with ``details`` also PowerSGD's relative approximation error and, for an
+        error-feedback method, ``residual_fraction``: the norm of what the residual holds back
+        after the step over that of the step's input, gradient + residual; they cost passes
+        over the gradient, and the second creates the residual slot of a bucket sent dense
+        as a whole, at zero). Written from the communication thread when a step's
         exchanges have all finished; nothing is computed while no writer is attached."""
         self._writer, self._details = writer, details
 
