@@ -60,6 +60,13 @@ class ParamMemory:
         self._flat[(slot, bucket)] = (layout, buf)
         return buf
 
+    def peek(self, slot: str, names: Sequence[str]) -> list[torch.Tensor | None]:
+        """Each parameter's current view of ``slot``, None where it has none: reads, never
+        creates (diagnostics must not add state)."""
+        with self._lock:
+            views = self._views.get(slot, {})
+            return [views.get(n) for n in names]
+
     def tensor(self, slot: str, name: str, init: Callable[[], torch.Tensor]) -> torch.Tensor:
         with self._lock:
             d = self._tensors.setdefault(slot, {})

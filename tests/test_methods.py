@@ -166,33 +166,62 @@ class _Scalars:
         self.seen.setdefault(tag, []).append(value)
 
 
-@pytest.mark.parametrize("spec, exact", [("powersgd:rank=40,min_compression_rate=0", True),
-                                         ("powersgd:rank=1", False), ("onebit:chunk=64", False),
-                                         ("terngrad", False), ("topk:ratio=0.05", False)])
-def test_residual_fraction_is_what_the_residual_holds_back(spec, exact):
-    """With details, an error-feedback method logs ||residual after|| / ||gradient + residual
-    before|| per step: 0 when the message carries everything (PowerSGD at full rank), and
-    exactly that ratio otherwise (recomputed here from the memory around each step)."""
-    names = ["fc.weight", "conv.weight"]
-    params = layout(names)
+def _run_logged(spec, details, grads, params):
+    names = [p.name for p in params]
     st = state_for(spec)
     w = _Scalars()
-    st.attach(w, details=True)
+    st.attach(w, details=details)
+    outs, want = [], []
+    for g in grads:
+        before = st.memory.peek("residual", names)
+        owed = sum(float((g[p.offset : p.offset + p.numel] + (v if v is not None else 0)).double().square().sum())
+                   for p, v in zip(params, before))
+        outs.append(st.reduce(g.clone(), params).clone())
+        after = st.memory.peek("residual", names)
+        kept = sum(float(v.double().square().sum()) for v in after if v is not None)
+        want.append(kept / owed)
+    st.close()  # writes the last step's scalars
+    return st, w.seen, outs, want
+
+
+@pytest.mark.parametrize("spec, exact", [("topk:ratio=1", True), ("onebit:chunk=64", False),
+                                         ("terngrad", False), ("topk:ratio=0.05", False)])
+def test_residual_energy_is_what_the_residual_keeps(spec, exact):
+    """With details, onebit/terngrad/topk log ||residual after||^2 / ||gradient + residual
+    before||^2 per step (recomputed here from the memory around each step): 0 when the
+    message carries everything; and turning details on changes no result and no memory."""
+    params = layout(["fc.weight", "fc.bias", "conv.weight"])
     gen = torch.Generator().manual_seed(0)
-    want = []
-    for step in range(4):
-        g = torch.randn(params[-1].offset + params[-1].numel, generator=gen)
-        before = st.memory.flat("residual", 0, names, [p.numel for p in params], g.device).clone()
-        st.reduce(g.clone(), params)
-        after = st.memory.flat("residual", 0, names, [p.numel for p in params], g.device)
-        want.append(float(after.norm() / (g + before).norm()))
-    st.reduce(torch.zeros_like(g), params)  # step 3's scalars go out with step 4
-    got = w.seen["gradcomp/residual_fraction"]
-    assert got == pytest.approx(want, rel=1e-5)
-    # (TernGrad's stochastic rounding error is about as large as its input: up to ~1.2)
-    assert all(v < 1e-5 for v in got) if exact else all(0.05 < v < 1.5 for v in got)
-    plain = state_for(spec)
-    plain.attach(_Scalars(), details=False)
-    plain.reduce(torch.randn(params[-1].offset + params[-1].numel), params)
-    plain.reduce(torch.randn(params[-1].offset + params[-1].numel), params)
-    assert "gradcomp/residual_fraction" not in plain._writer.seen
+    grads = [torch.randn(params[-1].offset + params[-1].numel, generator=gen) for _ in range(4)]
+    st, seen, outs, want = _run_logged(spec, True, grads, params)
+    got = seen["gradcomp/residual_energy"]
+    assert got == pytest.approx(want, rel=1e-6) and len(got) == 4
+    # TernGrad's rounding error is about as large as its input: up to ~1.5 in energy
+    assert all(v < 1e-12 for v in got) if exact else all(0.05 < v < 1.6 for v in got)
+    plain, seen_off, outs_off, _ = _run_logged(spec, False, grads, params)
+    assert "gradcomp/residual_energy" not in seen_off
+    assert all(torch.equal(a, b) for a, b in zip(outs, outs_off))
+    on, off = st.state_dict()["memory"], plain.state_dict()["memory"]
+    assert on["flat"].keys() == off["flat"].keys()
+    for slot in on["flat"]:
+        assert on["flat"][slot].keys() == off["flat"][slot].keys()
+        assert all(torch.equal(on["flat"][slot][n], off["flat"][slot][n]) for n in on["flat"][slot])
+
+
+def test_residual_energy_not_logged_for_powersgd_nor_skipped_steps():
+    """PowerSGD's residual holds the rank's deviation from the average: it logs its own
+    approx_error instead. A step with inf (skipped, index reused) logs nothing of its own."""
+    params = layout(["fc.weight", "conv.weight"])
+    n = params[-1].offset + params[-1].numel
+    _, seen, _, _ = _run_logged("powersgd:rank=1", True, [torch.randn(n) for _ in range(3)], params)
+    assert "gradcomp/residual_energy" not in seen and len(seen["gradcomp/approx_error"]) == 3
+    st = state_for("terngrad")
+    w = _Scalars()
+    st.attach(w, details=True)
+    bad = torch.randn(n)
+    bad[5] = float("inf")
+    for g in (torch.randn(n), bad, torch.randn(n), torch.randn(n)):
+        st.reduce(g, params)
+    st.close()
+    got = w.seen["gradcomp/residual_energy"]
+    assert len(got) == 3 and all(math.isfinite(v) and v > 0 for v in got)  # steps 0, 1, 2

@@ -82,8 +82,8 @@ class Compressor(ABC):
     name: str = ""
     description: str = ""
     stateless: bool = False  # True: no memory to protect from inf/NaN (plain allreduce)
-    # the memory slot holding what error feedback keeps back for later (x's layout), if any:
-    # with diagnostics on, the state logs how much of each step's input it holds back
+    # the memory slot holding this rank's own compression error (x's layout), if any: with
+    # diagnostics on, the state logs how much of each step's input (gradient + it) it keeps
     residual_slot: str | None = None
 
     def __init__(self, config: MethodConfig):

@@ -42,7 +42,8 @@ class PowerSGDConfig(MethodConfig):
 class PowerSGD(Compressor):
     Config = PowerSGDConfig
     name = "powersgd"
-    residual_slot = "residual"
+    # no residual_slot: its residual is M_i - P P^T (average of the M_j), so it also holds this
+    # rank's deviation from the average, which is never sent; approx_error is its own measure
     description = "PowerSGD: rank-r power iteration with warm start and error feedback"
 
     def plan(self, params):

@@ -89,6 +89,19 @@ class _Ctx:
             logs[key] = (total + value, n + 1)
 
 
+def _sq_norm(x, params, views) -> torch.Tensor:
+    """Squared norm of x + the memory ``views`` (None: zero) over ``params``; x None: of the
+    views alone."""
+    total = torch.zeros((), dtype=torch.float64)
+    for p, v in zip(params, views):
+        part = x[p.offset : p.offset + p.numel] if x is not None else None
+        if v is not None:
+            part = v if part is None else part + v
+        if part is not None:
+            total = total + part.double().square().sum().cpu()
+    return total
+
+
 def _slices(named) -> list[ParamSlice]:
     """Flat layout of (name, tensor) pairs laid end to end."""
     out, off = [], 0
@@ -176,6 +189,7 @@ class GradcompState:
         self._writer = None
         self._details = False
         self._logs: dict = {}  # step -> key -> (sum, count) of what methods logged
+        self._written = -1     # the last step whose scalars went to the writer
         self._pending: list[_Pending] = []   # delayed exchanges, oldest first
         self._skipped: int | None = None     # index of a step whose gradients were not finite
         self.scaler = None  # a torch.amp.GradScaler whose scale the gradients carry
@@ -236,6 +250,7 @@ class GradcompState:
                 self._skipped = None
                 with self._lock:
                     self._records.pop(self._step, None)
+                    self._logs.pop(self._step, None)
             else:
                 self._step += 1
         return max(self._step, 0)
@@ -262,12 +277,13 @@ class GradcompState:
         elif self.compressor.stateless:
             out = self.compressor.reduce(x, ctx)
         else:
-            slot = self.compressor.residual_slot if self.config.error_feedback else None
-            if ctx.details and slot:
-                held = torch.linalg.vector_norm(x + ctx.memory(slot))
+            slot = self.compressor.residual_slot if ctx.details and self.config.error_feedback else None
+            if slot:
+                owed = _sq_norm(x, params, self.memory.peek(slot, [p.name for p in params]))
             out = self._guarded(x, ctx)
-            if ctx.details and slot:  # the part of this step's input the message did not carry
-                ctx.log("residual_fraction", torch.linalg.vector_norm(ctx.memory(slot)) / held.clamp_min(1e-30))
+            if slot and self._skipped != step:
+                kept = _sq_norm(None, params, self.memory.peek(slot, [p.name for p in params]))
+                self._log_ratio(step, "residual_energy", kept, owed)
         if scale is not None:
             out = out * scale
         if out is not buf:
@@ -402,12 +418,17 @@ class GradcompState:
     def close(self) -> None:
         """Stop the communication threads (after the exchanges queued so far). Called at
         interpreter exit for every state, so no thread still holds a process group while
-        it is destroyed. An attached writer is flushed (its last scalars reach disk)."""
+        it is destroyed. An attached writer gets the scalars of the steps finished since
+        the last write (they otherwise go out with the next step's first exchange) and is
+        flushed."""
         for lane in self._lanes:
             lane.close()
         self.group = None
-        if self._writer is not None and hasattr(self._writer, "flush"):
-            self._writer.flush()
+        if self._writer is not None:
+            for step in range(self._written + 1, self._step + 1):
+                self._write_scalars(step)
+            if hasattr(self._writer, "flush"):
+                self._writer.flush()
 
     def _worker(self, lane: _Lane):
         while True:
@@ -437,21 +458,32 @@ class GradcompState:
         """Log per-step scalars to a TensorBoard ``SummaryWriter`` (or anything with
         ``add_scalar``): compression ratio, wire and sent bytes, the norm of each memory slot
         (residuals, velocities) and what the method records (DGC's sparsity and mean sampled
-        threshold; with ``details`` also PowerSGD's relative approximation error and, for an
-        error-feedback method, ``residual_fraction``: the norm of what the residual holds back
-        after the step over that of the step's input, gradient + residual; they cost passes
-        over the gradient, and the second creates the residual slot of a bucket sent dense
-        as a whole, at zero). Written from the communication thread when a step's
+        threshold; with ``details`` also PowerSGD's relative approximation error and, for a
+        method whose residual is its own message's error (``Compressor.residual_slot``:
+        onebit's first stage, terngrad, topk), ``residual_energy``: ||residual after the
+        step||^2 / ||gradient + residual before||^2, summed over the step's buckets, i.e.
+        1 - delta of error feedback's contraction (at or above 1 the residual does not
+        shrink); both cost passes over the gradient). Written from the communication thread when a step's
         exchanges have all finished; nothing is computed while no writer is attached."""
         self._writer, self._details = writer, details
+        self._written = max(self._written, self._step - 1)  # earlier steps logged nothing
+
+    def _log_ratio(self, step: int, key: str, num, den) -> None:
+        """Record num / den for ``step``, both summed over the step's buckets first (so a
+        large bucket weighs by its size, not as one of many)."""
+        with self._lock:
+            logs = self._logs.setdefault(step, {})
+            a, b = logs.get(key, (0.0, 0.0))
+            logs[key] = (a + num, b + den)
 
     def _record(self, step: int):
         with self._lock:
             return self._records.get(step) or [Traffic(), 0]
 
     def _write_scalars(self, step: int) -> None:
-        if step < 0:
+        if step < 0 or step <= self._written:
             return
+        self._written = step
         w, (t, raw) = self._writer, self._record(step)
         w.add_scalar("gradcomp/compression_ratio", raw / t.sent if t.sent else 0.0, step)
         w.add_scalar("gradcomp/wire_bytes", t.wire, step)
@@ -463,7 +495,7 @@ class GradcompState:
             for old in [k for k in self._logs if k < step]:
                 del self._logs[old]
         for key, (total, n) in logs.items():
-            w.add_scalar(f"gradcomp/{key}", float(total) / n, step)
+            w.add_scalar(f"gradcomp/{key}", float(total) / max(float(n), 1e-300), step)
 
     def stats(self) -> dict:
         """Bytes of the latest step: ``raw_bytes`` (the gradients' own size, what a plain
@@ -513,6 +545,7 @@ class GradcompState:
                                      f"parameter {name!r}; this model's has {want}")
         self.memory.load_state_dict(sd["memory"])
         self._step = sd["step"] - 1
+        self._written = max(self._written, self._step)
         self._pending = [_Pending.done(p["step"], p["corrections"]) for p in sd.get("pending", [])]
 
     @staticmethod
