@@ -17,7 +17,8 @@ from test_distributed import batch, small_net
 K = 4
 SGD = {"lr": 0.05, "momentum": 0.9}
 SPECS = ["allreduce", "topk:ratio=0.05", "dgc:ratio=0.02,warmup_steps=6",
-         "onebit:chunk=64", "terngrad", "powersgd:rank=1", "onebit:chunk=64,delay=2",
+         "onebit:chunk=64", "terngrad", "terngrad:error_feedback=true", "powersgd:rank=1",
+         "onebit:chunk=64,delay=2",
          "dgc:ratio=0.05,delay=1"]
 
 

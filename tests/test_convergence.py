@@ -37,7 +37,8 @@ TOLERANCE = 3.0
 CHANCE = 10.0
 
 # Measured at this budget on 2 CPU cores (allreduce 43.8%; bench/RESULTS.md, section 4):
-#   dgc 44.9, terngrad 44.8, powersgd rank 4 43.4 (rank 2: 43.8), onebit with warm-up 42.3;
+#   dgc 44.9, terngrad 45.4 (with error feedback: 44.8), powersgd rank 4 43.4 (rank 2: 43.8),
+#   onebit with warm-up 42.3;
 #   ablations: top-k at 0.001 without safeguards 39.9 (DGC at 0.001: 45.3), onebit without
 #   warm-up 38.6.
 METHODS = {

@@ -93,7 +93,7 @@ def _conservation(rank, world, spec, steps):
     return local, avg, left, state.stats()
 
 
-@pytest.mark.parametrize("spec", ["topk:ratio=0.05", "onebit:chunk=64", "terngrad",
+@pytest.mark.parametrize("spec", ["topk:ratio=0.05", "onebit:chunk=64", "terngrad:error_feedback=true",
                                   "powersgd:rank=1", "dgc:ratio=0.02"])
 def test_error_feedback_conserves_mass_through_ddp(spec):
     """sum_t average_t == mean over ranks of (sum_t local gradient - final memory)."""

@@ -12,7 +12,8 @@ SHAPES = {"fc.weight": (48, 40), "fc.bias": (48,), "conv.weight": (16, 8, 3, 3)}
 # slots whose contents were not yet delivered, with the weight each counts towards the sum
 SLOTS = {"residual": 1.0, "accumulation": 1.0, "server_residual": 1.0}
 METHOD_SPECS = ["allreduce", "topk:ratio=0.05", "dgc:ratio=0.05", "onebit:chunk=64",
-                "terngrad", "powersgd:rank=2", "terngrad:share_scalers=false", "powersgd:rank=1"]
+                "terngrad:error_feedback=true", "powersgd:rank=2",
+                "terngrad:share_scalers=false,error_feedback=true", "powersgd:rank=1"]
 
 
 def layout(names):
@@ -100,7 +101,8 @@ def test_stats_count_the_bytes_of_the_tensors_sent():
         assert s["raw_bytes"] == 4 * n and s["ratio"] == 4 * n / nbytes
 
 
-@pytest.mark.parametrize("spec", ["topk:ratio=0.1", "onebit:chunk=64", "terngrad", "powersgd"])
+@pytest.mark.parametrize("spec", ["topk:ratio=0.1", "onebit:chunk=64", "terngrad:error_feedback=true",
+                                  "powersgd"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_gradients_keep_fp32_memory(spec, dtype):
     state = state_for(spec)
@@ -185,7 +187,8 @@ def _run_logged(spec, details, grads, params):
 
 
 @pytest.mark.parametrize("spec, exact", [("topk:ratio=1", True), ("onebit:chunk=64", False),
-                                         ("terngrad", False), ("topk:ratio=0.05", False)])
+                                         ("terngrad:error_feedback=true", False),
+                                         ("topk:ratio=0.05", False)])
 def test_residual_energy_is_what_the_residual_keeps(spec, exact):
     """With details, onebit/terngrad/topk log ||residual after||^2 / ||gradient + residual
     before||^2 per step (recomputed here from the memory around each step): 0 when the
@@ -215,7 +218,7 @@ def test_residual_energy_not_logged_for_powersgd_nor_skipped_steps():
     n = params[-1].offset + params[-1].numel
     _, seen, _, _ = _run_logged("powersgd:rank=1", True, [torch.randn(n) for _ in range(3)], params)
     assert "gradcomp/residual_energy" not in seen and len(seen["gradcomp/approx_error"]) == 3
-    st = state_for("terngrad")
+    st = state_for("terngrad:error_feedback=true")
     w = _Scalars()
     st.attach(w, details=True)
     bad = torch.randn(n)
@@ -225,3 +228,16 @@ def test_residual_energy_not_logged_for_powersgd_nor_skipped_steps():
     st.close()
     got = w.seen["gradcomp/residual_energy"]
     assert len(got) == 3 and all(math.isfinite(v) and v > 0 for v in got)  # steps 0, 1, 2
+
+
+def test_terngrad_keeps_no_residual_by_default():
+    """TernGrad's rounding error is as large as its input, so error feedback would not
+    contract: by default (as in the paper) it sends the unbiased message and remembers
+    nothing; error_feedback=true keeps the residual."""
+    params = layout(list(SHAPES))
+    x = torch.randn(sum(p.numel for p in params))
+    plain, fed = state_for("terngrad"), state_for("terngrad:error_feedback=true")
+    plain.reduce(x.clone(), params)
+    fed.reduce(x.clone(), params)
+    assert plain.memory.names() == set()
+    assert fed.memory.names() == set(SHAPES)

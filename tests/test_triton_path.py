@@ -27,8 +27,8 @@ import gradcomp  # noqa: E402
 from gradcomp.launch import spawn  # noqa: E402
 from test_methods import SHAPES, layout  # noqa: E402
 
-SPECS = ["topk:ratio=0.05", "dgc:ratio=0.05", "onebit:chunk=64", "terngrad",
-         "terngrad:share_scalers=false"]
+SPECS = ["topk:ratio=0.05", "dgc:ratio=0.05", "onebit:chunk=64", "terngrad:error_feedback=true",
+         "terngrad:share_scalers=false,error_feedback=true"]
 STEPS = 4
 
 
