@@ -370,7 +370,10 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--lanes", type=int, default=4,
                        help="buckets whose exchanges may run at once (one process group each)")
         s.add_argument("--json", default=None)
-        s.add_argument("--tensorboard", default=None, metavar="DIR")
+        s.add_argument("--tensorboard", default=None, metavar="DIR",
+                       help="TensorBoard scalars in DIR; convergence also writes each gradcomp "
+                            "method's hook diagnostics under DIR/hook/<method> (they cost "
+                            "passes over the gradient: step times grow)")
         s.add_argument("--out", default="bench/out", help="directory for plots")
         s.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
                        help="auto: a GPU per rank under NCCL; cuda: GPUs also with gloo ranks")
