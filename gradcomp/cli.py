@@ -266,6 +266,8 @@ def cmd_convergence(args) -> int:
     methods = _methods(args.methods)
     _lanes(args)
     _check_device(args)
+    if args.timeout is not None and not args.timeout > 0:
+        raise UsageError(f"--timeout {args.timeout:g}: expected seconds > 0 (or leave it out: no limit)")
     worlds = _worlds(str(args.world))
     data_dir = _data(args)
     out_dir = Path(args.out)
@@ -278,7 +280,7 @@ def cmd_convergence(args) -> int:
                           epochs=args.epochs, batch=args.batch, lr=args.lr, seed=args.seed,
                           eval=True, options={**_delay_opts(m, args), **_hook_log(m, args)},
                           device=args.device)
-        res = bench.run_ranks(worlds[0], cfg)[0]
+        res = bench.run_ranks(worlds[0], cfg, timeout=args.timeout)[0]
         results[m] = res
         for c in res["curve"]:
             scalars.add(f"{m}/test_acc", c["test_acc"], c["step"])
@@ -390,6 +392,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--world", type=int, default=2)
     c.add_argument("--epochs", type=float, default=10)
     c.add_argument("--lr", type=float, default=0.05)
+    c.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="wall-clock limit per method (default: none; a rank that fails or "
+                        "stops still ends the run within about 70 s)")
     o = sub.add_parser("overlap", help="timeline: bucket exchanges during backward")
     o.add_argument("--methods", default="allreduce,dgc:ratio=0.001,onebit,terngrad,powersgd:rank=2")
     o.add_argument("--model", default="resnet18")

@@ -1,4 +1,4 @@
-"""Run a function on N local ranks (gloo on CPU), with a free port and a hard deadline.
+"""Run a function on N local ranks (gloo on CPU), with a free port and bounded waits.
 
 Used by the tests and the benchmark CLI. A rank that raises, dies or overruns the deadline
 makes ``spawn`` raise in the parent; the other ranks are killed, so nothing hangs.
@@ -12,6 +12,7 @@ import tempfile
 import time
 import traceback
 import warnings
+from multiprocessing.connection import wait as _wait_any
 
 import torch
 import torch.distributed as dist
@@ -51,12 +52,37 @@ def _entry(fn, rank, world, addr, port, outdir, args, pg_timeout, threads, env):
         os._exit(1)
 
 
-def spawn(fn, world: int = 2, args: tuple = (), timeout: float = 300, pg_timeout: float = 60,
+def _wait(procs, outdir: str, timeout: float | None, grace: float):
+    """Wait until every process has exited, ``timeout`` seconds have passed (None: no limit),
+    or ``grace`` seconds after the first one failed (the others then had their collectives'
+    timeout to fail too; one still running is stuck outside a collective). A rank that saved
+    its result before a bad exit did not fail. Returns the rank that failed first, or None."""
+    start = time.monotonic()
+    failed_at, first = None, None
+    while any(p.is_alive() for p in procs):
+        now = time.monotonic()
+        if timeout is not None and now - start >= timeout:
+            break
+        if first is None:
+            bad = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
+                   and not os.path.exists(os.path.join(outdir, f"rank{r}.pt"))]
+            if bad:
+                failed_at, first = now, bad[0]
+        if failed_at is not None and now - failed_at >= grace:
+            break
+        _wait_any([p.sentinel for p in procs if p.is_alive()], timeout=1.0)
+    return first
+
+
+def spawn(fn, world: int = 2, args: tuple = (), timeout: float | None = 300, pg_timeout: float = 60,
           addr: str = "127.0.0.1", threads: int | None = None, env: dict | None = None,
           allow_fail: bool = False):
     """Run ``fn(rank, world, *args)`` on ``world`` processes; return their results in rank order.
 
-    With ``allow_fail`` a failed rank gives a RankError in its slot instead of raising."""
+    ``timeout`` bounds the whole run (None: no limit, for long training jobs). Either way a
+    rank that fails ends the run: the others get ``pg_timeout`` (their collectives' timeout)
+    plus 10 s to finish or fail, then are killed. With ``allow_fail`` a failed rank gives a
+    RankError in its slot instead of raising."""
     threads = threads or max(1, (os.cpu_count() or 1) // world)
     ctx = mp.get_context("spawn")
     port = free_port()
@@ -66,9 +92,7 @@ def spawn(fn, world: int = 2, args: tuple = (), timeout: float = 300, pg_timeout
                  for r in range(world)]
         for p in procs:
             p.start()
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
+        first_failed = _wait(procs, d, timeout, grace=pg_timeout + 10)
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
         for p in procs:
             if p.is_alive():
@@ -88,7 +112,11 @@ def spawn(fn, world: int = 2, args: tuple = (), timeout: float = 300, pg_timeout
                 else:
                     errors[r] = f"rank {r} exited with code {procs[r].exitcode}"
         if hung and not allow_fail:
-            raise RankError(f"ranks {hung} still running after {timeout}s; killed", errors)
+            why = (f"{pg_timeout + 10:g}s after rank {first_failed} failed" if first_failed is not None
+                   else f"after {timeout}s")
+            raise RankError(f"ranks {hung} still running {why}; killed\n"
+                            + "\n".join(f"rank {r} failed:\n{e}" for r, e in sorted(errors.items())),
+                            errors)
         if errors and not allow_fail:
             text = "\n".join(f"rank {r} failed:\n{e}" for r, e in sorted(errors.items()))
             raise RankError(text, errors)

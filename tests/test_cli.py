@@ -16,6 +16,7 @@ from gradcomp import cli
     (["ddp", "--link", "fast"], "bad rate 'fast'"),
     (["ddp", "--latency", "50ms"], "--latency needs --link"),
     (["ddp", "--model", "vgg"], "--model 'vgg'"),
+    (["convergence", "--timeout", "0"], "--timeout 0: expected seconds > 0"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, match, capsys):
     assert cli.main(argv) == 2

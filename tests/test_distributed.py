@@ -138,6 +138,21 @@ def test_launcher_reports_a_failing_rank_instead_of_hanging():
         spawn(_raise_in_rank, 2, timeout=60, pg_timeout=5)
 
 
+def _raise_while_the_other_sleeps(rank, world):
+    import time
+    if rank == 1:
+        raise RuntimeError("boom")
+    time.sleep(600)  # stuck outside any collective: only the launcher can end it
+
+
+def test_launcher_ends_a_run_soon_after_a_rank_fails_even_without_a_deadline():
+    # timeout=None is what the convergence CLI runs under (a full run may take hours); a
+    # launcher that waited for the survivor would sleep 600 s and report that it finished
+    with pytest.raises(RankError, match="still running 12s after rank 1 failed") as exc:
+        spawn(_raise_while_the_other_sleeps, 2, timeout=None, pg_timeout=2)
+    assert "boom" in str(exc.value) and set(exc.value.errors) == {1}
+
+
 def _dies_mid_training(rank, world, spec):
     import os
     import time
