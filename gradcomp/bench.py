@@ -14,13 +14,14 @@ from dataclasses import asdict
 
 import torch
 
-from .launch import RankError, free_port, spawn
+from .launch import RankError, failures, free_port, spawn
 from .train import TrainConfig, train
 
 
 # --------------------------------------------------------------------------- running ranks
-def run_ranks(world: int, cfg: TrainConfig, link=None, timeout: float = 1800) -> list[dict]:
-    """Train ``cfg`` on ``world`` local ranks; inside ``link``'s namespaces when given."""
+def run_ranks(world: int, cfg: TrainConfig, link=None, timeout: float | None = 1800) -> list[dict]:
+    """Train ``cfg`` on ``world`` local ranks; inside ``link``'s namespaces when given.
+    ``timeout``: wall-clock limit in seconds (None: none)."""
     if link is None:
         return spawn(train, world, args=(asdict(cfg),), timeout=timeout)
     port = free_port()
@@ -37,10 +38,10 @@ def run_ranks(world: int, cfg: TrainConfig, link=None, timeout: float = 1800) ->
                                      os.path.join(d, f"rank{r}.pt"), link.addrs[r]]
             procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL,
                                           stderr=open(os.path.join(d, f"rank{r}.log"), "w")))
-        deadline = time.monotonic() + timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             for p in procs:
-                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+                p.wait(timeout=None if deadline is None else max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
         finally:
@@ -51,7 +52,7 @@ def run_ranks(world: int, cfg: TrainConfig, link=None, timeout: float = 1800) ->
         bad = {r: open(os.path.join(d, f"rank{r}.log")).read()[-3000:]
                for r, p in enumerate(procs) if p.returncode != 0}
         if bad:
-            raise RankError("\n".join(f"rank {r} failed:\n{t}" for r, t in bad.items()), bad)
+            raise RankError(failures(bad), bad)
         return [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
 

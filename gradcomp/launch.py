@@ -27,6 +27,11 @@ class RankError(RuntimeError):
         self.errors = errors or {}
 
 
+def failures(errors: dict) -> str:
+    """The ranks' error texts, one block per rank, in rank order."""
+    return "\n".join(f"rank {r} failed:\n{e}" for r, e in sorted(errors.items()))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -114,12 +119,9 @@ def spawn(fn, world: int = 2, args: tuple = (), timeout: float | None = 300, pg_
         if hung and not allow_fail:
             why = (f"{pg_timeout + 10:g}s after rank {first_failed} failed" if first_failed is not None
                    else f"after {timeout}s")
-            raise RankError(f"ranks {hung} still running {why}; killed\n"
-                            + "\n".join(f"rank {r} failed:\n{e}" for r, e in sorted(errors.items())),
-                            errors)
+            raise RankError(f"ranks {hung} still running {why}; killed\n" + failures(errors), errors)
         if errors and not allow_fail:
-            text = "\n".join(f"rank {r} failed:\n{e}" for r, e in sorted(errors.items()))
-            raise RankError(text, errors)
+            raise RankError(failures(errors), errors)
         out = []
         for r in range(world):
             path = os.path.join(d, f"rank{r}.pt")

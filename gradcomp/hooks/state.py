@@ -279,10 +279,11 @@ class GradcompState:
         else:
             slot = self.compressor.residual_slot if ctx.details and self.config.error_feedback else None
             if slot:
-                owed = _sq_norm(x, params, self.memory.peek(slot, [p.name for p in params]))
+                names = [p.name for p in params]
+                owed = _sq_norm(x, params, self.memory.peek(slot, names))
             out = self._guarded(x, ctx)
             if slot and self._skipped != step:
-                kept = _sq_norm(None, params, self.memory.peek(slot, [p.name for p in params]))
+                kept = _sq_norm(None, params, self.memory.peek(slot, names))
                 self._log_ratio(step, "residual_energy", kept, owed)
         if scale is not None:
             out = out * scale
