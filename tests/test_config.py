@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import gradcomp
-from gradcomp.hooks.ddp import take_momentum
+from gradcomp.compressors.dgc import DGC
 
 
 def test_methods_lists_every_method_with_options():
@@ -55,28 +55,55 @@ def test_config_round_trips_through_dict():
     assert type(cfg).from_dict(cfg.to_dict()) == cfg
 
 
-def test_dgc_momentum_moves_from_optimizer_once():
-    p = torch.nn.Parameter(torch.zeros(3))
+def test_dgc_reads_momentum_from_the_optimizer_and_hides_it_only_during_step():
+    p = torch.nn.Parameter(torch.ones(3))
     opt = torch.optim.SGD([p], lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4)
-    opts = take_momentum(opt, {"ratio": 0.01})
-    assert opts == {"momentum": 0.9, "nesterov": True, "weight_decay": 1e-4, "ratio": 0.01}
+    assert DGC.prepare({"ratio": 0.01}, opt) == {"ratio": 0.01}  # read live, not copied
+    dgc = DGC(DGC.Config(ratio=0.01))
+    dgc.bind(opt, {id(p): "w"})
     g = opt.param_groups[0]
-    assert (g["momentum"], g["nesterov"], g["weight_decay"]) == (0.0, False, 0.0)
-    # registering again (a resumed job) finds the moved momentum, never loses or doubles it
-    assert take_momentum(opt, {})["momentum"] == 0.9
-    # an optimizer state dict saved after the move restores the same
-    opt2 = torch.optim.SGD([p], lr=0.1, momentum=0.9)
-    opt2.load_state_dict(opt.state_dict())
-    assert take_momentum(opt2, {})["momentum"] == 0.9
+    assert (g["momentum"], g["nesterov"], g["weight_decay"]) == (0.9, True, 1e-4)
+    assert dgc.live(["w"]) == (0.9, True, 1e-4)
+    g["momentum"] = 0.5  # a scheduler, or the user
+    assert dgc.live(["w"]) == (0.5, True, 1e-4)
+    seen = []
+    opt.register_step_pre_hook(lambda o, a, k: seen.append(dict(o.param_groups[0])))
+    p.grad = torch.ones(3)
+    opt.step()
+    # during step() the optimizer held no momentum and no weight decay: w -= lr * grad alone
+    assert (seen[0]["momentum"], seen[0]["nesterov"], seen[0]["weight_decay"]) == (0.0, False, 0.0)
+    torch.testing.assert_close(p.detach(), torch.full((3,), 0.9))
+    assert opt.state_dict()["param_groups"][0]["momentum"] == 0.5  # the user's, after step()
+    # registering again (a resumed job) keeps one pair of hooks
+    dgc2 = DGC(DGC.Config(ratio=0.01))
+    dgc2.bind(opt, {id(p): "w"})
+    assert len(opt._optimizer_step_pre_hooks) == 2  # ours + the test's
+    dgc2.unbind()
+    assert opt.param_groups[0]["momentum"] == 0.5
 
 
 def test_dgc_refuses_double_momentum_and_missing_optimizer():
     p = torch.nn.Parameter(torch.zeros(3))
-    with pytest.raises(TypeError, match="pass optimizer="):
-        take_momentum(None, {})
+    with pytest.raises(TypeError, match="optimizer="):
+        DGC.prepare({}, None)
     with pytest.raises(ValueError, match="applied twice"):
-        take_momentum(torch.optim.SGD([p], lr=0.1, momentum=0.9), {"momentum": 0.5})
-    with pytest.raises(TypeError, match="needs torch.optim.SGD, got Adam"):
-        take_momentum(torch.optim.Adam([p]), {"momentum": 0.9})
+        DGC.prepare({"momentum": 0.5}, torch.optim.SGD([p], lr=0.1, momentum=0.9))
+    with pytest.raises(TypeError, match="torch.optim.SGD"):
+        DGC.prepare({"momentum": 0.9}, torch.optim.Adam([p]))
+    with pytest.raises(ValueError, match="dampening=0.1"):
+        DGC.prepare({}, torch.optim.SGD([p], lr=0.1, momentum=0.9, dampening=0.1))
+    with pytest.raises(ValueError, match="maximize"):
+        DGC.prepare({}, torch.optim.SGD([p], lr=0.1, momentum=0.9, maximize=True))
     # Adam without momentum in the hook is allowed: nothing to apply twice
-    assert take_momentum(torch.optim.Adam([p]), {"momentum": 0.0}) == {"momentum": 0.0}
+    assert DGC.prepare({"momentum": 0.0}, torch.optim.Adam([p])) == {"momentum": 0.0}
+    # momentum given as an option with an optimizer that has none: fixed; a group that later
+    # gains momentum (a cycling scheduler) raises at step() instead of applying it twice
+    opt = torch.optim.SGD([p], lr=0.1)
+    dgc = DGC(DGC.Config(**DGC.prepare({"momentum": 0.9}, opt)))
+    dgc.bind(opt, {id(p): "w"})
+    assert dgc.live(["w"]) is None
+    p.grad = torch.ones(3)
+    opt.step()
+    opt.param_groups[0]["momentum"] = 0.95
+    with pytest.raises(ValueError, match="applied twice"):
+        opt.step()

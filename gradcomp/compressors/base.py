@@ -49,6 +49,8 @@ class BucketContext(Protocol):
     comm: Comm
     step: int                 # optimizer steps completed before this one
     params: list[ParamSlice]  # layout of x
+    device: torch.device      # x's device
+    live: object              # what Compressor.live returned when the bucket was submitted
     logging: bool             # a writer is attached: per-step scalars are wanted
     details: bool             # ... and costly diagnostics too (PowerSGD's approximation error)
 
@@ -88,6 +90,25 @@ class Compressor(ABC):
 
     def __init__(self, config: MethodConfig):
         self.config = config
+
+    # Registration: what a method needs from the user's job beyond its options.
+    @classmethod
+    def prepare(cls, options: dict, optimizer) -> dict:
+        """Check ``optimizer`` and return the options to build the config from (register()
+        calls it before the config is built; DGC takes its momentum from the optimizer)."""
+        return options
+
+    def bind(self, optimizer, names: dict[int, str]) -> None:
+        """Attach to the job's optimizer once the state exists (``names``: id(param) -> name)."""
+
+    def unbind(self) -> None:
+        """Detach what :meth:`bind` attached (the state is closing)."""
+
+    def live(self, names):
+        """Values the method reads from the job at each step, taken when a bucket holding the
+        parameters ``names`` is submitted, on the caller's thread (so the exchange never
+        races with the optimizer): ``ctx.live`` in :meth:`reduce`. None: nothing."""
+        return None
 
     @abstractmethod
     def reduce(self, x: torch.Tensor, ctx: BucketContext) -> torch.Tensor:

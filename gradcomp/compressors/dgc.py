@@ -1,12 +1,27 @@
 """Deep Gradient Compression (Lin et al., "Deep Gradient Compression: Reducing the
 Communication Bandwidth for Distributed Training", ICLR 2018, arXiv:1712.01887).
 
-Momentum moves from the optimizer into the hook (momentum correction), so the optimizer must
-be plain SGD: :func:`gradcomp.register` takes the optimizer and moves its momentum, Nesterov
-flag and weight decay here, so momentum can never be applied twice.
+Momentum correction accumulates velocity *in the hook*, so the optimizer must not apply
+momentum (or weight decay) a second time. How that is kept true whatever a scheduler
+(OneCycleLR, CyclicLR), ``optimizer.load_state_dict`` or the user's code does to the
+optimizer's param groups later (:class:`OptimizerMomentum`):
 
-Algorithm, per parameter and step (velocity u, accumulation v, both fp32 per parameter):
-  1. g += weight_decay * w; optionally clip each parameter's g to clip / sqrt(W) in L2 norm
+  * the param groups keep the user's ``momentum``, ``nesterov`` and ``weight_decay`` at all
+    times outside ``optimizer.step()``: schedulers, checkpoints and the user see what they
+    set;
+  * when DDP hands a bucket to the hook (during backward, on the caller's thread), the hook
+    reads each parameter's values from its group: the values the optimizer would use in this
+    step, as the scheduler set them;
+  * an optimizer step pre-hook sets them to 0 for the duration of ``step()`` and a post-hook
+    puts them back, so the optimizer applies ``w -= lr * result`` alone.
+
+Options ``momentum``/``nesterov``/``weight_decay`` are for an optimizer that has none of its
+own: then they are fixed, and a group that later gains momentum (a scheduler cycling it)
+raises at ``optimizer.step()`` instead of silently applying it twice.
+
+Algorithm, per parameter and step (velocity u, accumulation v, both fp32 per parameter; m
+and wd the parameter's group's values at this step):
+  1. g += wd * w; optionally clip each parameter's g to clip / sqrt(W) in L2 norm
      (local clipping; per parameter, so it does not depend on the bucket layout).
   2. u = m u + g;  v = v + u            (Nesterov: v = v + g + m u)
   3. Sparsity warm-up: the sent fraction falls exponentially from ``warmup_ratio`` to
@@ -16,22 +31,30 @@ Algorithm, per parameter and step (velocity u, accumulation v, both fp32 per par
   5. v[idx] = 0; momentum factor masking: u[idx] = 0.
   6. Allgather (values, int32 indices, dense values), scatter-add, divide by W. The
      optimizer then does w -= lr * result.
+During ``dense_steps`` steps 1-2 still run (the velocity goes on) and u (or g + m u) is
+averaged whole: momentum SGD, with its momentum in one place.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
+import torch
+
 from ..config import MethodConfig, check
 from .base import Compressor, register_method
 from .topk import exchange_sparse, select, zero_dense
 
+_KEYS = ("momentum", "nesterov", "weight_decay")
+_OFF = {"momentum": 0.0, "nesterov": False, "weight_decay": 0.0}
+
 
 @dataclass(frozen=True)
 class DGCConfig(MethodConfig):
-    """ratio: final fraction sent, in (0, 1]. momentum/nesterov/weight_decay: taken from the
-    optimizer by register(). masking: momentum factor masking. clip: local gradient clipping
-    norm (0 = off). warmup_steps/warmup_ratio: exponential sparsity warm-up."""
+    """ratio: final fraction sent, in (0, 1]. momentum/nesterov/weight_decay: only for an
+    optimizer without momentum of its own (by default they are read from the optimizer's
+    param groups at every step). masking: momentum factor masking. clip: local gradient
+    clipping norm (0 = off). warmup_steps/warmup_ratio: exponential sparsity warm-up."""
 
     ratio: float = 0.001
     momentum: float = 0.0
@@ -61,6 +84,90 @@ class DGCConfig(MethodConfig):
             return self.ratio
         return self.warmup_ratio * (self.ratio / self.warmup_ratio) ** (step / self.warmup_steps)
 
+    def fixed(self) -> bool:
+        """Momentum/weight decay given as options (not read from the optimizer)."""
+        return any(getattr(self, k) != _OFF[k] for k in _KEYS)
+
+
+class OptimizerMomentum:
+    """Reads each parameter's momentum, Nesterov flag and weight decay from the SGD
+    optimizer's param groups when a bucket is submitted, and keeps the optimizer from
+    applying them itself: zero during ``step()`` (pre-hook), the user's values back after it
+    (post-hook). With ``fixed`` options the groups must hold none: checked at every step."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, names: dict[int, str], fixed: bool):
+        self.optimizer, self.fixed = optimizer, fixed
+        self._group_of = {names[id(p)]: i for i, g in enumerate(optimizer.param_groups)
+                          for p in g["params"] if id(p) in names}
+        self._saved: list[dict] | None = None  # the user's values while step() runs
+        self._layouts: dict[tuple, list[int]] = {}
+        old = getattr(optimizer, "_gradcomp_momentum_hooks", None)
+        for h in old or ():
+            h.remove()  # a state registered again (a resumed job): one pair of hooks only
+        self.handles = [optimizer.register_step_pre_hook(self._pre),
+                        optimizer.register_step_post_hook(self._post)]
+        optimizer._gradcomp_momentum_hooks = self.handles
+
+    def close(self) -> None:
+        self._restore()
+        for h in self.handles:
+            h.remove()
+
+    def _groups(self) -> list[tuple]:
+        self._restore()  # a step() that raised never ran its post-hook
+        out = []
+        for g in self.optimizer.param_groups:
+            legacy = g.pop("gradcomp_moved", None)  # optimizer checkpoints of gradcomp <= 0.1
+            if legacy and not any(g.get(k) for k in _KEYS):
+                g.update(legacy)
+            out.append(tuple(g.get(k, _OFF[k]) for k in _KEYS))
+        return out
+
+    def values(self, names) -> tuple | None:
+        """(momentum, nesterov, weight_decay) for the parameters ``names`` at this step: one
+        triple when they agree, else a triple of per-parameter lists; None with fixed options."""
+        if self.fixed:
+            return None
+        groups = self._groups()
+        idx = self._layouts.get(tuple(names))
+        if idx is None:
+            idx = self._layouts[tuple(names)] = [self._group_of[n] for n in names]
+        first = groups[idx[0]]
+        if all(groups[i] == first for i in idx):
+            return first
+        return tuple(list(col) for col in zip(*(groups[i] for i in idx)))
+
+    def _pre(self, optimizer, args, kwargs) -> None:
+        groups = self._groups()
+        if self.fixed:
+            bad = [(i, dict(zip(_KEYS, v))) for i, v in enumerate(groups) if any(v)]
+            if bad:
+                raise ValueError(f"dgc applies the momentum/weight decay given in its options, "
+                                 f"but param group {bad[0][0]} now holds {bad[0][1]} (a scheduler "
+                                 f"cycling momentum, or your code): it would be applied twice. "
+                                 f"Leave the options out so dgc reads them from the optimizer")
+            return
+        self._saved = [{k: g.get(k, _OFF[k]) for k in _KEYS} for g in optimizer.param_groups]
+        for g in optimizer.param_groups:
+            g.update(_OFF)
+
+    def _post(self, optimizer, args, kwargs) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        if self._saved is not None:
+            for g, s in zip(self.optimizer.param_groups, self._saved):
+                g.update(s)
+            self._saved = None
+
+
+def _per_element(values, ctx):
+    """A per-parameter list as a per-element tensor of the bucket (a float stays a float)."""
+    if not isinstance(values, list):
+        return values
+    numels = torch.tensor([p.numel for p in ctx.params])
+    return torch.repeat_interleave(torch.tensor(values, dtype=torch.float32), numels).to(ctx.device)
+
 
 @register_method
 class DGC(Compressor):
@@ -68,25 +175,109 @@ class DGC(Compressor):
     name = "dgc"
     description = "Deep Gradient Compression: top-k with momentum correction, masking, warm-up"
 
-    def reduce(self, x, ctx):
+    def __init__(self, config):
+        super().__init__(config)
+        self.source: OptimizerMomentum | None = None
+
+    @classmethod
+    def prepare(cls, options: dict, optimizer) -> dict:
+        if optimizer is None:
+            raise TypeError("dgc applies momentum inside the hook (momentum correction): pass "
+                            "optimizer=your_SGD so gradcomp reads its momentum at every step and "
+                            "it is never applied twice")
+        groups = optimizer.param_groups
+        held = any(any(g.get(k, _OFF[k]) for k in _KEYS) for g in groups)
+        if not isinstance(optimizer, torch.optim.SGD):
+            if held or any(options.get(k, _OFF[k]) for k in _KEYS):
+                raise TypeError(f"dgc's momentum correction needs torch.optim.SGD, got "
+                                f"{type(optimizer).__name__}; use 'topk' for other optimizers")
+            return options
+        for i, g in enumerate(groups):
+            if g.get("maximize"):
+                raise ValueError(f"dgc with maximize=True (param group {i}): not supported; "
+                                 f"minimize the negated loss")
+            if g.get("dampening", 0):
+                raise ValueError(f"dgc with dampening={g['dampening']!r} (param group {i}): "
+                                 f"allowed 0")
+        if held:
+            for k in _KEYS:
+                if k in options and any(g.get(k, _OFF[k]) != options[k] for g in groups):
+                    raise ValueError(f"{k}={options[k]!r} given to dgc while the optimizer has "
+                                     f"{k}={groups[0].get(k)!r}: it would be applied twice; "
+                                     f"leave it out, dgc reads it from the optimizer")
+            options = {k: v for k, v in options.items() if k not in _KEYS}
+        return options
+
+    def bind(self, optimizer, names: dict[int, str]) -> None:
+        if isinstance(optimizer, torch.optim.SGD):
+            self.source = OptimizerMomentum(optimizer, names, self.config.fixed())
+
+    def unbind(self) -> None:
+        if self.source is not None:
+            self.source.close()
+            self.source = None
+
+    def __getstate__(self):
+        return {**self.__dict__, "source": None}  # the optimizer stays with the process
+
+    def live(self, names):
+        return self.source.values(names) if self.source is not None else None
+
+    def _hyper(self, ctx):
+        live = ctx.live
+        if live is None:
+            cfg = self.config
+            return cfg.momentum, cfg.nesterov, cfg.weight_decay
+        m, nesterov, wd = live
+        if isinstance(nesterov, list):
+            on = {bool(n) for n, mm in zip(nesterov, m) if mm}
+            if len(on) > 1:
+                raise ValueError("dgc needs one nesterov setting for the parameter groups "
+                                 "that have momentum")
+            nesterov = on.pop() if on else False
+            if isinstance(m, list) and len(set(m)) == 1:
+                m = m[0]
+        if isinstance(wd, list) and len(set(wd)) == 1:
+            wd = wd[0]
+        return _per_element(m, ctx), nesterov, _per_element(wd, ctx)
+
+    def _velocity(self, x, ctx):
+        """Steps 1-2: weight decay, clipping, momentum correction; x becomes what goes into
+        the accumulation (u, or g + m u with Nesterov). Returns u (None without momentum).
+        m and wd are floats, or per-element tensors where the bucket's groups differ."""
         cfg = self.config
-        if cfg.weight_decay:
-            x.add_(ctx.param_values(), alpha=cfg.weight_decay)
+        m, nesterov, wd = self._hyper(ctx)
+        if isinstance(wd, torch.Tensor):
+            x.addcmul_(ctx.param_values(), wd)
+        elif wd:
+            x.add_(ctx.param_values(), alpha=wd)
         if cfg.clip:
             limit = cfg.clip / math.sqrt(ctx.comm.world_size)
             for p in ctx.params:
                 g = x[p.offset : p.offset + p.numel]
                 g.mul_((limit / (g.norm() + 1e-12)).clamp_(max=1.0))
-        if cfg.momentum:
-            u = ctx.memory("velocity")
-            u.mul_(cfg.momentum).add_(x)
-            if cfg.nesterov:
-                x.add_(u, alpha=cfg.momentum)
-            else:
-                x.copy_(u)
+        if not isinstance(m, torch.Tensor) and not m:
+            return None
+        u = ctx.memory("velocity")
+        u.mul_(m).add_(x)
+        if not nesterov:
+            x.copy_(u)
+        elif isinstance(m, torch.Tensor):
+            x.addcmul_(u, m)
+        else:
+            x.add_(u, alpha=m)
+        return u
+
+    def dense(self, x, ctx):
+        self._velocity(x, ctx)
+        return super().dense(x, ctx)
+
+    def reduce(self, x, ctx):
+        cfg = self.config
+        u = self._velocity(x, ctx)
         big, dense = self.split(ctx.params)
         if not big:  # everything sent: nothing accumulates, u keeps its momentum
-            return self.dense(x, ctx)
+            return super().dense(x, ctx)
         if cfg.error_feedback:
             v = ctx.memory("accumulation")
             x.add_(v)
@@ -97,7 +288,7 @@ class DGC(Compressor):
         if cfg.error_feedback:
             v.copy_(x).index_put_((idx_l,), -vals, accumulate=True)
             zero_dense(v, dense)
-        if cfg.momentum and cfg.masking:
+        if u is not None and cfg.masking:
             # padding slots carry value 0: they must not mask anything
             u.index_put_((idx_l,), -u[idx_l] * (vals != 0), accumulate=True)
         return exchange_sparse(vals, idx, x, dense, ctx)

@@ -6,8 +6,6 @@ from torch.nn.parallel import DistributedDataParallel
 from ..compressors import METHODS
 from .state import GradcompState
 
-# Options register() consumes itself; everything else goes to the method's config.
-_MOMENTUM_KEYS = ("momentum", "nesterov", "weight_decay")
 
 
 def hook(state: GradcompState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -48,39 +46,6 @@ def methods() -> list[dict]:
             for s in METHODS.values()]
 
 
-def take_momentum(optimizer, options: dict) -> dict:
-    """Move SGD's momentum, Nesterov flag and weight decay into DGC's options.
-
-    The optimizer's groups get momentum 0 and weight decay 0, and remember what was moved under
-    ``gradcomp_moved``, so re-registering after ``optimizer.load_state_dict`` finds it again."""
-    if optimizer is None:
-        raise TypeError("dgc applies momentum inside the hook (momentum correction): pass "
-                        "optimizer=your_SGD so gradcomp can move its momentum there and it is "
-                        "never applied twice")
-    if not isinstance(optimizer, torch.optim.SGD):
-        if options.get("momentum", 0.0) == 0.0 and all(
-                g.get("momentum", 0.0) == 0.0 for g in optimizer.param_groups):
-            return options
-        raise TypeError(f"dgc's momentum correction needs torch.optim.SGD, got "
-                        f"{type(optimizer).__name__}; use 'topk' for other optimizers")
-    moved = []
-    for g in optimizer.param_groups:
-        moved.append(g.get("gradcomp_moved") or {k: g.get(k, False if k == "nesterov" else 0.0)
-                                                 for k in _MOMENTUM_KEYS})
-    if any(m != moved[0] for m in moved):
-        raise ValueError(f"dgc needs one momentum/nesterov/weight_decay for all parameter "
-                         f"groups, got {moved}")
-    src = moved[0]
-    for k in _MOMENTUM_KEYS:
-        if k in options and src[k] and options[k] != src[k]:
-            raise ValueError(f"{k}={options[k]!r} given to dgc while the optimizer already has "
-                             f"{k}={src[k]!r}: it would be applied twice")
-    for g in optimizer.param_groups:
-        g["gradcomp_moved"] = dict(src)
-        g["momentum"], g["nesterov"], g["weight_decay"] = 0.0, False, 0.0
-    return {**{k: v for k, v in src.items() if v}, **options}
-
-
 def register(model: DistributedDataParallel, method: str, *, optimizer=None, scaler=None,
              lanes: int = 4, process_group=None, log_dir=None, log_all_ranks=False,
              log_details=False, **options) -> GradcompState:
@@ -88,7 +53,9 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
 
     ``method`` is a name or spec (``"powersgd:rank=2"``); ``options`` are the method's
     options (``gradcomp.methods()`` lists them). ``optimizer`` is required for ``dgc``, which
-    takes over the optimizer's momentum. ``scaler``: the ``torch.amp.GradScaler`` of an fp16
+    applies the optimizer's momentum and weight decay in the hook, read from its param groups
+    at every step (schedulers that cycle momentum are followed), and keeps the optimizer from
+    applying them again (zero only while ``optimizer.step()`` runs). ``scaler``: the ``torch.amp.GradScaler`` of an fp16
     job, whose loss scale the gradients carry; the hook keeps its memory unscaled so that
     scale changes do not corrupt it (not with ``delay``: a rank's overflow would reach the
     others only D steps later). ``log_dir``: TensorBoard scalars per step (rank 0
@@ -138,6 +105,8 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
     state.add_lanes([dist.new_group(ranks=ranks, backend=dist.get_backend(pg))
                      for _ in range(lanes - 1)])
     model.register_comm_hook(state, hook)
+    if optimizer is not None:  # only once every rank agreed: nothing attached on a refusal
+        state.compressor.bind(optimizer, state._param_names)
     if log_dir is not None and (log_all_ranks or dist.get_rank(group) == 0):
         from torch.utils.tensorboard import SummaryWriter
         state.attach(SummaryWriter(log_dir), details=log_details)
@@ -146,10 +115,12 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
 
 def _build_state(model, method, optimizer, group, options) -> GradcompState:
     name, spec_opts = parse_spec(method)
-    if name == "dgc":
-        options = take_momentum(optimizer, {**spec_opts, **options})
-        method = name
-    name, config = build_config(method, **options)
+    clash = sorted(set(spec_opts) & set(options))
+    if clash:
+        raise ValueError(f"option(s) {', '.join(clash)} given both in {method!r} and as arguments")
+    # what the method needs from the optimizer (DGC: its momentum) is the method's business
+    options = METHODS[name].compressor.prepare({**spec_opts, **options}, optimizer)
+    name, config = build_config(name, **options)
     names, numels = {}, {}
     for pname, p in model.module.named_parameters():
         if not p.requires_grad:

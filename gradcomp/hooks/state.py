@@ -52,9 +52,9 @@ class _Ctx:
     """BucketContext for one bucket at one step (see compressors.base.BucketContext)."""
 
     def __init__(self, state: "GradcompState", comm: Comm, bucket: int, params: list[ParamSlice],
-                 param_tensors, device, step: int):
+                 param_tensors, device, step: int, live=None):
         self.state, self.bucket, self.params = state, bucket, params
-        self.comm, self.step = comm, step
+        self.comm, self.step, self.device, self.live = comm, step, device, live
         self.logging = state._writer is not None
         self.details = self.logging and state._details
         self._tensors, self._device = param_tensors, device
@@ -260,9 +260,11 @@ class GradcompState:
         """Synchronously reduce one flat bucket (any float dtype); returns the average in
         x's dtype. The DDP hook runs exactly this, on the communication thread."""
         step = self._begin(bucket)
-        return self._reduce(self._lanes[0].comm, x, list(params), bucket, param_tensors, step)
+        live = self.compressor.live([p.name for p in params])
+        return self._reduce(self._lanes[0].comm, x, list(params), bucket, param_tensors, step,
+                            live=live)
 
-    def _reduce(self, comm, buf, params, bucket, param_tensors, step, scale=None):
+    def _reduce(self, comm, buf, params, bucket, param_tensors, step, scale=None, live=None):
         if bucket == 0 and self._writer is not None:
             # the last step every exchange of which has finished by now
             self._write_scalars(step - 1 - self.config.delay)
@@ -271,7 +273,7 @@ class GradcompState:
         if scale is not None:  # memory holds unscaled values: the loss scale may change
             x = x / scale
         t0 = time.perf_counter()
-        ctx = _Ctx(self, comm, bucket, params, param_tensors, buf.device, step)
+        ctx = _Ctx(self, comm, bucket, params, param_tensors, buf.device, step, live)
         if step < self.config.dense_steps:  # warm-up: uncompressed, memory untouched
             out = self.compressor.dense(x, ctx)
         elif self.compressor.stateless:
@@ -333,6 +335,7 @@ class GradcompState:
         slices = _slices(zip(names, params))
         step = self._begin(bucket)
         scale = self._scale()
+        live = self.compressor.live(names)
         event = None
         if buf.is_cuda:
             event = torch.cuda.Event()
@@ -351,14 +354,14 @@ class GradcompState:
             self.trace.append(("submit", bucket, now, now))
         if D == 0:
             fut = torch.futures.Future(devices=[buf.device] if buf.is_cuda else None)
-            lane.put((bucket, buf, slices, list(params), step, scale, event, fut, False))
+            lane.put((bucket, buf, slices, list(params), step, scale, live, event, fut, False))
             return fut
         # Delayed averaging: exchange a copy in the background, apply the local gradient now
         # plus the correction (average - local) of step - D.
         for name, p in zip(names, params):
             self._params[name] = p
         job = torch.futures.Future()
-        lane.put((bucket, buf.clone(), slices, list(params), step, None, event, job, True))
+        lane.put((bucket, buf.clone(), slices, list(params), step, None, live, event, job, True))
         self._pending.append(_Pending(step, slices, job))
         corr = self._take(step - D, slices, buf)
         if corr is not None:
@@ -424,6 +427,7 @@ class GradcompState:
         flushed."""
         for lane in self._lanes:
             lane.close()
+        self.compressor.unbind()
         self.group = None
         if self._writer is not None:
             for step in range(self._written + 1, self._step + 1):
@@ -436,7 +440,7 @@ class GradcompState:
             job = lane.queue.get()
             if job is None:
                 return
-            bucket, buf, slices, params, step, scale, event, fut, delayed = job
+            bucket, buf, slices, params, step, scale, live, event, fut, delayed = job
             if self._error is not None:
                 fut.set_exception(RuntimeError(f"gradcomp: an earlier exchange failed: {self._error}"))
                 continue
@@ -446,7 +450,7 @@ class GradcompState:
                 local = buf.clone() if delayed else None
                 t0 = time.perf_counter()
                 with torch.profiler.record_function(f"gradcomp.{self.method}.bucket{bucket}"):
-                    out = self._reduce(lane.comm, buf, slices, bucket, params, step, scale)
+                    out = self._reduce(lane.comm, buf, slices, bucket, params, step, scale, live)
                 if self.trace is not None:
                     self.trace.append(("exchange", bucket, t0, time.perf_counter()))
                 fut.set_result(out.sub_(local) if delayed else out)
