@@ -1,17 +1,27 @@
 """Collectives used by the compressors, with per-step byte accounting.
 
 With no process group (world size 1) every collective is the identity, so the algorithms run
-and are tested in a single process. Calls are blocking: the hook runs them on its own
-communication thread, never on the thread that runs backward.
+and are tested in a single process. Calls block the calling lane (never the thread that
+runs backward); the issue itself is asynchronous and ordered by the engine's ticket
+(hooks/engine.py).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 import torch.distributed as dist
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+_DONE = _Done()
 
 
 class Traffic:
@@ -39,38 +49,58 @@ class Traffic:
 
 
 class Comm:
+    """Collectives of one lane. With a ``ticket`` (set per exchange by the engine) each
+    collective is issued asynchronously in its turn of the global order and waited for after
+    the turn is given up; without one (a single thread: ``GradcompState.reduce``) it is
+    issued at once."""
+
     def __init__(self, group=None, traffic: Traffic | None = None):
         self.group = group
         self.distributed = group is not None
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.traffic = traffic if traffic is not None else Traffic()
+        self.ticket = None
+        self._rider, self._rider_work = None, None  # the flag riding with the next collective
+
+    def _run(self, issue) -> None:
+        """Issue ``issue()`` (an async collective: returns its Work) in turn, then wait."""
+        t0 = time.perf_counter()
+        with self.ticket.turn() if self.ticket is not None else contextlib.nullcontext():
+            if self._rider is not None and self._rider_work is None:
+                self._rider_work = dist.all_reduce(self._rider, op=dist.ReduceOp.MAX,
+                                                   group=self.group, async_op=True)
+            work = issue()
+        work.wait()
+        self.traffic.comm_s += time.perf_counter() - t0
 
     def allreduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         W = self.world_size
         self.traffic.add(t.numel() * t.element_size(), 2 * (W - 1) / W)
         if W > 1:
-            t0 = time.perf_counter()
-            dist.all_reduce(t, op=_OPS[op], group=self.group)
-            self.traffic.comm_s += time.perf_counter() - t0
+            self._run(lambda: dist.all_reduce(t, op=_OPS[op], group=self.group, async_op=True))
         return t
 
-    def any_async(self, flag: bool, device) -> "callable":
-        """Start an OR over ranks of ``flag``; returns ``wait() -> bool``. Runs beside the
-        collectives issued after it, so its latency hides behind theirs."""
-        W = self.world_size
-        t = torch.tensor([1.0 if flag else 0.0], device=device)
-        self.traffic.add(4, 2 * (W - 1) / W)
-        if W == 1:
-            return lambda: bool(flag)
-        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+    def flag(self, bad: torch.Tensor) -> None:
+        """Send ``bad`` (a (1,) float tensor, 1.0 where this rank's bucket is not finite)
+        with this exchange's first collective (MAX over ranks, in place): no turn, no round
+        trip and no host sync of its own. Read it with :meth:`flag_result` after the
+        exchange's last collective."""
+        self.traffic.add(4, 2 * (self.world_size - 1) / self.world_size)
+        if self.world_size > 1:
+            self._rider, self._rider_work = bad, None
 
-        def wait() -> bool:
+    def flag_result(self, bad: torch.Tensor) -> bool:
+        """Whether any rank's flag was set: the one host read of the flag, once per exchange
+        after its last collective (its own turn only if the exchange issued none)."""
+        if self.world_size > 1:
+            if self._rider_work is None:  # issued with a collective of its own
+                self._run(lambda: _DONE)
             t0 = time.perf_counter()
-            work.wait()
+            self._rider_work.wait()
             self.traffic.comm_s += time.perf_counter() - t0
-            return bool(t.item())
-        return wait
+            self._rider = self._rider_work = None
+        return bool(bad.item() > 0)
 
     def allgather(self, t: torch.Tensor) -> torch.Tensor:
         """(W, *t.shape): every rank's t, in rank order."""
@@ -78,9 +108,9 @@ class Comm:
         self.traffic.add(t.numel() * t.element_size(), W - 1)
         out = torch.empty((W, *t.shape), dtype=t.dtype, device=t.device)
         if W > 1:
-            t0 = time.perf_counter()
-            dist.all_gather(list(out.unbind(0)), t.contiguous(), group=self.group)
-            self.traffic.comm_s += time.perf_counter() - t0
+            src = t.contiguous()
+            self._run(lambda: dist.all_gather(list(out.unbind(0)), src, group=self.group,
+                                              async_op=True))
         else:
             out[0].copy_(t)
         return out
@@ -94,7 +124,6 @@ class Comm:
         if W == 1:
             return t.clone()
         out = torch.empty_like(t)
-        t0 = time.perf_counter()
-        dist.all_to_all_single(out, t.contiguous(), group=self.group)
-        self.traffic.comm_s += time.perf_counter() - t0
+        src = t.contiguous()
+        self._run(lambda: dist.all_to_all_single(out, src, group=self.group, async_op=True))
         return out

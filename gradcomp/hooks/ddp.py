@@ -10,7 +10,7 @@ from .state import GradcompState
 
 def hook(state: GradcompState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: queue the bucket's exchange, return its future at once."""
-    return state.submit(bucket.index(), bucket.buffer(), bucket.parameters())
+    return state.submit(bucket.index(), bucket.buffer(), bucket.parameters(), bucket.is_last())
 
 
 def parse_spec(spec: str) -> tuple[str, dict]:

@@ -14,9 +14,9 @@ itself returns a future at once: backward never waits on the network.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import json
-import queue
 import threading
 import time
 import weakref
@@ -30,6 +30,11 @@ from ..compressors import METHODS
 from ..compressors.base import ParamSlice
 from ..config import MethodConfig
 from ..memory import ParamMemory
+from .engine import Lane, Sequencer, Ticket
+
+# A collective waiting longer than this for its turn raises instead of hanging (its turn
+# waits for buckets DDP has not submitted yet, or for earlier exchanges to issue theirs).
+TURN_TIMEOUT_S = 600.0
 
 _MIX = 0x9E3779B97F4A7C15
 _LIVE: "weakref.WeakSet[GradcompState]" = weakref.WeakSet()
@@ -136,31 +141,6 @@ class _Pending:
         return cls(step, slices, fut)
 
 
-class _Lane:
-    """A communication thread and the process group it alone uses; its jobs run in order."""
-
-    def __init__(self, state: "GradcompState", group):
-        self.state, self.comm = state, Comm(group)
-        self.queue: queue.Queue | None = None
-        self.thread: threading.Thread | None = None
-
-    def put(self, job) -> None:
-        if self.thread is None:
-            self.queue = queue.Queue()
-            self.thread = threading.Thread(target=self.state._worker, args=(self,),
-                                           name="gradcomp-comm", daemon=True)
-            self.thread.start()
-            _LIVE.add(self.state)
-        self.queue.put(job)
-
-    def close(self) -> None:
-        if self.thread is not None:
-            self.queue.put(None)
-            self.thread.join(timeout=30)
-            self.thread = None
-        self.comm.group = None
-
-
 class GradcompState:
     """Everything one registered hook owns. Build it with :func:`gradcomp.register`, or
     directly to call ``register_comm_hook(state, gradcomp.hook)`` yourself."""
@@ -198,14 +178,15 @@ class GradcompState:
 
     # ------------------------------------------------------------------ runtime
     def _setup_runtime(self):
-        self._lanes = [_Lane(self, g) for g in [self.group, *self._lane_groups]]
+        self._lanes = [Lane(self._worker, g) for g in [self.group, *self._lane_groups]]
+        self._seq = Sequencer(len(self._lanes))
         self._lock = threading.Lock()
         self._error: BaseException | None = None
 
     def __getstate__(self):
         d = self.__dict__.copy()
         self.drain()
-        for k in ("group", "_lane_groups", "_lanes", "_lock", "_error", "_param_names",
+        for k in ("group", "_lane_groups", "_lanes", "_seq", "_lock", "_error", "_param_names",
                   "_params", "_writer", "scaler"):
             d.pop(k, None)
         return d
@@ -223,7 +204,8 @@ class GradcompState:
     def add_lanes(self, groups: Sequence) -> None:
         """More process groups, one lane each (before the first exchange)."""
         self._lane_groups += list(groups)
-        self._lanes += [_Lane(self, g) for g in groups]
+        self._lanes += [Lane(self._worker, g) for g in groups]
+        self._seq = Sequencer(len(self._lanes))
 
     @property
     def lanes(self) -> int:
@@ -302,29 +284,44 @@ class GradcompState:
 
     def _guarded(self, x, ctx):
         """Reduce with inf/NaN protection. Whether any rank's bucket holds a non-finite value
-        travels beside the exchange; if one does, the step is garbage (a GradScaler skips
-        it): the memory of the bucket's parameters is put back as it was, not poisoned for
-        the rest of training, and the result is an allreduce of the non-finite ranks'
-        gradients (the others add zeros), so every rank gets inf/NaN at exactly the
-        positions a plain allreduce would give them."""
-        finite = bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())  # 1 pass
-        any_bad = ctx.comm.any_async(not finite, x.device)
+        travels beside the exchange (a flag all-reduced with its first collective); if one
+        does, the step is garbage (a GradScaler skips it): the memory of the bucket's
+        parameters is put back as it was, not poisoned for the rest of training, and the
+        result is an allreduce of the non-finite ranks' gradients (the others add zeros), so
+        every rank gets inf/NaN at exactly the positions a plain allreduce would give them.
+
+        Host reads: on CUDA none before the exchange (the local check stays on the device,
+        the compressor gets a finite copy, the original is kept for the fallback) and one,
+        of the flag, after the exchange's last collective. On the CPU a host read is free,
+        so the local check decides there whether a finite copy is needed at all."""
         names = [p.name for p in ctx.params]
         snap = self.memory.snapshot(names, ctx.bucket)
-        orig = None
-        if not finite:  # the compressor must still run (same collectives on every rank)
-            orig = x.clone()
+        orig = x
+        if x.is_cuda:
+            bad = torch.isfinite(x).all().logical_not().float().reshape(1)
             x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+        else:
+            finite = bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())  # 1 pass
+            bad = torch.tensor([0.0 if finite else 1.0])
+            if finite:
+                orig = None
+            else:  # the compressor must still run (same collectives on every rank)
+                orig = x.clone()
+                x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+        ctx.comm.flag(bad)
         out = self.compressor.reduce(x, ctx)
-        if not any_bad():
+        if not ctx.comm.flag_result(bad):
             return out
         self.memory.restore(snap, names)
         self._skipped = ctx.step
         return ctx.comm.allreduce(orig if orig is not None else torch.zeros_like(x)).div_(self.world_size)
 
     # ------------------------------------------------------------------ DDP side
-    def submit(self, bucket: int, buf: torch.Tensor, params) -> torch.futures.Future:
-        """Queue one bucket's exchange; the returned future completes with the average."""
+    def submit(self, bucket: int, buf: torch.Tensor, params, last: bool = True
+               ) -> torch.futures.Future:
+        """Queue one bucket's exchange; the returned future completes with the average.
+        ``last``: DDP's last bucket of this backward pass (it closes the round of the
+        collective order)."""
         names = []
         for p in params:
             name = self._param_names.get(id(p))
@@ -346,22 +343,26 @@ class GradcompState:
         if D and self._layouts.get(bucket) != layout and len(self._lanes) > 1:
             # DDP moved parameters between buckets (its rebuild): a parameter's previous
             # exchange may sit on another lane and must finish before its next one starts
-            # (without delay every exchange of the previous step has finished already)
-            self.drain()
+            # (without delay every exchange of the previous step has finished already). Only
+            # earlier steps': this step's may wait for this very bucket's turn.
+            self.drain(before=step)
         self._layouts[bucket] = layout
+        rnd = self._seq.open(bucket, last)
         if self.trace is not None:
             now = time.perf_counter()
             self.trace.append(("submit", bucket, now, now))
         if D == 0:
             fut = torch.futures.Future(devices=[buf.device] if buf.is_cuda else None)
-            lane.put((bucket, buf, slices, list(params), step, scale, live, event, fut, False))
+            self._put(lane, (bucket, buf, slices, list(params), step, scale, live, event, fut,
+                             False, rnd))
             return fut
         # Delayed averaging: exchange a copy in the background, apply the local gradient now
         # plus the correction (average - local) of step - D.
         for name, p in zip(names, params):
             self._params[name] = p
         job = torch.futures.Future()
-        lane.put((bucket, buf.clone(), slices, list(params), step, None, live, event, job, True))
+        self._put(lane, (bucket, buf.clone(), slices, list(params), step, None, live, event, job,
+                         True, rnd))
         self._pending.append(_Pending(step, slices, job))
         corr = self._take(step - D, slices, buf)
         if corr is not None:
@@ -398,10 +399,11 @@ class GradcompState:
         self._pending = [e for e in self._pending if len(e.taken) < len(e.slices)]
         return out
 
-    def drain(self) -> None:
-        """Wait until every queued exchange has finished."""
+    def drain(self, before: int | None = None) -> None:
+        """Wait until every queued exchange (of the steps before ``before``) has finished."""
         for e in self._pending:
-            e.wait()
+            if before is None or e.step < before:
+                e.wait()
 
     def flush(self) -> dict:
         """End of training with ``delay``: wait for the exchanges still in flight and put the
@@ -435,28 +437,43 @@ class GradcompState:
             if hasattr(self._writer, "flush"):
                 self._writer.flush()
 
-    def _worker(self, lane: _Lane):
+    def _put(self, lane: Lane, job) -> None:
+        if lane.put(job):
+            _LIVE.add(self)
+
+    def _worker(self, lane: Lane):
         while True:
             job = lane.queue.get()
             if job is None:
                 return
-            bucket, buf, slices, params, step, scale, live, event, fut, delayed = job
+            bucket, buf, slices, params, step, scale, live, event, fut, delayed, rnd = job
+            ticket = Ticket(self._seq, rnd, bucket, TURN_TIMEOUT_S)
             if self._error is not None:
+                ticket.close()
                 fut.set_exception(RuntimeError(f"gradcomp: an earlier exchange failed: {self._error}"))
                 continue
+            stream = lane.stream(buf.device)
             try:
-                if event is not None:
-                    torch.cuda.current_stream(buf.device).wait_event(event)
-                local = buf.clone() if delayed else None
-                t0 = time.perf_counter()
-                with torch.profiler.record_function(f"gradcomp.{self.method}.bucket{bucket}"):
-                    out = self._reduce(lane.comm, buf, slices, bucket, params, step, scale, live)
-                if self.trace is not None:
-                    self.trace.append(("exchange", bucket, t0, time.perf_counter()))
-                fut.set_result(out.sub_(local) if delayed else out)
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    if stream is not None:  # the codec runs after backward made the bucket
+                        stream.wait_event(event)
+                        buf.record_stream(stream)
+                    local = buf.clone() if delayed else None
+                    t0 = time.perf_counter()
+                    lane.comm.ticket = ticket
+                    with torch.profiler.record_function(f"gradcomp.{self.method}.bucket{bucket}"):
+                        out = self._reduce(lane.comm, buf, slices, bucket, params, step, scale, live)
+                    ticket.close()
+                    if self.trace is not None:
+                        self.trace.append(("exchange", bucket, t0, time.perf_counter()))
+                    # on CUDA the future records the lane stream's work: DDP's wait orders after it
+                    fut.set_result(out.sub_(local) if delayed else out)
             except BaseException as exc:  # noqa: BLE001  (handed to DDP, which re-raises)
+                ticket.close()
                 self._error = exc
                 fut.set_exception(exc)
+            finally:
+                lane.comm.ticket = None
 
     # ------------------------------------------------------------------ reporting
     def attach(self, writer, details: bool = False) -> None:

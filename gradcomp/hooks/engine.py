@@ -1,0 +1,161 @@
+"""The engine: lanes that run buckets' exchanges side by side, and the one global order in
+which every collective is issued.
+
+Lanes. A bucket's exchange may need several dependent collectives (PowerSGD's P then Q,
+1-bit's all-to-all then allgather). Each exchange runs start to finish on a *lane*: a thread
+with a process group of its own (and, on CUDA, a stream of its own). Bucket b goes to lane
+b % lanes, so a bucket's consecutive steps run in order (its memory carries from one to the
+next) and different buckets' exchanges run side by side.
+
+Order. Lanes alone would issue collectives in an order that depends on thread timing: on
+each process group it is the same on every rank, across groups it is not. NCCL does not
+allow that (operations on several communicators of one device must be launched in one
+order on every rank, or they can deadlock). So every collective takes a ticket from the
+:class:`Sequencer` and is issued only when its turn comes; the turn order is the same on
+every rank:
+
+    key = (round, bucket // lanes, phase, bucket % lanes)
+
+``round`` counts DDP's backward passes (a new one starts after the bucket DDP marks last),
+``phase`` counts the collectives of one exchange. Buckets are taken in groups of ``lanes``:
+inside a group every bucket's first collective goes before any bucket's second, so the
+group's round trips overlap on a link with latency (what lanes are for); a group's
+collectives all go before the next group's. A collective is issued asynchronously while its
+turn is held, then waited for after the turn is given up, so the next ticket never waits
+for this one's round trip. Exchanges of a round all go before the next round's (with
+``delay`` the background exchange of step t is issued before step t+1's).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from contextlib import contextmanager
+
+import torch
+
+from ..comm import Comm
+
+INF = float("inf")
+
+
+class Sequencer:
+    """Turns for collectives, in key order, identical on every rank (see module doc).
+
+    An exchange is ``open``ed on DDP's thread when its bucket is submitted (in bucket order,
+    as DDP submits them), takes a :meth:`turn` for each collective it issues (phases 0, 1,
+    ...), and is ``close``d when it will issue no more. A turn is granted when no open
+    exchange, and no bucket of the round not yet submitted, could still issue a smaller key.
+    """
+
+    def __init__(self, lanes: int):
+        self.lanes = lanes
+        self._cv = threading.Condition()
+        self._next: dict[tuple[int, int], int | float] = {}  # (round, bucket) -> next phase
+        self._round = 0
+        self._submitted = -1     # highest bucket submitted in the current round
+        self._last_seen = False  # the current round's last bucket was submitted
+
+    def key(self, rnd: int, bucket: int, phase) -> tuple:
+        return (rnd, bucket // self.lanes, phase, bucket % self.lanes)
+
+    def open(self, bucket: int, last: bool) -> int:
+        """Register bucket ``bucket``'s exchange; returns its round."""
+        with self._cv:
+            if self._last_seen:
+                self._round, self._submitted, self._last_seen = self._round + 1, -1, False
+            self._next[(self._round, bucket)] = 0
+            self._submitted = max(self._submitted, bucket)
+            self._last_seen = last
+            self._cv.notify_all()
+            return self._round
+
+    def close(self, rnd: int, bucket: int) -> None:
+        with self._cv:
+            self._next.pop((rnd, bucket), None)
+            self._cv.notify_all()
+
+    def _clear(self, rnd: int, bucket: int, phase: int) -> bool:
+        mine = self.key(rnd, bucket, phase)
+        for (r, b), p in self._next.items():
+            if (r, b) != (rnd, bucket) and self.key(r, b, p) < mine:
+                return False
+        if rnd == self._round and not self._last_seen:
+            # buckets DDP has not handed over yet would issue their first collective here
+            if self.key(rnd, self._submitted + 1, 0) < mine:
+                return False
+        return True
+
+    @contextmanager
+    def turn(self, rnd: int, bucket: int, phase: int, timeout: float | None = None):
+        """Hold the turn of (rnd, bucket, phase) while issuing; then the next key may go."""
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._clear(rnd, bucket, phase), timeout):
+                raise RuntimeError(f"gradcomp: collective of bucket {bucket}, phase {phase} "
+                                   f"waited {timeout} s for its turn (a bucket never submitted?)")
+        try:
+            yield
+        finally:
+            with self._cv:
+                if (rnd, bucket) in self._next:
+                    self._next[(rnd, bucket)] = phase + 1
+                self._cv.notify_all()
+
+
+class Ticket:
+    """One exchange's place in the order: every collective its Comm issues takes the next
+    phase's turn. ``rider``: a tensor all-reduced (MAX) in the same turn as the first
+    collective (the inf/NaN flag), so it costs no turn and no round trip of its own."""
+
+    def __init__(self, seq: Sequencer, rnd: int, bucket: int, timeout: float | None):
+        self.seq, self.rnd, self.bucket, self.timeout = seq, rnd, bucket, timeout
+        self.phase = 0
+        self.rider: torch.Tensor | None = None
+        self.rider_work = None
+
+    @contextmanager
+    def turn(self):
+        with self.seq.turn(self.rnd, self.bucket, self.phase, self.timeout):
+            self.phase += 1
+            yield
+
+    def close(self) -> None:
+        self.seq.close(self.rnd, self.bucket)
+
+
+class Lane:
+    """A communication thread, the process group it alone uses and (on CUDA) its stream;
+    its jobs run in order."""
+
+    def __init__(self, worker, group):
+        self.worker, self.comm = worker, Comm(group)
+        self.queue: queue.Queue | None = None
+        self.thread: threading.Thread | None = None
+        self._stream = None
+
+    def stream(self, device: torch.device):
+        """The lane's own CUDA stream on ``device`` (None on the CPU): its codec runs there,
+        not serialized behind backward on the default stream."""
+        if device.type != "cuda":
+            return None
+        if self._stream is None or self._stream.device != device:
+            self._stream = torch.cuda.Stream(device=device)
+        return self._stream
+
+    def put(self, job) -> bool:
+        """Queue a job; True when this started the lane's thread."""
+        started = False
+        if self.thread is None:
+            self.queue = queue.Queue()
+            self.thread = threading.Thread(target=self.worker, args=(self,),
+                                           name="gradcomp-comm", daemon=True)
+            self.thread.start()
+            started = True
+        self.queue.put(job)
+        return started
+
+    def close(self) -> None:
+        if self.thread is not None:
+            self.queue.put(None)
+            self.thread.join(timeout=30)
+            self.thread = None
+        self.comm.group = None
