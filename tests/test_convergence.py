@@ -7,24 +7,29 @@ CIFAR ResNet (width 16, 78k parameters), batch 32 per rank, SGD + Nesterov momen
 weight decay 5e-4, lr 0.1 with half an epoch of warm-up then cosine, EPOCHS epochs, seed 0
 for every run. One run takes ~45 s here; the eight runs share one spawn.
 
-Tolerance: TOLERANCE points of test accuracy below allreduce. On 1017 test images one image
-is 0.1 point and the binomial standard error at ~45% accuracy is ~1.6 points; runs of the
-same method with different seeds spread by about that much, so 3 points is ~2 standard
-errors of one comparison: a real loss of accuracy fails it, seed noise does not.
-
 DGC runs at ratio 0.01 with 100 warm-up steps; 1-bit SGD compresses every tensor
-(min_numel=0: with the default, most of this small model's tensors would go uncompressed)
-and sends its first 80 steps (a quarter of the run) uncompressed, as 1-bit Adam warms up.
+(min_numel=0) and sends its first 80 steps (a quarter of the run) uncompressed. Ablations:
+sparsification at 99.9% without any of DGC's safeguards (top-k with error_feedback=false,
+momentum left in the optimizer, no warm-up) against DGC at the same 99.9%; 1-bit SGD
+without its warm-up against 1-bit with it.
 
-Ablations (each: removing the safeguard loses more than TOLERANCE against both the
-safeguarded method and allreduce):
-  * sparsification at 99.9% (ratio 0.001) without any of DGC's safeguards (no accumulation
-    of what was not sent, no momentum correction, no warm-up: top-k with
-    error_feedback=false, momentum left in the optimizer), against DGC at the same 99.9%;
-  * 1-bit SGD without its warm-up, against 1-bit with it.
-Measured here and not asserted (within noise at this budget; bench/RESULTS.md): 1-bit
-without error feedback ends about where 1-bit with it does (39.1% against 38.6%, both
-without warm-up): in a run this short the warm-up matters, error feedback does not.
+What is asserted, and why it holds on any machine. CPU runs are deterministic on one
+machine, not across machines: another machine's float rounding sends each run down another
+trajectory, as another seed does. So every threshold below was set from three seeds
+(bench/RESULTS.md, section 4, "convergence test spread"), and compares *test loss*, not
+accuracy: on 1017 test images accuracy is binary per image and spreads by ~2-5 points
+between seeds for the same method (1-bit with its warm-up: 44.6%, 39.8% against allreduce's
+46.2%, 44.4% at seeds 1 and 2), while the test loss of a method relative to allreduce
+spreads by a few hundredths:
+
+  * a method at its test setting: test loss at most LOSS_TOLERANCE (0.10) above allreduce's;
+    measured over the seeds: dgc -0.01..0.00, terngrad -0.02..0.00, powersgd rank 4
+    +0.03, onebit with warm-up +0.04..+0.07; the ablations below, which lose 5-8 points of
+    accuracy, are +0.13..+0.16 above allreduce;
+  * an ablation: test loss at least ABLATION_GAP (0.04) above the safeguarded method's;
+    measured: top-k without DGC's safeguards +0.10..+0.12 over DGC at the same 99.9%,
+    1-bit without its warm-up +0.09 over 1-bit with it.
+Accuracy is asserted only far from noise: every method learns (> 3x chance).
 """
 import pytest
 
@@ -33,14 +38,10 @@ from gradcomp.launch import spawn
 from gradcomp.train import train
 
 EPOCHS = 4
-TOLERANCE = 3.0
+LOSS_TOLERANCE = 0.10
+ABLATION_GAP = 0.04
 CHANCE = 10.0
 
-# Measured at this budget on 2 CPU cores (allreduce 43.8%; bench/RESULTS.md, section 4):
-#   dgc 44.9, terngrad 45.4 (with error feedback: 44.8), powersgd rank 4 43.4 (rank 2: 43.8),
-#   onebit with warm-up 42.3;
-#   ablations: top-k at 0.001 without safeguards 39.9 (DGC at 0.001: 45.3), onebit without
-#   warm-up 38.6.
 METHODS = {
     "dgc": "dgc:ratio=0.01,warmup_steps=100",
     "terngrad": "terngrad",
@@ -54,35 +55,42 @@ ABLATIONS = {  # name: (ablated spec, spec with the safeguard, at the same compr
 }
 
 
-def _accuracies(rank, world, specs):
-    return {s: 100 * train(rank, world, dict(method=s, epochs=EPOCHS))["test_acc"] for s in specs}
+def _results(rank, world, specs):
+    out = {}
+    for s in specs:
+        r = train(rank, world, dict(method=s, epochs=EPOCHS))
+        out[s] = {"acc": 100 * r["test_acc"], "loss": r["test_loss"]}
+    return out
 
 
 @pytest.fixture(scope="module")
-def acc():
+def res():
     if data.resolve(None) is None:
         pytest.skip("needs ../shared CIFAR-10 data")
     specs = ["allreduce", *METHODS.values()]
     for a, b in ABLATIONS.values():
         specs += [s for s in (a, b) if s not in specs]
-    got = spawn(_accuracies, 2, args=(specs,), timeout=1800)[0]
-    print("test accuracy %:", {s: round(a, 2) for s, a in got.items()})  # shown with -rP
+    got = spawn(_results, 2, args=(specs,), timeout=1800)[0]
+    print("test accuracy %, test loss:",
+          {s: (round(r["acc"], 2), round(r["loss"], 4)) for s, r in got.items()})  # -rP
     return got
 
 
-def test_allreduce_learns(acc):
-    assert acc["allreduce"] > 3 * CHANCE
+def test_allreduce_learns(res):
+    assert res["allreduce"]["acc"] > 3 * CHANCE
 
 
 @pytest.mark.parametrize("name", list(METHODS))
-def test_method_reaches_allreduce_accuracy(acc, name):
-    got, ref = acc[METHODS[name]], acc["allreduce"]
-    assert got >= ref - TOLERANCE, f"{name}: {got:.1f}% vs allreduce {ref:.1f}%"
-    assert got > 3 * CHANCE
+def test_method_reaches_allreduce(res, name):
+    got, ref = res[METHODS[name]], res["allreduce"]
+    assert got["loss"] <= ref["loss"] + LOSS_TOLERANCE, \
+        f"{name}: test loss {got['loss']:.3f} vs allreduce {ref['loss']:.3f}"
+    assert got["acc"] > 3 * CHANCE
 
 
 @pytest.mark.parametrize("name", list(ABLATIONS))
-def test_removing_the_safeguard_loses_accuracy(acc, name):
-    ablated, guarded = (acc[s] for s in ABLATIONS[name])
-    assert ablated < guarded - TOLERANCE, f"{name}: {ablated:.1f}% vs {guarded:.1f}% with it"
-    assert ablated < acc["allreduce"] - TOLERANCE
+def test_removing_the_safeguard_loses_accuracy(res, name):
+    ablated, guarded = (res[s] for s in ABLATIONS[name])
+    assert ablated["loss"] >= guarded["loss"] + ABLATION_GAP, \
+        f"{name}: test loss {ablated['loss']:.3f} vs {guarded['loss']:.3f} with it"
+    assert ablated["loss"] > res["allreduce"]["loss"] + LOSS_TOLERANCE
