@@ -41,7 +41,7 @@ def _record_collectives(rank):
                 log.append((getattr(group, "group_name", str(group)), name, t.numel()))
             return fn(*args, group=group, **kw)
         return wrapped
-    for name in ("all_reduce", "all_gather", "all_to_all_single"):
+    for name in ("all_reduce", "all_gather", "all_to_all_single", "reduce_scatter_tensor"):
         setattr(dist, name, wrap(name, getattr(dist, name)))
     return log
 

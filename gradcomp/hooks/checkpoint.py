@@ -7,6 +7,7 @@ import hashlib
 import json
 
 from .delayed import _Pending
+from .topology import base_name
 
 
 class Checkpoint:
@@ -22,15 +23,30 @@ class Checkpoint:
         pending = [{"step": e.step, "corrections": {n: c.clone() for n, c in e.owed()}}
                    for e in self._pending]
         return {"method": self.method, "config": self.config.to_dict(), "world_size": self.world_size,
+                "ranks_per_node": self.local_size,
                 "step": self.step, "memory": self.memory.state_dict(), "pending": pending}
 
     def load_state_dict(self, sd: dict) -> None:
-        if sd.get("method") != self.method or sd.get("config") != self.config.to_dict():
+        # options added since a checkpoint was written take their defaults
+        # options added since a checkpoint was written take their defaults; the topology is
+        # compared as resolved (ranks per node), below
+        saved = {**type(self.config)().to_dict(), **sd.get("config", {})}
+        mine = self.config.to_dict()
+        for k in ("topology", "local_size"):
+            saved.pop(k), mine.pop(k)
+        if sd.get("method") != self.method or saved != mine:
             raise ValueError(f"checkpoint is for method {sd.get('method')!r} with {sd.get('config')}; "
                              f"this state runs {self.method!r} with {self.config.to_dict()}")
         if sd.get("world_size") != self.world_size:
             raise ValueError(f"checkpoint was saved with world size {sd.get('world_size')}; "
                              f"this job has {self.world_size}: residuals do not transfer")
+        saved_local = sd.get("ranks_per_node", 0)
+        if saved_local != self.local_size:
+            def topo(n):
+                return f"hierarchical with {n} ranks per node" if n else "flat"
+            raise ValueError(f"checkpoint was saved with topology {topo(saved_local)}; this job "
+                             f"runs {topo(self.local_size)}: its memory is kept per shard of "
+                             f"that topology; set topology=/local_size= as when it was saved")
         known = set(self._param_names.values())
         unknown = self.memory_names(sd) - known if known else set()
         if unknown:
@@ -38,7 +54,7 @@ class Checkpoint:
                              f"{', '.join(sorted(unknown)[:5])}")
         for slot, d in sd["memory"]["flat"].items():
             for name, v in d.items():
-                want = self._param_numels.get(name)
+                want = self._param_numels.get(name)  # (a shard's piece: checked above)
                 if want is not None and v.numel() != want:
                     raise ValueError(f"checkpoint slot {slot!r} holds {v.numel()} elements for "
                                      f"parameter {name!r}; this model's has {want}")
@@ -49,4 +65,4 @@ class Checkpoint:
 
     @staticmethod
     def memory_names(sd: dict) -> set:
-        return {n for part in sd["memory"].values() for d in part.values() for n in d}
+        return {base_name(n) for part in sd["memory"].values() for d in part.values() for n in d}

@@ -34,6 +34,7 @@ from .delayed import Delayed, _Pending, _slices
 from .engine import Lane, Sequencer, Ticket
 from .guard import Guard
 from .telemetry import Telemetry, _sq_norm
+from .topology import Shards
 
 # A collective waiting longer than this for its turn raises instead of hanging (its turn
 # waits for buckets DDP has not submitted yet, or for earlier exchanges to issue theirs).
@@ -130,6 +131,7 @@ class GradcompState(Guard, Delayed, Telemetry, Checkpoint):
         self._skipped: int | None = None     # index of a step whose gradients were not finite
         self.scaler = None  # a torch.amp.GradScaler whose scale the gradients carry
         self._params: dict[str, torch.Tensor] = {}
+        self.local_size = 0  # ranks per node of a hierarchical topology (0: flat)
         self._setup_runtime()
 
     # ------------------------------------------------------------------ runtime
@@ -138,11 +140,13 @@ class GradcompState(Guard, Delayed, Telemetry, Checkpoint):
         self._seq = Sequencer(len(self._lanes))
         self._lock = threading.Lock()
         self._error: BaseException | None = None
+        self._shard_cache: dict = {}
 
     def __getstate__(self):
         d = self.__dict__.copy()
         self.drain()
-        for k in ("group", "_lane_groups", "_lanes", "_seq", "_lock", "_error", "_param_names",
+        for k in ("group", "_lane_groups", "_lanes", "_seq", "_lock", "_error", "_shard_cache",
+                  "_param_names",
                   "_params", "_writer", "scaler"):
             d.pop(k, None)
         return d
@@ -150,7 +154,7 @@ class GradcompState(Guard, Delayed, Telemetry, Checkpoint):
     def __setstate__(self, d):
         self.__dict__.update(d)
         self.group, self._param_names, self._params, self._writer = None, {}, {}, None
-        self._lane_groups, self.scaler = [], None
+        self._lane_groups, self.scaler, self.local_size = [], None, 0
         self._setup_runtime()
 
     @property
@@ -195,29 +199,46 @@ class GradcompState(Guard, Delayed, Telemetry, Checkpoint):
         x's dtype. The DDP hook runs exactly this, on the communication thread."""
         step = self._begin(bucket)
         live = self.compressor.live([p.name for p in params])
-        return self._reduce(self._lanes[0].comm, x, list(params), bucket, param_tensors, step,
+        return self._reduce(self._lanes[0], x, list(params), bucket, param_tensors, step,
                             live=live)
 
-    def _reduce(self, comm, buf, params, bucket, param_tensors, step, scale=None, live=None):
+    def _reduce(self, lane, buf, params, bucket, param_tensors, step, scale=None, live=None):
         if bucket == 0 and self._writer is not None:
             # the last step every exchange of which has finished by now
             self._write_scalars(step - 1 - self.config.delay)
-        traffic = comm.traffic = Traffic()
+        traffic = Traffic()
+        for c in lane.comms():
+            c.traffic = traffic
         x = buf if buf.dtype == torch.float32 else buf.float()
         if scale is not None:  # memory holds unscaled values: the loss scale may change
             x = x / scale
         t0 = time.perf_counter()
-        ctx = _Ctx(self, comm, bucket, params, param_tensors, buf.device, step, live)
+        if lane.inter is not None:  # hierarchical: the method runs on this rank's shard
+            shards = self._shards(params, lane.intra.rank, buf.device)
+            ctx = _Ctx(self, lane.inter, bucket, shards.mine, shards.pieces(param_tensors),
+                       buf.device, step, shards.live(live))
+            L = lane.intra.world_size
+
+            def run(y, method):
+                node = lane.intra.reduce_scatter(shards.gather(y)).div_(L)
+                return shards.scatter(lane.intra.allgather(method(node, ctx)).reshape(-1))
+        else:
+            ctx = _Ctx(self, lane.comm, bucket, params, param_tensors, buf.device, step, live)
+
+            def run(y, method):
+                return method(y, ctx)
         if step < self.config.dense_steps:  # warm-up: uncompressed, memory untouched
-            out = self.compressor.dense(x, ctx)
+            out = run(x, self.compressor.dense)
         elif self.compressor.stateless:
-            out = self.compressor.reduce(x, ctx)
+            out = run(x, self.compressor.reduce)
         else:
             slot = self.compressor.residual_slot if ctx.details and self.config.error_feedback else None
-            if slot:
+            if slot and lane.inter is None:  # (not measured per shard)
                 names = [p.name for p in params]
                 owed = _sq_norm(x, params, self.memory.peek(slot, names))
-            out = self._guarded(x, ctx)
+            else:
+                slot = None
+            out = self._guarded(x, ctx, lane.comm, lambda y: run(y, self.compressor.reduce))
             if slot and self._skipped != step:
                 kept = _sq_norm(None, params, self.memory.peek(slot, names))
                 self._log_ratio(step, "residual_energy", kept, owed)
@@ -233,6 +254,21 @@ class GradcompState(Guard, Delayed, Telemetry, Checkpoint):
             for old in [k for k in self._records if k < step - self.config.delay - 4]:
                 del self._records[old]
         return buf
+
+    def _shards(self, params, local: int, device) -> Shards:
+        key = (tuple(p.name for p in params), str(device))
+        with self._lock:
+            hit = self._shard_cache.get(key)
+            if hit is None:
+                hit = self._shard_cache[key] = Shards(params, self.local_size, local, device)
+            return hit
+
+    def set_topology(self, local_size: int, groups) -> None:
+        """Hierarchical: ``local_size`` ranks per node; ``groups``: per lane, (the node's
+        group, the group of this local index across nodes). Before the first exchange."""
+        self.local_size = local_size
+        for lane, (intra, inter) in zip(self._lanes, groups):
+            lane.set_hierarchy(intra, inter)
 
     # ------------------------------------------------------------------ DDP side
     def submit(self, bucket: int, buf: torch.Tensor, params, last: bool = True
@@ -336,9 +372,9 @@ class GradcompState(Guard, Delayed, Telemetry, Checkpoint):
                         buf.record_stream(stream)
                     local = buf.clone() if delayed else None
                     t0 = time.perf_counter()
-                    lane.comm.ticket = ticket
+                    lane.set_ticket(ticket)
                     with torch.profiler.record_function(f"gradcomp.{self.method}.bucket{bucket}"):
-                        out = self._reduce(lane.comm, buf, slices, bucket, params, step, scale, live)
+                        out = self._reduce(lane, buf, slices, bucket, params, step, scale, live)
                     ticket.close()
                     if self.trace is not None:
                         self.trace.append(("exchange", bucket, t0, time.perf_counter()))
@@ -349,4 +385,4 @@ class GradcompState(Guard, Delayed, Telemetry, Checkpoint):
                 self._error = exc
                 fut.set_exception(exc)
             finally:
-                lane.comm.ticket = None
+                lane.set_ticket(None)

@@ -69,7 +69,10 @@ class Telemetry:
         """Bytes of the latest step: ``raw_bytes`` (the gradients' own size, what a plain
         allreduce hands over), ``sent_bytes`` (the messages this rank handed to collectives),
         ``wire_bytes`` / ``raw_wire_bytes`` (what ring-style collectives put on this rank's
-        link for those two), their ``ratio``, the number of ``collectives``, and the seconds
+        link for those two; ``intra_node_wire_bytes`` the part that stayed inside a node
+        under a hierarchical topology, ``inter_node_wire_bytes`` the rest, which crossed
+        between nodes (under a flat topology all of it may), their ``ratio``, the number of
+        ``collectives``, and the seconds
         spent inside collectives (``comm_s``) and compressing/decompressing (``codec_s``),
         summed over the step's buckets. With ``delay=D`` the latest step whose exchanges
         have all finished is D steps back."""
@@ -79,6 +82,7 @@ class Telemetry:
         return {
             "step": self.step, "raw_bytes": raw, "sent_bytes": t.sent,
             "wire_bytes": t.wire, "raw_wire_bytes": raw_wire,
+            "intra_node_wire_bytes": t.intra, "inter_node_wire_bytes": t.wire - t.intra,
             "ratio": raw / t.sent if t.sent else float("inf"),
             "collectives": t.collectives,
             "comm_s": t.comm_s, "codec_s": t.total_s - t.comm_s,
