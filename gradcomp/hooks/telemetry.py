@@ -28,7 +28,7 @@ class Telemetry:
         (residuals, velocities) and what the method records (DGC's sparsity and mean sampled
         threshold; with ``details`` also PowerSGD's relative approximation error and, for a
         method whose residual is its own message's error (``Compressor.residual_slot``:
-        onebit's first stage, terngrad, topk), ``residual_energy``: ||residual after the
+        onebit's first stage, terngrad, topk, threshold), ``residual_energy``: ||residual after the
         step||^2 / ||gradient + residual before||^2, summed over the step's buckets, i.e.
         1 - delta of error feedback's contraction (at or above 1 the residual does not
         shrink); both cost passes over the gradient). Written from the communication thread when a step's
