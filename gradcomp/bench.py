@@ -19,11 +19,15 @@ from .train import TrainConfig, train
 
 
 # --------------------------------------------------------------------------- running ranks
-def run_ranks(world: int, cfg: TrainConfig, link=None, timeout: float | None = 1800) -> list[dict]:
+def run_ranks(world: int, cfg: TrainConfig, link=None, timeout: float | None = 1800,
+              per_node: int = 1) -> list[dict]:
     """Train ``cfg`` on ``world`` local ranks; inside ``link``'s namespaces when given.
-    ``timeout``: wall-clock limit in seconds (None: none)."""
+    ``per_node``: ranks per node (a namespace each node, torchrun's LOCAL_WORLD_SIZE set, so
+    a method's topology=auto goes hierarchical). ``timeout``: wall-clock limit in seconds
+    (None: none)."""
+    node_env = {"LOCAL_WORLD_SIZE": str(per_node)} if per_node > 1 else {}
     if link is None:
-        return spawn(train, world, args=(asdict(cfg),), timeout=timeout)
+        return spawn(train, world, args=(asdict(cfg),), timeout=timeout, env=node_env)
     port = free_port()
     with tempfile.TemporaryDirectory() as d:
         spec = os.path.join(d, "cfg.json")
@@ -32,10 +36,12 @@ def run_ranks(world: int, cfg: TrainConfig, link=None, timeout: float | None = 1
         procs = []
         threads = max(1, (os.cpu_count() or 1) // world)
         for r in range(world):
+            node = r // per_node
             env = dict(os.environ, MASTER_ADDR=link.addrs[0], MASTER_PORT=str(port), RANK=str(r),
-                       WORLD_SIZE=str(world), OMP_NUM_THREADS=str(threads))
-            argv = link.prefix(r) + [sys.executable, "-m", "gradcomp.cli", "_rank", spec,
-                                     os.path.join(d, f"rank{r}.pt"), link.addrs[r]]
+                       WORLD_SIZE=str(world), OMP_NUM_THREADS=str(threads),
+                       LOCAL_RANK=str(r % per_node), **node_env)
+            argv = link.prefix(node) + [sys.executable, "-m", "gradcomp.cli", "_rank", spec,
+                                        os.path.join(d, f"rank{r}.pt"), link.addrs[node]]
             procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL,
                                           stderr=open(os.path.join(d, f"rank{r}.log"), "w")))
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -130,7 +130,18 @@ def cmd_ddp(args) -> int:
     torchrun = _under_torchrun()
     if torchrun and args.link:
         raise UsageError("--link shapes local ranks; under torchrun your real network is the link")
+    per_node = args.ranks_per_node
+    if per_node < 1:
+        raise UsageError(f"--ranks-per-node {per_node}: allowed an integer >= 1")
+    if args.nodes is not None:
+        if args.nodes < 1:
+            raise UsageError(f"--nodes {args.nodes}: allowed an integer >= 1")
+        args.world = str(args.nodes * per_node)
     worlds = [int(os.environ["WORLD_SIZE"])] if torchrun else _worlds(args.world)
+    bad = [w for w in worlds if w % per_node]
+    if bad and not torchrun:
+        raise UsageError(f"--world {bad[0]} is not a whole number of nodes of "
+                         f"--ranks-per-node {per_node}")
     rates = [None]
     if args.link:
         from . import netlink
@@ -160,11 +171,11 @@ def cmd_ddp(args) -> int:
         if torchrun:
             res = _torchrun_ranks(cfg)[0]
         elif rate is None:
-            res = bench.run_ranks(w, cfg)[0]
+            res = bench.run_ranks(w, cfg, per_node=per_node)[0]
         else:
             from .netlink import Link
-            with Link(rate, latency, n=w) as link:
-                res = bench.run_ranks(w, cfg, link=link)[0]
+            with Link(rate, latency, n=w // per_node) as link:
+                res = bench.run_ranks(w, cfg, link=link, per_node=per_node)[0]
         row = bench.summarize(m, res, w, rate, args.warmup, args.model)
         rows.append(row)
         raw.append({"method": m, "world": w, "link_bps": rate, "step_times": res["step_times"]})
@@ -385,6 +396,11 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--world", default="2")
     d.add_argument("--link", default=None, help="rate(s) of a real shaped link, e.g. 100mbit,1gbit")
     d.add_argument("--latency", default=None, help="one-way delay added on the link, e.g. 50ms")
+    d.add_argument("--nodes", type=int, default=None,
+                   help="nodes (network namespaces with --link); world = nodes x ranks-per-node")
+    d.add_argument("--ranks-per-node", type=int, default=1,
+                   help="ranks sharing a node: traffic between them stays off the shaped link; "
+                        "LOCAL_WORLD_SIZE is set, so topology=auto goes hierarchical")
     d.add_argument("--steps", type=int, default=12, help="measured steps after warm-up")
     d.add_argument("--warmup", type=int, default=4)
     c = sub.add_parser("convergence", help="CIFAR-10 accuracy per method")

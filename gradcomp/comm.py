@@ -29,11 +29,12 @@ class Traffic:
     ``wire``: bytes a bandwidth-optimal implementation puts on this rank's link (ring
     allreduce 2(W-1)/W, allgather (W-1), all-to-all (W-1)/W times the message)."""
 
-    __slots__ = ("sent", "wire", "collectives", "comm_s", "total_s")
+    __slots__ = ("sent", "wire", "intra", "collectives", "comm_s", "total_s")
 
     def __init__(self):
         self.sent = 0
         self.wire = 0.0
+        self.intra = 0.0    # the part of ``wire`` that stays inside a node (hierarchical)
         self.collectives = 0
         self.comm_s = 0.0   # wall time inside collectives
         self.total_s = 0.0  # wall time of whole exchanges (compress + collectives + decompress)
@@ -42,10 +43,23 @@ class Traffic:
         for k in self.__slots__:
             setattr(self, k, getattr(self, k) + getattr(other, k))
 
-    def add(self, nbytes: int, wire_factor: float) -> None:
+    def add(self, nbytes: int, wire_factor: float, intra: bool = False) -> None:
         self.sent += nbytes
         self.wire += nbytes * wire_factor
+        if intra:
+            self.intra += nbytes * wire_factor
         self.collectives += 1
+
+
+class Rider:
+    """One exchange's inf/NaN flag: all-reduced (MAX) over ``group`` (every rank of the
+    job) asynchronously, in the turn of the exchange's first collective, whichever of the
+    lane's comms issues it; read once after the exchange's last collective."""
+
+    def __init__(self, group):
+        self.group = group
+        self.tensor: torch.Tensor | None = None
+        self.work = None
 
 
 class Comm:
@@ -54,58 +68,77 @@ class Comm:
     the turn is given up; without one (a single thread: ``GradcompState.reduce``) it is
     issued at once."""
 
-    def __init__(self, group=None, traffic: Traffic | None = None):
+    def __init__(self, group=None, traffic: Traffic | None = None, rider: Rider | None = None,
+                 intra: bool = False):
         self.group = group
         self.distributed = group is not None
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.traffic = traffic if traffic is not None else Traffic()
         self.ticket = None
-        self._rider, self._rider_work = None, None  # the flag riding with the next collective
+        self.rider = rider if rider is not None else Rider(group)  # shared by a lane's comms
+        self.intra = intra  # a node's own group: its bytes stay inside the node
+
+    def _count(self, t: torch.Tensor, factor: float) -> None:
+        self.traffic.add(t.numel() * t.element_size(), factor, self.intra)
 
     def _run(self, issue) -> None:
         """Issue ``issue()`` (an async collective: returns its Work) in turn, then wait."""
         t0 = time.perf_counter()
+        rider = self.rider
         with self.ticket.turn() if self.ticket is not None else contextlib.nullcontext():
-            if self._rider is not None and self._rider_work is None:
-                self._rider_work = dist.all_reduce(self._rider, op=dist.ReduceOp.MAX,
-                                                   group=self.group, async_op=True)
+            if rider.tensor is not None and rider.work is None:
+                rider.work = dist.all_reduce(rider.tensor, op=dist.ReduceOp.MAX,
+                                             group=rider.group, async_op=True)
             work = issue()
         work.wait()
         self.traffic.comm_s += time.perf_counter() - t0
 
     def allreduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         W = self.world_size
-        self.traffic.add(t.numel() * t.element_size(), 2 * (W - 1) / W)
+        self._count(t, 2 * (W - 1) / W)
         if W > 1:
             self._run(lambda: dist.all_reduce(t, op=_OPS[op], group=self.group, async_op=True))
         return t
+
+    def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+        """t: (W * s,) -> (s,): the sum over ranks of this rank's s-element part."""
+        W = self.world_size
+        self._count(t, (W - 1) / W)
+        if W == 1:
+            return t.clone()
+        out = t.new_empty(t.numel() // W)
+        src = t.contiguous()
+        self._run(lambda: dist.reduce_scatter_tensor(out, src, group=self.group, async_op=True))
+        return out
 
     def flag(self, bad: torch.Tensor) -> None:
         """Send ``bad`` (a (1,) float tensor, 1.0 where this rank's bucket is not finite)
         with this exchange's first collective (MAX over ranks, in place): no turn, no round
         trip and no host sync of its own. Read it with :meth:`flag_result` after the
         exchange's last collective."""
-        self.traffic.add(4, 2 * (self.world_size - 1) / self.world_size)
-        if self.world_size > 1:
-            self._rider, self._rider_work = bad, None
+        W = dist.get_world_size(self.rider.group) if self.rider.group is not None else 1
+        self.traffic.add(4, 2 * (W - 1) / W)
+        if W > 1:
+            self.rider.tensor, self.rider.work = bad, None
 
     def flag_result(self, bad: torch.Tensor) -> bool:
         """Whether any rank's flag was set: the one host read of the flag, once per exchange
         after its last collective (its own turn only if the exchange issued none)."""
-        if self.world_size > 1:
-            if self._rider_work is None:  # issued with a collective of its own
+        rider = self.rider
+        if rider.tensor is not None:
+            if rider.work is None:  # issued with a collective of its own
                 self._run(lambda: _DONE)
             t0 = time.perf_counter()
-            self._rider_work.wait()
+            rider.work.wait()
             self.traffic.comm_s += time.perf_counter() - t0
-            self._rider = self._rider_work = None
+            rider.tensor = rider.work = None
         return bool(bad.item() > 0)
 
     def allgather(self, t: torch.Tensor) -> torch.Tensor:
         """(W, *t.shape): every rank's t, in rank order."""
         W = self.world_size
-        self.traffic.add(t.numel() * t.element_size(), W - 1)
+        self._count(t, W - 1)
         out = torch.empty((W, *t.shape), dtype=t.dtype, device=t.device)
         if W > 1:
             src = t.contiguous()
@@ -120,7 +153,7 @@ class Comm:
         W = self.world_size
         if t.shape[0] != W:
             raise ValueError(f"all_to_all needs {W} rows, got {t.shape[0]}")
-        self.traffic.add(t.numel() * t.element_size(), (W - 1) / W)
+        self._count(t, (W - 1) / W)
         if W == 1:
             return t.clone()
         out = torch.empty_like(t)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 # its metadata saves less than a round trip costs. 4096 elements = 16 KiB, about 0.13 ms at
 # 1 Gbit/s.
 DEFAULT_MIN_NUMEL = 4096
+TOPOLOGIES = ("auto", "flat", "hierarchical")
 
 
 def check(ok: bool, name: str, value, allowed: str) -> None:
@@ -28,6 +29,11 @@ class MethodConfig:
     seed: seeds every random stream of the method (same on all ranks).
     delay: delayed gradient averaging (Zhu et al., NeurIPS 2021): apply the local gradient at
         once and the average ``delay`` steps later; 0 = synchronous.
+    topology: "flat" (every rank in one compressed exchange), "hierarchical" (dense
+        reduce-scatter inside a node, the compressed exchange of each shard between the
+        nodes' ranks of the same local index, dense allgather inside the node) or "auto"
+        (hierarchical when the job spans several nodes of several ranks each).
+    local_size: ranks per node for the hierarchy (0: torchrun's LOCAL_WORLD_SIZE).
     """
 
     min_numel: int = DEFAULT_MIN_NUMEL
@@ -35,6 +41,8 @@ class MethodConfig:
     seed: int = 0
     delay: int = 0
     dense_steps: int = 0
+    topology: str = "auto"
+    local_size: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -47,6 +55,9 @@ class MethodConfig:
         check(self.min_numel >= 0, "min_numel", self.min_numel, "an integer >= 0")
         check(self.delay >= 0, "delay", self.delay, "an integer >= 0 (0 = synchronous)")
         check(self.dense_steps >= 0, "dense_steps", self.dense_steps, "an integer >= 0")
+        check(self.topology in TOPOLOGIES, "topology", self.topology, ", ".join(TOPOLOGIES))
+        check(self.local_size >= 0, "local_size", self.local_size,
+              "an integer >= 0 (0: LOCAL_WORLD_SIZE)")
         self.validate()
 
     def validate(self) -> None:

@@ -19,7 +19,7 @@ SGD = {"lr": 0.05, "momentum": 0.9}
 SPECS = ["allreduce", "topk:ratio=0.05", "dgc:ratio=0.02,warmup_steps=6",
          "onebit:chunk=64", "terngrad", "terngrad:error_feedback=true", "powersgd:rank=1",
          "onebit:chunk=64,delay=2",
-         "dgc:ratio=0.05,delay=1"]
+         "dgc:ratio=0.05,delay=1", "threshold:max_ratio=0.05"]
 
 
 def _job(spec):

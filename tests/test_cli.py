@@ -17,6 +17,10 @@ from gradcomp import cli
     (["ddp", "--latency", "50ms"], "--latency needs --link"),
     (["ddp", "--model", "vgg"], "--model 'vgg'"),
     (["convergence", "--timeout", "0"], "--timeout 0: expected seconds > 0"),
+    (["ddp", "--world", "3", "--ranks-per-node", "2"], "not a whole number of nodes"),
+    (["ddp", "--nodes", "0"], "--nodes 0: allowed an integer >= 1"),
+    (["ddp", "--ranks-per-node", "0"], "--ranks-per-node 0: allowed"),
+    (["ddp", "--nodes", "99", "--ranks-per-node", "2"], "--world 198 does not fit"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, match, capsys):
     assert cli.main(argv) == 2

@@ -8,7 +8,7 @@ from gradcomp.compressors.dgc import DGC
 
 def test_methods_lists_every_method_with_options():
     got = {m["name"]: m for m in gradcomp.methods()}
-    assert set(got) == {"allreduce", "topk", "dgc", "onebit", "terngrad", "powersgd"}
+    assert set(got) == {"allreduce", "topk", "dgc", "onebit", "terngrad", "powersgd", "threshold"}
     assert got["powersgd"]["options"]["rank"] == ("int", 2)
     assert got["dgc"]["options"]["ratio"] == ("float", 0.001)
     assert all(m["description"] for m in got.values())

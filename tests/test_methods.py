@@ -13,7 +13,8 @@ SHAPES = {"fc.weight": (48, 40), "fc.bias": (48,), "conv.weight": (16, 8, 3, 3)}
 SLOTS = {"residual": 1.0, "accumulation": 1.0, "server_residual": 1.0}
 METHOD_SPECS = ["allreduce", "topk:ratio=0.05", "dgc:ratio=0.05", "onebit:chunk=64",
                 "terngrad:error_feedback=true", "powersgd:rank=2",
-                "terngrad:share_scalers=false,error_feedback=true", "powersgd:rank=1"]
+                "terngrad:share_scalers=false,error_feedback=true", "powersgd:rank=1",
+                "threshold:max_ratio=0.05", "threshold:adaptive=false,tau=0.5,max_ratio=0.05"]
 
 
 def layout(names):
@@ -102,7 +103,7 @@ def test_stats_count_the_bytes_of_the_tensors_sent():
 
 
 @pytest.mark.parametrize("spec", ["topk:ratio=0.1", "onebit:chunk=64", "terngrad:error_feedback=true",
-                                  "powersgd"])
+                                  "powersgd", "threshold:max_ratio=0.1"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_gradients_keep_fp32_memory(spec, dtype):
     state = state_for(spec)
@@ -114,7 +115,8 @@ def test_half_gradients_keep_fp32_memory(spec, dtype):
     assert all(v.dtype == torch.float32 for v in mem.values())
 
 
-@pytest.mark.parametrize("spec", ["topk:ratio=0.05", "terngrad", "powersgd", "dgc:ratio=0.05"])
+@pytest.mark.parametrize("spec", ["topk:ratio=0.05", "terngrad", "powersgd", "dgc:ratio=0.05",
+                                  "threshold:max_ratio=0.05"])
 def test_same_seed_same_result(spec):
     params = layout(list(SHAPES))
     x = torch.randn(sum(p.numel for p in params))
@@ -149,7 +151,8 @@ def test_state_pickles_without_its_runtime():
     torch.testing.assert_close(st2.state_dict()["memory"], st.state_dict()["memory"])
 
 
-@pytest.mark.parametrize("spec", ["onebit:chunk=64", "terngrad", "powersgd:rank=1", "topk:ratio=0.05"])
+@pytest.mark.parametrize("spec", ["onebit:chunk=64", "terngrad", "powersgd:rank=1", "topk:ratio=0.05",
+                                  "threshold:max_ratio=0.05"])
 def test_dense_steps_send_the_first_steps_uncompressed(spec):
     state = state_for(spec, dense_steps=2)
     params = layout(list(SHAPES))
@@ -188,9 +191,9 @@ def _run_logged(spec, details, grads, params):
 
 @pytest.mark.parametrize("spec, exact", [("topk:ratio=1", True), ("onebit:chunk=64", False),
                                          ("terngrad:error_feedback=true", False),
-                                         ("topk:ratio=0.05", False)])
+                                         ("topk:ratio=0.05", False), ("threshold:max_ratio=0.05", False)])
 def test_residual_energy_is_what_the_residual_keeps(spec, exact):
-    """With details, onebit/terngrad/topk log ||residual after||^2 / ||gradient + residual
+    """With details, onebit/terngrad/topk/threshold log ||residual after||^2 / ||gradient + residual
     before||^2 per step (recomputed here from the memory around each step): 0 when the
     message carries everything; and turning details on changes no result and no memory."""
     params = layout(["fc.weight", "fc.bias", "conv.weight"])

@@ -23,7 +23,7 @@ from gradcomp.launch import spawn
 from test_distributed import batch, small_net
 
 SPECS = ["allreduce", "topk:ratio=0.05", "dgc:ratio=0.05", "onebit:chunk=64", "terngrad",
-         "powersgd:rank=1"]
+         "powersgd:rank=1", "threshold"]
 RUNS = [f"{s},delay={d}" if ":" in s else f"{s}:delay={d}" for s in SPECS for d in (0, 1)]
 
 
@@ -41,7 +41,7 @@ def _record_collectives(rank):
                 log.append((getattr(group, "group_name", str(group)), name, t.numel()))
             return fn(*args, group=group, **kw)
         return wrapped
-    for name in ("all_reduce", "all_gather", "all_to_all_single"):
+    for name in ("all_reduce", "all_gather", "all_to_all_single", "reduce_scatter_tensor"):
         setattr(dist, name, wrap(name, getattr(dist, name)))
     return log
 

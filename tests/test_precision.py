@@ -11,7 +11,7 @@ from test_distributed import batch, small_net
 from test_methods import layout, state_for, SHAPES
 
 STATEFUL = ["topk:ratio=0.05", "dgc:ratio=0.05,momentum=0.9,warmup_steps=4", "onebit:chunk=64",
-            "terngrad:error_feedback=true", "powersgd:rank=1"]
+            "terngrad:error_feedback=true", "powersgd:rank=1", "threshold:max_ratio=0.05"]
 
 
 def _memory(state):

@@ -9,7 +9,7 @@ compressors call them. With 2 ranks, for every method that uses a kernel:
     equals W x the sum of the averages plus what the ranks' memories still hold (a wrong
     scale, a misplaced part or a dropped message breaks it);
   * ranks get identical averages;
-  * deterministic methods (top-k, DGC, 1-bit) give the reference path's result up to
+  * deterministic methods (top-k, DGC, 1-bit, threshold) give the reference path's result up to
     rounding (TernGrad draws its uniforms from another generator on this path: Philox).
 """
 import math
@@ -28,7 +28,7 @@ from gradcomp.launch import spawn  # noqa: E402
 from test_methods import SHAPES, layout  # noqa: E402
 
 SPECS = ["topk:ratio=0.05", "dgc:ratio=0.05", "onebit:chunk=64", "terngrad:error_feedback=true",
-         "terngrad:share_scalers=false,error_feedback=true"]
+         "terngrad:share_scalers=false,error_feedback=true", "threshold:max_ratio=0.05"]
 STEPS = 4
 
 

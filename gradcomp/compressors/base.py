@@ -37,10 +37,20 @@ class Comm(Protocol):
 
 @dataclass(frozen=True)
 class ParamSlice:
+    """Where a parameter (or, under a hierarchical topology, this rank's piece of one) lies
+    in a flat bucket. ``whole``: the whole parameter's element count where this is a piece
+    (0: it is whole): size rules such as ``min_numel`` go by the whole parameter."""
+
     name: str
     shape: tuple
     offset: int
     numel: int
+    whole: int = 0
+
+    @property
+    def size(self) -> int:
+        """The whole parameter's element count (what size rules compare)."""
+        return self.whole or self.numel
 
 
 class BucketContext(Protocol):
@@ -123,8 +133,8 @@ class Compressor(ABC):
 
     def split(self, params) -> tuple[list[ParamSlice], list[ParamSlice]]:
         """(compressed, sent dense): parameters below ``min_numel`` elements go uncompressed."""
-        big = [p for p in params if p.numel >= self.config.min_numel]
-        return big, [p for p in params if p.numel < self.config.min_numel]
+        big = [p for p in params if p.size >= self.config.min_numel]
+        return big, [p for p in params if p.size < self.config.min_numel]
 
 
 def dense_values(x: torch.Tensor, params) -> torch.Tensor:

@@ -51,7 +51,7 @@ class PowerSGD(Compressor):
         cfg = self.config
         mats, dense = [], []
         for p in params:
-            if len(p.shape) >= 2 and p.numel >= cfg.min_numel:
+            if len(p.shape) >= 2 and p.size >= cfg.min_numel:
                 n, m = p.shape[0], p.numel // p.shape[0]
                 r = min(cfg.rank, n, m)
                 if n * m >= cfg.min_compression_rate * (n + m) * r:

@@ -5,6 +5,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..compressors import METHODS
 from .state import GradcompState
+from .topology import node_size
 
 
 
@@ -91,7 +92,9 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
                                  f"learn of it only {state.config.delay} steps later; use "
                                  f"delay=0, or bfloat16 without a scaler")
             state.scaler = scaler
-        mine = (f"{state.digest()}/{lanes}", state.method, {**state.config.to_dict(), "lanes": lanes})
+        local = node_size(state.config, len(ranks))
+        mine = (f"{state.digest()}/{lanes}/{local}", state.method,
+                {**state.config.to_dict(), "lanes": lanes, "ranks per node": local})
     except (TypeError, ValueError) as exc:
         error, mine = exc, ("error", type(exc).__name__, str(exc))
     digests = [None] * len(ranks)
@@ -102,8 +105,17 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
         detail = "; ".join(f"rank {r}: {d[1]} {d[2]}" for r, d in zip(ranks, digests))
         raise ValueError(f"ranks registered different gradcomp methods or options: {detail}")
     # every rank agreed on `lanes`: each creates the same groups in the same order
-    state.add_lanes([dist.new_group(ranks=ranks, backend=dist.get_backend(pg))
-                     for _ in range(lanes - 1)])
+    backend = dist.get_backend(pg)
+    state.add_lanes([dist.new_group(ranks=ranks, backend=backend) for _ in range(lanes - 1)])
+    if local:  # ... and the same node and cross-node groups, one pair per lane
+        me = ranks.index(dist.get_rank())
+        pairs = []
+        for _ in range(lanes):
+            nodes = [dist.new_group(ranks=ranks[n : n + local], backend=backend)
+                     for n in range(0, len(ranks), local)]
+            across = [dist.new_group(ranks=ranks[j::local], backend=backend) for j in range(local)]
+            pairs.append((nodes[me // local], across[me % local]))
+        state.set_topology(local, pairs)
     model.register_comm_hook(state, hook)
     if optimizer is not None:  # only once every rank agreed: nothing attached on a refusal
         state.compressor.bind(optimizer, state._param_names)

@@ -128,9 +128,23 @@ class Lane:
 
     def __init__(self, worker, group):
         self.worker, self.comm = worker, Comm(group)
+        self.intra: Comm | None = None  # hierarchical: the node's group ...
+        self.inter: Comm | None = None  # ... and this local index's group across nodes
         self.queue: queue.Queue | None = None
         self.thread: threading.Thread | None = None
         self._stream = None
+
+    def set_hierarchy(self, intra, inter) -> None:
+        """Process groups of a hierarchical topology; they share the flat comm's inf/NaN rider."""
+        self.intra = Comm(intra, rider=self.comm.rider, intra=True)
+        self.inter = Comm(inter, rider=self.comm.rider)
+
+    def comms(self) -> list[Comm]:
+        return [c for c in (self.comm, self.intra, self.inter) if c is not None]
+
+    def set_ticket(self, ticket) -> None:
+        for c in self.comms():
+            c.ticket = ticket
 
     def stream(self, device: torch.device):
         """The lane's own CUDA stream on ``device`` (None on the CPU): its codec runs there,
@@ -158,4 +172,5 @@ class Lane:
             self.queue.put(None)
             self.thread.join(timeout=30)
             self.thread = None
-        self.comm.group = None
+        for c in self.comms():
+            c.group = None

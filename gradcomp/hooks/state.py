@@ -1,22 +1,21 @@
-"""The hook state: one method's config and compressor, its per-parameter memory, the step
-counter, the byte counters, and the communication thread that runs the exchanges.
+"""The hook state: one method's config and compressor, its per-parameter memory and step
+counter, and the lanes that run the exchanges. What it owns, one module each:
 
-Why threads: a bucket's exchange may need several dependent collectives (PowerSGD's two
-allreduces, 1-bit's all-to-all then allgather). Issuing the second one from a future's
-callback would let ranks interleave different buckets' collectives in different orders.
-Here every exchange runs start to finish on a *lane*: a thread with a process group of its
-own. Bucket b always goes to lane b % lanes, so every rank issues the same collectives in
-the same order on each group, a bucket's consecutive steps run in order (its memory carries
-from one to the next), and different buckets' exchanges run side by side: on a link with
-latency a step pays about one bucket's round trips, not the sum over buckets. The hook
+  engine.py      lanes (threads, process groups, CUDA streams) and the one global order in
+                 which collectives are issued
+  guard.py       the inf/NaN guard
+  delayed.py     delayed averaging: exchanges owed, ``flush``
+  telemetry.py   ``stats()`` and TensorBoard scalars
+  checkpoint.py  ``state_dict`` / ``load_state_dict``
+
+This module ties them together: ``submit`` (DDP's thread: step counter, a ticket in the
+order, the lane) and ``_reduce`` (a lane: the method's exchange of one bucket). The hook
 itself returns a future at once: backward never waits on the network.
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
-import hashlib
-import json
 import threading
 import time
 import weakref
@@ -30,7 +29,12 @@ from ..compressors import METHODS
 from ..compressors.base import ParamSlice
 from ..config import MethodConfig
 from ..memory import ParamMemory
+from .checkpoint import Checkpoint
+from .delayed import Delayed, _Pending, _slices
 from .engine import Lane, Sequencer, Ticket
+from .guard import Guard
+from .telemetry import Telemetry, _sq_norm
+from .topology import Shards
 
 # A collective waiting longer than this for its turn raises instead of hanging (its turn
 # waits for buckets DDP has not submitted yet, or for earlier exchanges to issue theirs).
@@ -94,54 +98,7 @@ class _Ctx:
             logs[key] = (total + value, n + 1)
 
 
-def _sq_norm(x, params, views) -> torch.Tensor:
-    """Squared norm of x + the memory ``views`` (None: zero) over ``params``; x None: of the
-    views alone."""
-    total = torch.zeros((), dtype=torch.float64)
-    for p, v in zip(params, views):
-        part = x[p.offset : p.offset + p.numel] if x is not None else None
-        if v is not None:
-            part = v if part is None else part + v
-        if part is not None:
-            total = total + part.double().square().sum().cpu()
-    return total
-
-
-def _slices(named) -> list[ParamSlice]:
-    """Flat layout of (name, tensor) pairs laid end to end."""
-    out, off = [], 0
-    for name, t in named:
-        out.append(ParamSlice(name, tuple(t.shape), off, t.numel()))
-        off += t.numel()
-    return out
-
-
-class _Pending:
-    """One delayed exchange: its step, the layout it was sent in, and its correction."""
-
-    def __init__(self, step: int, slices, job: torch.futures.Future):
-        self.step, self.slices, self.job, self.taken = step, slices, job, set()
-
-    def wait(self) -> torch.Tensor:
-        return self.job.wait()
-
-    def owed(self):
-        """(name, correction) for each parameter whose correction is not yet applied."""
-        corr = self.wait()
-        for s in self.slices:
-            if s.name not in self.taken:
-                yield s.name, corr[s.offset : s.offset + s.numel]
-
-    @classmethod
-    def done(cls, step: int, corrections: dict) -> "_Pending":
-        slices = _slices(corrections.items())
-        fut = torch.futures.Future()
-        fut.set_result(torch.cat([c.reshape(-1) for c in corrections.values()])
-                       if corrections else torch.zeros(0))
-        return cls(step, slices, fut)
-
-
-class GradcompState:
+class GradcompState(Guard, Delayed, Telemetry, Checkpoint):
     """Everything one registered hook owns. Build it with :func:`gradcomp.register`, or
     directly to call ``register_comm_hook(state, gradcomp.hook)`` yourself."""
 
@@ -174,6 +131,7 @@ class GradcompState:
         self._skipped: int | None = None     # index of a step whose gradients were not finite
         self.scaler = None  # a torch.amp.GradScaler whose scale the gradients carry
         self._params: dict[str, torch.Tensor] = {}
+        self.local_size = 0  # ranks per node of a hierarchical topology (0: flat)
         self._setup_runtime()
 
     # ------------------------------------------------------------------ runtime
@@ -182,11 +140,13 @@ class GradcompState:
         self._seq = Sequencer(len(self._lanes))
         self._lock = threading.Lock()
         self._error: BaseException | None = None
+        self._shard_cache: dict = {}
 
     def __getstate__(self):
         d = self.__dict__.copy()
         self.drain()
-        for k in ("group", "_lane_groups", "_lanes", "_seq", "_lock", "_error", "_param_names",
+        for k in ("group", "_lane_groups", "_lanes", "_seq", "_lock", "_error", "_shard_cache",
+                  "_param_names",
                   "_params", "_writer", "scaler"):
             d.pop(k, None)
         return d
@@ -194,7 +154,7 @@ class GradcompState:
     def __setstate__(self, d):
         self.__dict__.update(d)
         self.group, self._param_names, self._params, self._writer = None, {}, {}, None
-        self._lane_groups, self.scaler = [], None
+        self._lane_groups, self.scaler, self.local_size = [], None, 0
         self._setup_runtime()
 
     @property
@@ -216,10 +176,6 @@ class GradcompState:
     def step(self) -> int:
         """Optimizer steps whose communication has started."""
         return self._step + 1
-
-    def digest(self) -> str:
-        blob = json.dumps({"method": self.method, "config": self.config.to_dict()}, sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     # ------------------------------------------------------------------ the work
     def _begin(self, bucket: int) -> int:
@@ -243,29 +199,46 @@ class GradcompState:
         x's dtype. The DDP hook runs exactly this, on the communication thread."""
         step = self._begin(bucket)
         live = self.compressor.live([p.name for p in params])
-        return self._reduce(self._lanes[0].comm, x, list(params), bucket, param_tensors, step,
+        return self._reduce(self._lanes[0], x, list(params), bucket, param_tensors, step,
                             live=live)
 
-    def _reduce(self, comm, buf, params, bucket, param_tensors, step, scale=None, live=None):
+    def _reduce(self, lane, buf, params, bucket, param_tensors, step, scale=None, live=None):
         if bucket == 0 and self._writer is not None:
             # the last step every exchange of which has finished by now
             self._write_scalars(step - 1 - self.config.delay)
-        traffic = comm.traffic = Traffic()
+        traffic = Traffic()
+        for c in lane.comms():
+            c.traffic = traffic
         x = buf if buf.dtype == torch.float32 else buf.float()
         if scale is not None:  # memory holds unscaled values: the loss scale may change
             x = x / scale
         t0 = time.perf_counter()
-        ctx = _Ctx(self, comm, bucket, params, param_tensors, buf.device, step, live)
+        if lane.inter is not None:  # hierarchical: the method runs on this rank's shard
+            shards = self._shards(params, lane.intra.rank, buf.device)
+            ctx = _Ctx(self, lane.inter, bucket, shards.mine, shards.pieces(param_tensors),
+                       buf.device, step, shards.live(live))
+            L = lane.intra.world_size
+
+            def run(y, method):
+                node = lane.intra.reduce_scatter(shards.gather(y)).div_(L)
+                return shards.scatter(lane.intra.allgather(method(node, ctx)).reshape(-1))
+        else:
+            ctx = _Ctx(self, lane.comm, bucket, params, param_tensors, buf.device, step, live)
+
+            def run(y, method):
+                return method(y, ctx)
         if step < self.config.dense_steps:  # warm-up: uncompressed, memory untouched
-            out = self.compressor.dense(x, ctx)
+            out = run(x, self.compressor.dense)
         elif self.compressor.stateless:
-            out = self.compressor.reduce(x, ctx)
+            out = run(x, self.compressor.reduce)
         else:
             slot = self.compressor.residual_slot if ctx.details and self.config.error_feedback else None
-            if slot:
+            if slot and lane.inter is None:  # (not measured per shard)
                 names = [p.name for p in params]
                 owed = _sq_norm(x, params, self.memory.peek(slot, names))
-            out = self._guarded(x, ctx)
+            else:
+                slot = None
+            out = self._guarded(x, ctx, lane.comm, lambda y: run(y, self.compressor.reduce))
             if slot and self._skipped != step:
                 kept = _sq_norm(None, params, self.memory.peek(slot, names))
                 self._log_ratio(step, "residual_energy", kept, owed)
@@ -282,39 +255,20 @@ class GradcompState:
                 del self._records[old]
         return buf
 
-    def _guarded(self, x, ctx):
-        """Reduce with inf/NaN protection. Whether any rank's bucket holds a non-finite value
-        travels beside the exchange (a flag all-reduced with its first collective); if one
-        does, the step is garbage (a GradScaler skips it): the memory of the bucket's
-        parameters is put back as it was, not poisoned for the rest of training, and the
-        result is an allreduce of the non-finite ranks' gradients (the others add zeros), so
-        every rank gets inf/NaN at exactly the positions a plain allreduce would give them.
+    def _shards(self, params, local: int, device) -> Shards:
+        key = (tuple(p.name for p in params), str(device))
+        with self._lock:
+            hit = self._shard_cache.get(key)
+            if hit is None:
+                hit = self._shard_cache[key] = Shards(params, self.local_size, local, device)
+            return hit
 
-        Host reads: on CUDA none before the exchange (the local check stays on the device,
-        the compressor gets a finite copy, the original is kept for the fallback) and one,
-        of the flag, after the exchange's last collective. On the CPU a host read is free,
-        so the local check decides there whether a finite copy is needed at all."""
-        names = [p.name for p in ctx.params]
-        snap = self.memory.snapshot(names, ctx.bucket)
-        orig = x
-        if x.is_cuda:
-            bad = torch.isfinite(x).all().logical_not().float().reshape(1)
-            x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
-        else:
-            finite = bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())  # 1 pass
-            bad = torch.tensor([0.0 if finite else 1.0])
-            if finite:
-                orig = None
-            else:  # the compressor must still run (same collectives on every rank)
-                orig = x.clone()
-                x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
-        ctx.comm.flag(bad)
-        out = self.compressor.reduce(x, ctx)
-        if not ctx.comm.flag_result(bad):
-            return out
-        self.memory.restore(snap, names)
-        self._skipped = ctx.step
-        return ctx.comm.allreduce(orig if orig is not None else torch.zeros_like(x)).div_(self.world_size)
+    def set_topology(self, local_size: int, groups) -> None:
+        """Hierarchical: ``local_size`` ranks per node; ``groups``: per lane, (the node's
+        group, the group of this local index across nodes). Before the first exchange."""
+        self.local_size = local_size
+        for lane, (intra, inter) in zip(self._lanes, groups):
+            lane.set_hierarchy(intra, inter)
 
     # ------------------------------------------------------------------ DDP side
     def submit(self, bucket: int, buf: torch.Tensor, params, last: bool = True
@@ -379,48 +333,6 @@ class GradcompState:
             return None
         return s._scale.detach().clone()
 
-    def _take(self, step: int, slices, like: torch.Tensor):
-        """The corrections of ``step`` for the parameters in ``slices``, in their layout."""
-        found = {}
-        for e in self._pending:
-            if e.step == step:
-                corr = e.wait()
-                for s in e.slices:
-                    if s.name not in e.taken:
-                        found[s.name] = (e, corr[s.offset : s.offset + s.numel])
-        if not found:
-            return None
-        out = torch.zeros_like(like)
-        for s in slices:
-            hit = found.get(s.name)
-            if hit is not None:
-                out[s.offset : s.offset + s.numel] = hit[1]
-                hit[0].taken.add(s.name)
-        self._pending = [e for e in self._pending if len(e.taken) < len(e.slices)]
-        return out
-
-    def drain(self, before: int | None = None) -> None:
-        """Wait until every queued exchange (of the steps before ``before``) has finished."""
-        for e in self._pending:
-            if before is None or e.step < before:
-                e.wait()
-
-    def flush(self) -> dict:
-        """End of training with ``delay``: wait for the exchanges still in flight and put the
-        sum of their corrections into each parameter's ``.grad``; call ``optimizer.step()``
-        once more after it and every averaged gradient has been applied. Returns the
-        corrections by parameter name. A no-op without delay."""
-        total: dict[str, torch.Tensor] = {}
-        for e in self._pending:
-            for name, c in e.owed():
-                total[name] = total[name] + c if name in total else c.clone()
-        self._pending = []
-        for name, c in total.items():
-            p = self._params.get(name)
-            if p is not None:
-                p.grad = c.to(p.dtype).reshape(p.shape).clone()
-        return total
-
     def close(self) -> None:
         """Stop the communication threads (after the exchanges queued so far). Called at
         interpreter exit for every state, so no thread still holds a process group while
@@ -460,9 +372,9 @@ class GradcompState:
                         buf.record_stream(stream)
                     local = buf.clone() if delayed else None
                     t0 = time.perf_counter()
-                    lane.comm.ticket = ticket
+                    lane.set_ticket(ticket)
                     with torch.profiler.record_function(f"gradcomp.{self.method}.bucket{bucket}"):
-                        out = self._reduce(lane.comm, buf, slices, bucket, params, step, scale, live)
+                        out = self._reduce(lane, buf, slices, bucket, params, step, scale, live)
                     ticket.close()
                     if self.trace is not None:
                         self.trace.append(("exchange", bucket, t0, time.perf_counter()))
@@ -473,103 +385,4 @@ class GradcompState:
                 self._error = exc
                 fut.set_exception(exc)
             finally:
-                lane.comm.ticket = None
-
-    # ------------------------------------------------------------------ reporting
-    def attach(self, writer, details: bool = False) -> None:
-        """Log per-step scalars to a TensorBoard ``SummaryWriter`` (or anything with
-        ``add_scalar``): compression ratio, wire and sent bytes, the norm of each memory slot
-        (residuals, velocities) and what the method records (DGC's sparsity and mean sampled
-        threshold; with ``details`` also PowerSGD's relative approximation error and, for a
-        method whose residual is its own message's error (``Compressor.residual_slot``:
-        onebit's first stage, terngrad, topk), ``residual_energy``: ||residual after the
-        step||^2 / ||gradient + residual before||^2, summed over the step's buckets, i.e.
-        1 - delta of error feedback's contraction (at or above 1 the residual does not
-        shrink); both cost passes over the gradient). Written from the communication thread when a step's
-        exchanges have all finished; nothing is computed while no writer is attached."""
-        self._writer, self._details = writer, details
-        self._written = max(self._written, self._step - 1)  # earlier steps logged nothing
-
-    def _log_ratio(self, step: int, key: str, num, den) -> None:
-        """Record num / den for ``step``, both summed over the step's buckets first (so a
-        large bucket weighs by its size, not as one of many)."""
-        with self._lock:
-            logs = self._logs.setdefault(step, {})
-            a, b = logs.get(key, (0.0, 0.0))
-            logs[key] = (a + num, b + den)
-
-    def _record(self, step: int):
-        with self._lock:
-            return self._records.get(step) or [Traffic(), 0]
-
-    def _write_scalars(self, step: int) -> None:
-        if step < 0 or step <= self._written:
-            return
-        self._written = step
-        w, (t, raw) = self._writer, self._record(step)
-        w.add_scalar("gradcomp/compression_ratio", raw / t.sent if t.sent else 0.0, step)
-        w.add_scalar("gradcomp/wire_bytes", t.wire, step)
-        w.add_scalar("gradcomp/sent_bytes", t.sent, step)
-        for slot in self.memory.slots():
-            w.add_scalar(f"gradcomp/{slot}_norm", float(self.memory.norm(slot)), step)
-        with self._lock:
-            logs = self._logs.pop(step, {})
-            for old in [k for k in self._logs if k < step]:
-                del self._logs[old]
-        for key, (total, n) in logs.items():
-            w.add_scalar(f"gradcomp/{key}", float(total) / max(float(n), 1e-300), step)
-
-    def stats(self) -> dict:
-        """Bytes of the latest step: ``raw_bytes`` (the gradients' own size, what a plain
-        allreduce hands over), ``sent_bytes`` (the messages this rank handed to collectives),
-        ``wire_bytes`` / ``raw_wire_bytes`` (what ring-style collectives put on this rank's
-        link for those two), their ``ratio``, the number of ``collectives``, and the seconds
-        spent inside collectives (``comm_s``) and compressing/decompressing (``codec_s``),
-        summed over the step's buckets. With ``delay=D`` the latest step whose exchanges
-        have all finished is D steps back."""
-        t, raw = self._record(self._step - self.config.delay)
-        W = self.world_size
-        raw_wire = raw * 2 * (W - 1) / W
-        return {
-            "step": self.step, "raw_bytes": raw, "sent_bytes": t.sent,
-            "wire_bytes": t.wire, "raw_wire_bytes": raw_wire,
-            "ratio": raw / t.sent if t.sent else float("inf"),
-            "collectives": t.collectives,
-            "comm_s": t.comm_s, "codec_s": t.total_s - t.comm_s,
-        }
-
-    # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict:
-        """Everything needed to resume exactly: memory by parameter name, the step counter and
-        the delayed exchanges still to be applied (waited for first)."""
-        pending = [{"step": e.step, "corrections": {n: c.clone() for n, c in e.owed()}}
-                   for e in self._pending]
-        return {"method": self.method, "config": self.config.to_dict(), "world_size": self.world_size,
-                "step": self.step, "memory": self.memory.state_dict(), "pending": pending}
-
-    def load_state_dict(self, sd: dict) -> None:
-        if sd.get("method") != self.method or sd.get("config") != self.config.to_dict():
-            raise ValueError(f"checkpoint is for method {sd.get('method')!r} with {sd.get('config')}; "
-                             f"this state runs {self.method!r} with {self.config.to_dict()}")
-        if sd.get("world_size") != self.world_size:
-            raise ValueError(f"checkpoint was saved with world size {sd.get('world_size')}; "
-                             f"this job has {self.world_size}: residuals do not transfer")
-        known = set(self._param_names.values())
-        unknown = self.memory_names(sd) - known if known else set()
-        if unknown:
-            raise ValueError(f"checkpoint holds state for parameters this model lacks: "
-                             f"{', '.join(sorted(unknown)[:5])}")
-        for slot, d in sd["memory"]["flat"].items():
-            for name, v in d.items():
-                want = self._param_numels.get(name)
-                if want is not None and v.numel() != want:
-                    raise ValueError(f"checkpoint slot {slot!r} holds {v.numel()} elements for "
-                                     f"parameter {name!r}; this model's has {want}")
-        self.memory.load_state_dict(sd["memory"])
-        self._step = sd["step"] - 1
-        self._written = max(self._written, self._step)
-        self._pending = [_Pending.done(p["step"], p["corrections"]) for p in sd.get("pending", [])]
-
-    @staticmethod
-    def memory_names(sd: dict) -> set:
-        return {n for part in sd["memory"].values() for d in part.values() for n in d}
+                lane.set_ticket(None)

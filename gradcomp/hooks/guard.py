@@ -1,0 +1,49 @@
+"""The inf/NaN guard: a step whose gradients hold inf/NaN on any rank leaves every method's
+memory as it was and gives every rank the inf/NaN a plain allreduce would (a GradScaler then
+skips the step everywhere, and training goes on as if it never happened)."""
+from __future__ import annotations
+
+import torch
+
+
+class Guard:
+    """Mixin of GradcompState: ``_guarded(x, ctx)`` wraps a stateful compressor's reduce."""
+
+    def _guarded(self, x, ctx, flat, run):
+        """Reduce with inf/NaN protection. Whether any rank's bucket holds a non-finite value
+        travels beside the exchange (a flag all-reduced with its first collective); if one
+        does, the step is garbage (a GradScaler skips it): the memory of the bucket's
+        parameters is put back as it was, not poisoned for the rest of training, and the
+        result is an allreduce of the non-finite ranks' gradients (the others add zeros), so
+        every rank gets inf/NaN at exactly the positions a plain allreduce would give them.
+
+        Host reads: on CUDA none before the exchange (the local check stays on the device,
+        the compressor gets a finite copy, the original is kept for the fallback) and one,
+        of the flag, after the exchange's last collective. On the CPU a host read is free,
+        so the local check decides there whether a finite copy is needed at all.
+
+        ``run(x)`` is the whole exchange (under a hierarchical topology: the node's
+        reduce-scatter, the compressed exchange of this rank's shard, the allgather);
+        ``flat`` the lane's comm over every rank: the flag and the fallback go over it, so
+        every rank decides alike whatever shard holds the bad values."""
+        names = [p.name for p in ctx.params]
+        snap = self.memory.snapshot(names, ctx.bucket)
+        orig = x
+        if x.is_cuda:
+            bad = torch.isfinite(x).all().logical_not().float().reshape(1)
+            x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+        else:
+            finite = bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())  # 1 pass
+            bad = torch.tensor([0.0 if finite else 1.0])
+            if finite:
+                orig = None
+            else:  # the compressor must still run (same collectives on every rank)
+                orig = x.clone()
+                x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+        flat.flag(bad)
+        out = run(x)
+        if not flat.flag_result(bad):
+            return out
+        self.memory.restore(snap, names)
+        self._skipped = ctx.step
+        return flat.allreduce(orig if orig is not None else torch.zeros_like(x)).div_(flat.world_size)

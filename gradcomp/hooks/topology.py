@@ -1,0 +1,109 @@
+"""Hierarchical reduction: dense inside a node, compressed between nodes (as ZeRO++'s qgZ,
+Bagua's hierarchical ByteGrad and CGX do).
+
+With L ranks per node (node n holds ranks nL .. nL+L-1, torchrun's assignment), one bucket's
+exchange is:
+  1. a dense reduce-scatter inside the node: local rank j gets shard j of the node's average;
+  2. the method's compressed exchange of shard j between the ranks of local index j on every
+     node (one process group per local index), so every node's NICs carry a 1/L share and
+     work in parallel; the method averages the node averages: the job's average;
+  3. a dense allgather inside the node puts the shards back together.
+
+Shards are cut per parameter, never per bucket, so a parameter's pieces (and the memory,
+random streams and choices kept for each) do not depend on its bucket neighbours: each
+parameter is viewed as rows (its first dimension; a 0-d or 1-d one as single elements), its
+rows are split into L contiguous, nearly equal parts, and shard j holds every parameter's
+part j, in bucket order, padded at the end to the longest shard. Piece j of parameter
+``name`` is named ``name#j/L`` in the memory and in checkpoints.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..compressors.base import ParamSlice
+from ..config import check
+
+SEP = "#"
+
+
+def node_size(config, world: int, env=None) -> int:
+    """Ranks per node of the hierarchy the config asks for in a job of ``world`` ranks, or 0
+    for flat. Raises ValueError naming the bad value."""
+    env = os.environ if env is None else env
+    local = config.local_size or int(env.get("LOCAL_WORLD_SIZE") or 0)
+    if config.topology == "flat":
+        return 0
+    if config.topology == "auto" and not (1 < local < world):
+        return 0  # one node, or one rank per node: nothing to gain
+    check(local >= 1, "topology", config.topology,
+          "'hierarchical' with a node size: local_size=L, or torchrun's LOCAL_WORLD_SIZE")
+    check(world % local == 0, "local_size", local,
+          f"a divisor of the world size {world} (ranks per node, every node alike)")
+    return local
+
+
+def base_name(name: str) -> str:
+    """The parameter a memory entry belongs to (a piece's name without its ``#j/L``)."""
+    return name.split(SEP, 1)[0]
+
+
+class Shards:
+    """One bucket layout cut into L shards (see the module doc): ``index`` (L * length,)
+    maps each position of the shard-major buffer to its element of the bucket (the padding
+    to the extra element n); ``mine`` are this rank's pieces as ParamSlices of its shard,
+    ``owner`` the bucket position of each piece's parameter and ``ranges`` its element range
+    in that parameter."""
+
+    def __init__(self, params: list[ParamSlice], L: int, local: int, device):
+        n = sum(p.numel for p in params)
+        cuts = []  # per shard: [(param index, start, end)] in the parameter's flat elements
+        for j in range(L):
+            shard = []
+            for i, p in enumerate(params):
+                rows = p.shape[0] if len(p.shape) >= 2 else p.numel
+                per_row = p.numel // rows if rows else 0
+                a, b = (j * rows // L) * per_row, ((j + 1) * rows // L) * per_row
+                if b > a:
+                    shard.append((i, a, b))
+            cuts.append(shard)
+        self.length = max(sum(b - a for _, a, b in s) for s in cuts) if cuts else 0
+        index = torch.full((L, self.length), n, dtype=torch.long)
+        for j, shard in enumerate(cuts):
+            off = 0
+            for i, a, b in shard:
+                index[j, off : off + b - a] = torch.arange(params[i].offset + a, params[i].offset + b)
+                off += b - a
+        self.index = index.reshape(-1).to(device)
+        self.numel = n
+        self.mine, self.owner, self.ranges, off = [], [], [], 0
+        for i, a, b in cuts[local]:
+            p = params[i]
+            shape = (b - a,) if len(p.shape) < 2 else ((b - a) // (p.numel // p.shape[0]), *p.shape[1:])
+            self.mine.append(ParamSlice(f"{p.name}{SEP}{local}/{L}", shape, off, b - a, p.numel))
+            self.owner.append(i)
+            self.ranges.append((a, b))
+            off += b - a
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """The bucket x in shard-major order (L * length,), padding zero."""
+        return torch.cat([x, x.new_zeros(1)])[self.index]
+
+    def scatter(self, y: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`gather`: the bucket (n,) from its shard-major form."""
+        out = y.new_empty(self.numel + 1)
+        out.index_copy_(0, self.index, y)  # every padding slot lands on the extra element
+        return out[: self.numel]
+
+    def pieces(self, tensors):
+        """This rank's pieces of the bucket's parameter tensors (views), in shard order."""
+        if tensors is None:
+            return None
+        return [tensors[i].detach().reshape(-1)[a:b] for i, (a, b) in zip(self.owner, self.ranges)]
+
+    def live(self, live):
+        """A method's per-parameter live values (lists aligned with the bucket) for the pieces."""
+        if live is None:
+            return None
+        return tuple([v[i] for i in self.owner] if isinstance(v, list) else v for v in live)

@@ -1,0 +1,203 @@
+"""Threshold quantization (Strom 2015): error feedback conserves every gradient on 2 ranks
+whose taus differ, degenerate settings equal exact results, the message has the documented
+fixed size, a parameter's result does not depend on its bucket, bad options are refused.
+Resume, inf/NaN and mixed precision: test_checkpoint.py, test_precision.py (-k threshold)."""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import gradcomp
+from gradcomp.compressors.base import ParamSlice
+from gradcomp.launch import spawn
+from test_methods import SHAPES, _Scalars, layout, state_for
+
+NAMES = list(SHAPES)
+ADAPTIVE = "threshold:max_ratio=0.05"
+FIXED = "threshold:adaptive=false,tau=0.5,max_ratio=0.05"  # N(0,1) input: the cap binds
+
+
+def _numel(params):
+    return params[-1].offset + params[-1].numel
+
+
+def _two_ranks(rank, world, specs, steps):
+    got = {}
+    for spec in specs:
+        name, cfg = gradcomp.build_config(spec, min_numel=0)
+        st = gradcomp.GradcompState(name, cfg, group=dist.group.WORLD)
+        g = torch.Generator().manual_seed(10 + rank)
+        total = {n: torch.zeros(math.prod(s), dtype=torch.float64) for n, s in SHAPES.items()}
+        sent = {n: torch.zeros_like(v) for n, v in total.items()}
+        outs = []
+        for step in range(steps):
+            params = layout(NAMES if step % 2 else NAMES[::-1])  # a relayout as well
+            x = torch.randn(_numel(params), generator=g)
+            out = st.reduce(x.clone(), params)
+            outs.append(out)
+            for p in params:
+                total[p.name] += x[p.offset : p.offset + p.numel].double()
+                sent[p.name] += out[p.offset : p.offset + p.numel].double()
+        mem = st.state_dict()["memory"]
+        got[spec] = (outs, total, sent, mem["flat"]["residual"], mem["tensors"].get("tau", {}))
+    return got
+
+
+def test_two_ranks_conserve_every_gradient_with_their_own_taus():
+    """W x sum of the averages + every rank's residual == sum of every rank's gradients, per
+    parameter. The adaptive taus differ between ranks: decoding a message with the
+    receiver's tau instead of its sender's breaks the sum."""
+    ranks = spawn(_two_ranks, 2, args=([ADAPTIVE, FIXED], 5))
+    for spec in (ADAPTIVE, FIXED):
+        got = [r[spec] for r in ranks]
+        for a, b in zip(got[0][0], got[1][0]):
+            assert torch.equal(a, b)  # every rank gets the same average
+        for n in NAMES:
+            inputs = sum(r[1][n] for r in got)
+            kept = sum(r[3][n].double() for r in got)
+            torch.testing.assert_close(2 * got[0][2][n] + kept, inputs, atol=1e-4, rtol=1e-5)
+        if spec == ADAPTIVE:
+            taus = [r[4] for r in got]
+            assert set(taus[0]) == set(NAMES)
+            assert all(not torch.equal(taus[0][n], taus[1][n]) for n in NAMES)
+
+
+def _y_steps(spec, steps=3):
+    """Run ``spec`` (world 1) and yield (y = gradient + residual before, output, residual)."""
+    st = state_for(spec)
+    params = layout(NAMES)
+    e = torch.zeros(_numel(params))
+    g = torch.Generator().manual_seed(2)
+    for _ in range(steps):
+        x = torch.randn(_numel(params), generator=g)
+        y = x + e
+        out = st.reduce(x.clone(), params)
+        e = torch.cat(st.memory.peek("residual", NAMES))  # NAMES is the bucket's order
+        yield y, out, e.clone()
+
+
+def test_max_ratio_one_and_a_tiny_tau_send_every_element_as_plus_minus_tau():
+    tau = torch.tensor(1e-3)
+    for y, out, e in _y_steps("threshold:adaptive=false,tau=1e-3,max_ratio=1"):
+        want = torch.where(y.abs() > tau, torch.sign(y) * tau, 0.0)
+        assert (want != 0).float().mean() > 0.99
+        assert torch.equal(out, want)
+        assert torch.equal(e, y - want)
+
+
+def test_a_huge_tau_sends_nothing_and_keeps_everything():
+    for y, out, e in _y_steps("threshold:adaptive=false,tau=1e30"):
+        assert torch.equal(out, torch.zeros_like(y))
+        assert torch.equal(e, y)
+
+
+def test_min_numel_above_every_tensor_is_plain_allreduce():
+    params = layout(NAMES)
+    x = torch.randn(_numel(params))
+    name, cfg = gradcomp.build_config("threshold", min_numel=10**6)
+    st = gradcomp.GradcompState(name, cfg)
+    assert torch.equal(st.reduce(x.clone(), params), x)
+    assert st.memory.names() == set()
+    # only the bias (48 elements) below min_numel: it rides in the message, exactly
+    name, cfg = gradcomp.build_config("threshold:max_ratio=0.05", min_numel=100)
+    st = gradcomp.GradcompState(name, cfg)
+    out = st.reduce(x.clone(), params)
+    b = params[1]
+    assert b.name == "fc.bias"
+    assert torch.equal(out[b.offset : b.offset + b.numel], x[b.offset : b.offset + b.numel])
+    assert not torch.equal(out, x)
+    assert torch.equal(st.memory.peek("residual", ["fc.bias"])[0], torch.zeros(48))
+
+
+def test_error_feedback_brings_the_outputs_close_to_the_inputs():
+    """Gradients with a common direction plus noise: the sum of the outputs over the steps is
+    within 25% of the sum of the inputs (sending nothing: 100%); one step is not."""
+    params = layout(NAMES)
+    n = _numel(params)
+    g = torch.Generator().manual_seed(4)
+    direction = torch.randn(n, generator=g)
+    st = state_for("threshold:max_ratio=0.1")
+    sent, total = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+    errs = []
+    for _ in range(40):
+        x = direction + torch.randn(n, generator=g)
+        sent += st.reduce(x.clone(), params).double()
+        total += x.double()
+        errs.append(float((sent - total).norm() / total.norm()))
+    assert errs[0] > 0.8  # one step of a 10% cap sends little of it
+    assert errs[-1] < 0.25, errs
+
+
+@pytest.mark.parametrize("spec", [ADAPTIVE, FIXED, "threshold:max_ratio=1,quantile=0.5"])
+def test_stats_count_the_fixed_size_message(spec):
+    """4 bytes per code slot (cap of them per compressed parameter), 4 per tau, 4 per dense
+    element (+4: the non-finite flag); the same every step, however many elements passed."""
+    params = layout(NAMES)
+    name, cfg = gradcomp.build_config(spec, min_numel=100)  # fc.bias goes dense
+    st = gradcomp.GradcompState(name, cfg)
+    big = [p for p in params if p.numel >= 100]
+    caps = sum(math.ceil(cfg.max_ratio * p.numel) for p in big)
+    want = 4 * caps + 4 * len(big) + 4 * 48 + 4
+    for scale in (1.0, 1e-6, 1e6):
+        st.reduce(scale * torch.randn(_numel(params)), params)
+        assert st.stats()["sent_bytes"] == want
+    assert st.stats()["raw_bytes"] == 4 * _numel(params)
+
+
+def test_adaptive_tau_sends_about_half_the_cap_and_logs_it():
+    n = 20000
+    params = [ParamSlice("w", (n,), 0, n)]
+    st = state_for("threshold:max_ratio=0.02")  # cap 400, about 200 pass
+    w = _Scalars()
+    st.attach(w)
+    g = torch.Generator().manual_seed(5)
+    counts = []
+    for step in range(4):
+        out = st.reduce(torch.randn(n, generator=g) * 10.0**-step, params)  # scale changes
+        counts.append(int((out != 0).sum()))
+    st.close()
+    assert 100 <= counts[0] <= 300 and all(c <= 400 for c in counts), counts
+    assert w.seen["gradcomp/sent_fraction"] == pytest.approx([c / n for c in counts])
+    assert len(w.seen["gradcomp/threshold"]) == 4
+    assert set(st.state_dict()["memory"]["tensors"]["tau"]) == {"w"}
+
+
+def test_a_parameter_result_does_not_depend_on_its_bucket():
+    """All parameters in one bucket, or each alone: the same result, step after step."""
+    params = layout(NAMES)
+    one = state_for(ADAPTIVE)
+    alone = state_for(ADAPTIVE)
+    g = torch.Generator().manual_seed(6)
+    for _ in range(3):
+        x = torch.randn(_numel(params), generator=g)
+        out = one.reduce(x.clone(), params)
+        for b, p in enumerate(params):
+            part = x[p.offset : p.offset + p.numel].clone()
+            got = alone.reduce(part, [ParamSlice(p.name, p.shape, 0, p.numel)], bucket=b)
+            assert torch.equal(got, out[p.offset : p.offset + p.numel]), p.name
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"max_ratio": 0}, r"invalid max_ratio=0.0: allowed a number in \(0, 1\]"),
+    ({"max_ratio": 1.5}, r"invalid max_ratio=1.5"),
+    ({"adaptive": False, "tau": 0}, r"invalid tau=0.0: allowed a finite number > 0"),
+    ({"adaptive": False, "tau": -1.0}, r"invalid tau=-1.0"),
+    ({"adaptive": False, "tau": float("inf")}, r"invalid tau=inf"),
+    ({"tau": 0.1}, r"invalid tau=0.1: allowed only with adaptive=false"),
+    ({"adaptive": False}, r"invalid adaptive=False: allowed false only with a fixed tau"),
+    ({"quantile": 1.0}, r"invalid quantile=1.0: allowed a number in \(0, 1\)"),
+    ({"quantile": 0}, r"invalid quantile=0.0"),
+    ({"ema": 1.0}, r"invalid ema=1.0: allowed a number in \[0, 1\)"),
+    ({"sample_ratio": 0.0}, r"invalid sample_ratio=0.0"),
+])
+def test_bad_options_raise_value_error_naming_the_value(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        gradcomp.build_config("threshold", **kwargs)
+
+
+def test_spec_string_options_are_typed():
+    name, cfg = gradcomp.build_config("threshold:adaptive=false,tau=1,max_ratio=0.1")
+    assert (name, cfg.adaptive, cfg.tau, cfg.max_ratio) == ("threshold", False, 1.0, 0.1)
+    assert isinstance(cfg.tau, float)
+    assert gradcomp.build_config("threshold", quantile=0.9)[1].quantile == 0.9

@@ -1,0 +1,197 @@
+"""Hierarchical topology: dense inside a node, compressed between nodes. Four gloo ranks
+stand for 2 nodes x 2 ranks (``local_size=2``); one spawn serves the module."""
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradcomp
+from gradcomp.compressors.base import ParamSlice
+from gradcomp.config import MethodConfig
+from gradcomp.hooks.topology import Shards, node_size
+from gradcomp.launch import spawn
+from test_distributed import batch, small_net
+from test_order import _record_collectives
+
+HIER = "topology=hierarchical,local_size=2"
+CONSERVE = ["topk:ratio=0.05", "onebit:chunk=64", "powersgd:rank=1", "dgc:ratio=0.02",
+            "terngrad:error_feedback=true"]
+ORDER = ["topk:ratio=0.05", "onebit:chunk=64", "powersgd:rank=1", "allreduce"]
+STEPS = 5
+
+
+def _with(spec, extra):
+    return f"{spec},{extra}" if ":" in spec else f"{spec}:{extra}"
+
+
+def _train(rank, spec, steps=STEPS, capture=False, sgd=None):
+    net = small_net()
+    model = DDP(net, bucket_cap_mb=0.004)
+    opt = torch.optim.SGD(model.parameters(), **(sgd or {"lr": 0.05}))
+    state = gradcomp.register(model, spec, optimizer=opt, min_numel=0) if spec else None
+    local = {n: torch.zeros(p.numel(), dtype=torch.float64) for n, p in net.named_parameters()}
+    avg = {n: torch.zeros_like(v) for n, v in local.items()}
+    def capture_into(n):
+        def fn(g):
+            local[n].add_(g.reshape(-1).double())
+        return fn
+    if capture:
+        for n, p in net.named_parameters():
+            p.register_hook(capture_into(n))
+    for step in range(steps):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        for n, p in net.named_parameters():
+            avg[n] += p.grad.reshape(-1).double()
+        opt.step()
+    params = [p.detach().clone() for p in net.parameters()]
+    return state, params, local, avg
+
+
+def _job(rank, world):
+    out = {"conserve": {}, "equal": {}}
+    for spec in CONSERVE:
+        state, _, local, avg = _train(rank, _with(spec, HIER), capture=True)
+        mem = state.state_dict()["memory"]["flat"]
+        out["conserve"][spec] = (local, avg, {s: {n: v.clone() for n, v in d.items()}
+                                              for s, d in mem.items()})
+    ref = _train(rank, None, sgd={"lr": 0.1, "momentum": 0.9})[1]
+    for spec in ("allreduce", "topk:ratio=1", "dgc:ratio=1,masking=false"):
+        out["equal"][spec] = (ref, _train(rank, _with(spec, HIER),
+                                          sgd={"lr": 0.1, "momentum": 0.9})[1])
+    flat, hier = (_train(rank, _with("topk:ratio=0.05", t))[0] for t in ("topology=flat", HIER))
+    out["stats"] = (flat.stats(), hier.stats())
+    sd = hier.state_dict()
+    try:
+        flat.load_state_dict(sd)
+    except ValueError as exc:
+        out["refused"] = str(exc)
+    try:
+        gradcomp.register(DDP(small_net()), "topk:topology=hierarchical,local_size=3")
+    except ValueError as exc:
+        out["bad"] = str(exc)
+    log = _record_collectives(rank)
+    out["order"] = {}
+    for spec in ORDER:
+        for d in (0, 1):
+            start = len(log)
+            state = _train(rank, _with(spec, f"{HIER},delay={d}"), steps=3)[0]
+            state.drain()
+            out["order"][(spec, d)] = log[start:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return spawn(_job, 4, timeout=900)
+
+
+@pytest.mark.parametrize("spec", CONSERVE)
+def test_error_feedback_conserves_every_gradient_per_shard(runs, spec):
+    """sum_t average_t == (1/W) sum over ranks of sum_t local gradient - (1/N) sum over nodes
+    of the node's residual (each local rank keeps its shard's pieces of it)."""
+    W, L = 4, 2
+    N = W // L
+    weights = {"residual": 1.0, "accumulation": 1.0, "server_residual": float(N)}
+    local0, avg0, _ = runs[0]["conserve"][spec]
+    for n in local0:
+        assert all(torch.allclose(r["conserve"][spec][1][n], avg0[n]) for r in runs)
+        total = sum(r["conserve"][spec][0][n] for r in runs) / W
+        left = torch.zeros_like(total)
+        for r in runs:
+            for slot, w in weights.items():
+                for name, v in r["conserve"][spec][2].get(slot, {}).items():
+                    base, _, piece = name.partition("#")
+                    if base != n:
+                        continue
+                    j, size = map(int, piece.split("/"))
+                    rows = math.prod(small_net().get_parameter(n).shape[:1]) if \
+                        small_net().get_parameter(n).dim() >= 2 else total.numel()
+                    per_row = total.numel() // rows
+                    a = (j * rows // size) * per_row
+                    left[a : a + v.numel()] += w * v.double() / N
+        torch.testing.assert_close(avg0[n], total - left, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["allreduce", "topk:ratio=1", "dgc:ratio=1,masking=false"])
+def test_degenerate_settings_equal_plain_ddp(runs, spec):
+    for r in runs:
+        ref, got = r["equal"][spec]
+        for a, b in zip(ref, got):
+            torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4)
+
+
+def test_stats_split_bytes_inside_and_between_nodes(runs):
+    flat, hier = runs[0]["stats"]
+    assert flat["intra_node_wire_bytes"] == 0 and hier["intra_node_wire_bytes"] > 0
+    # each node's 2 ranks send half the bucket each between nodes, to 1 peer instead of 3
+    assert hier["inter_node_wire_bytes"] < 0.4 * flat["inter_node_wire_bytes"]
+
+
+def test_a_checkpoint_of_another_topology_is_refused(runs):
+    assert "hierarchical with 2 ranks per node" in runs[0]["refused"]
+    assert "flat" in runs[0]["refused"]
+
+
+def test_a_node_size_that_does_not_divide_the_world_is_refused_on_every_rank(runs):
+    assert all("invalid local_size=3" in r["bad"] and "divisor of the world size 4" in r["bad"]
+               for r in runs)
+
+
+@pytest.mark.parametrize("spec", ORDER)
+@pytest.mark.parametrize("delay", [0, 1])
+def test_every_rank_issues_the_same_global_sequence(runs, spec, delay):
+    seqs = [r["order"][(spec, delay)] for r in runs]
+    # ranks of one node share the node group; every rank's sequence of (op, size) and of
+    # which of its groups is used must agree with the others'
+    def shape(seq):
+        names = {}
+        return [(names.setdefault(g, len(names)), op, n) for g, op, n in seq]
+    assert len({len(s) for s in seqs}) == 1
+    for s in seqs[1:]:
+        assert shape(s) == shape(seqs[0])
+
+
+def test_node_size_resolution():
+    cfg = MethodConfig
+    assert node_size(cfg(), 8, {"LOCAL_WORLD_SIZE": "4"}) == 4        # auto: 2 nodes of 4
+    assert node_size(cfg(), 4, {"LOCAL_WORLD_SIZE": "4"}) == 0        # auto: one node
+    assert node_size(cfg(), 8, {}) == 0                               # auto: unknown -> flat
+    assert node_size(cfg(topology="flat"), 8, {"LOCAL_WORLD_SIZE": "4"}) == 0
+    assert node_size(cfg(topology="hierarchical", local_size=2), 8, {}) == 2
+    with pytest.raises(ValueError, match="local_size=L, or torchrun's LOCAL_WORLD_SIZE"):
+        node_size(cfg(topology="hierarchical"), 8, {})
+    with pytest.raises(ValueError, match="invalid local_size=3"):
+        node_size(cfg(local_size=3), 8, {})
+    with pytest.raises(ValueError, match="invalid topology='ring'"):
+        cfg(topology="ring")
+
+
+def test_shards_cut_each_parameter_alone():
+    """A parameter's piece is the same whatever its bucket neighbours; gather/scatter are
+    inverse; the pieces tile every parameter."""
+    def layout(shapes):
+        out, off = [], 0
+        for name, shape in shapes:
+            n = math.prod(shape)
+            out.append(ParamSlice(name, shape, off, n))
+            off += n
+        return out
+    a = layout([("w", (5, 3)), ("b", (7,)), ("s", ()), ("e", (0, 4))])
+    b = layout([("x", (2, 2)), ("w", (5, 3))])
+    for L in (1, 2, 3):
+        for j in range(L):
+            pa = {p.name: (p.shape, r) for p, r in zip(Shards(a, L, j, "cpu").mine,
+                                                       Shards(a, L, j, "cpu").ranges)}
+            pb = {p.name: (p.shape, r) for p, r in zip(Shards(b, L, j, "cpu").mine,
+                                                       Shards(b, L, j, "cpu").ranges)}
+            assert pa[f"w#{j}/{L}"] == pb[f"w#{j}/{L}"]
+        sh = Shards(a, L, 0, "cpu")
+        x = torch.arange(float(sum(p.numel for p in a))) + 1
+        torch.testing.assert_close(sh.scatter(sh.gather(x)), x)
+        covered = sorted(i for j in range(L) for i in Shards(a, L, j, "cpu").gather(x)[
+            j * sh.length : (j + 1) * sh.length].tolist() if i)
+        assert covered == x.tolist()
