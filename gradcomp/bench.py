@@ -106,9 +106,9 @@ def wire_bytes(method: str, res: dict, world: int, model_name: str) -> tuple[flo
     """Bytes per step on one rank's link: measured from state.stats() for gradcomp methods,
     computed from the model for torch's hooks (second value: True when measured)."""
     hist = res.get("stats_history")
-    if hist:
+    if hist:  # what crosses between nodes (under a hierarchy the rest stays inside a node)
         tail = hist[len(hist) // 2:]
-        return statistics.mean(h["wire_bytes"] for h in tail), True
+        return statistics.mean(h.get("inter_node_wire_bytes", h["wire_bytes"]) for h in tail), True
     raw, ps = model_bytes(model_name)
     ring = 2 * (world - 1) / world
     name = method.partition(":")[0]
@@ -122,6 +122,14 @@ def wire_bytes(method: str, res: dict, world: int, model_name: str) -> tuple[flo
     return ring * raw, False
 
 
+def _ratio(stats: dict) -> float:
+    """Compression ratio: raw/sent bytes; under a hierarchy (dense bytes inside the node)
+    what a flat ring allreduce would put on the link over what crosses between nodes."""
+    if stats.get("intra_node_wire_bytes"):
+        return stats["raw_wire_bytes"] / max(stats["inter_node_wire_bytes"], 1e-9)
+    return stats["ratio"]
+
+
 def summarize(method: str, res: dict, world: int, rate_bps: float | None, warmup: int,
               model_name: str) -> dict:
     t = sorted(res["step_times"][warmup:]) or sorted(res["step_times"])
@@ -131,7 +139,9 @@ def summarize(method: str, res: dict, world: int, rate_bps: float | None, warmup
     tail = hist[len(hist) // 2:]
     row = {"method": method, "world": world, "link_bps": rate_bps, "step_s": statistics.median(t),
            "p20_s": q(0.2), "p80_s": q(0.8), "wire_bytes": wire, "bytes_measured": measured,
-           "ratio": tail[-1]["ratio"] if tail else None,
+           "ratio": _ratio(tail[-1]) if tail else None,
+           "intra_node_bytes": statistics.mean(h.get("intra_node_wire_bytes", 0.0) for h in tail)
+           if tail else 0.0,
            "codec_s": statistics.mean(h["codec_s"] for h in tail) if tail else None,
            "comm_s": statistics.mean(h["comm_s"] for h in tail) if tail else None}
     link_s = wire * 8 / rate_bps if rate_bps else 0.0

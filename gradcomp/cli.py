@@ -167,7 +167,8 @@ def cmd_ddp(args) -> int:
         cfg = TrainConfig(method=m, model=args.model, data=data_dir, synthetic=args.synthetic,
                           epochs=0, max_steps=args.steps + args.warmup, batch=args.batch,
                           eval=False, seed=args.seed, options=_delay_opts(m, args),
-                          device=args.device)
+                          device=args.device, broadcast_buffers=args.broadcast_buffers,
+                          barrier=args.barrier)
         if torchrun:
             res = _torchrun_ranks(cfg)[0]
         elif rate is None:
@@ -396,6 +397,11 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--world", default="2")
     d.add_argument("--link", default=None, help="rate(s) of a real shaped link, e.g. 100mbit,1gbit")
     d.add_argument("--latency", default=None, help="one-way delay added on the link, e.g. 50ms")
+    d.add_argument("--broadcast-buffers", action="store_true",
+                   help="DDP's default: broadcast BatchNorm buffers before every forward (a "
+                        "blocking round trip no hook can hide; off by default here)")
+    d.add_argument("--barrier", action="store_true",
+                   help="a dist.barrier() after every step, as many training loops have")
     d.add_argument("--nodes", type=int, default=None,
                    help="nodes (network namespaces with --link); world = nodes x ranks-per-node")
     d.add_argument("--ranks-per-node", type=int, default=1,

@@ -77,6 +77,7 @@ class TrainConfig:
     # DDP's per-forward broadcast of BatchNorm buffers is a blocking round trip that no comm
     # hook can hide; off, each rank keeps its own running statistics (rank 0's are evaluated).
     broadcast_buffers: bool = False
+    barrier: bool = False            # a dist.barrier() after each step, as many user loops do
     # "auto": a GPU per rank under NCCL, else the CPU; "cuda": a GPU per rank whatever the
     # backend (several gloo ranks may share one GPU); "cpu"
     device: str = "auto"
@@ -139,6 +140,8 @@ def train(rank: int, world: int, cfg: TrainConfig | dict) -> dict:
             loss.backward()
             opt.step()
             sched.step()
+            if cfg.barrier:
+                dist.barrier()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t0)
