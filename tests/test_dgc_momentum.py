@@ -17,7 +17,7 @@ from gradcomp.launch import spawn
 from test_distributed import batch, small_net
 
 STEPS = 8
-SCENARIOS = ["onecycle", "cyclic", "manual", "load_state_dict", "groups", "scaler"]
+SCENARIOS = ["onecycle", "cyclic", "manual", "load_state_dict", "groups", "scaler", "closure"]
 
 
 def _optimizer(net, scenario):
@@ -68,6 +68,13 @@ def _run(rank, scenario, spec):
             scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
+        elif scenario == "closure":  # backward inside step(): the groups are zeroed then
+            def closure():
+                opt.zero_grad()
+                out = nn.functional.cross_entropy(model(x), y)
+                out.backward()
+                return out
+            opt.step(closure)
         else:
             loss.backward()
             opt.step()

@@ -17,7 +17,8 @@ from test_order import _record_collectives
 
 HIER = "topology=hierarchical,local_size=2"
 CONSERVE = ["topk:ratio=0.05", "onebit:chunk=64", "powersgd:rank=1", "dgc:ratio=0.02",
-            "terngrad:error_feedback=true"]
+            "terngrad:error_feedback=true", "topk:ratio=0.05|odd", "onebit:chunk=64|odd",
+            "powersgd:rank=1|odd"]
 ORDER = ["topk:ratio=0.05", "onebit:chunk=64", "powersgd:rank=1", "allreduce"]
 STEPS = 5
 
@@ -26,8 +27,29 @@ def _with(spec, extra):
     return f"{spec},{extra}" if ":" in spec else f"{spec}:{extra}"
 
 
-def _train(rank, spec, steps=STEPS, capture=False, sgd=None):
-    net = small_net()
+class _Odd(nn.Module):
+    """Odd row counts (63, 7: shards of unequal length) and a 1-row parameter (its second
+    piece is empty)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(20, 63), nn.Linear(63, 7), nn.Linear(7, 10)
+        self.gate = nn.Parameter(torch.linspace(0.5, 1.5, 7).reshape(1, 7))
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.relu(self.a(x)))) * self.gate)
+
+
+def odd_net():
+    torch.manual_seed(0)
+    return _Odd()
+
+
+NETS = {"small": small_net, "odd": odd_net}
+
+
+def _train(rank, spec, steps=STEPS, capture=False, sgd=None, net_fn=small_net):
+    net = net_fn()
     model = DDP(net, bucket_cap_mb=0.004)
     opt = torch.optim.SGD(model.parameters(), **(sgd or {"lr": 0.05}))
     state = gradcomp.register(model, spec, optimizer=opt, min_numel=0) if spec else None
@@ -53,10 +75,12 @@ def _train(rank, spec, steps=STEPS, capture=False, sgd=None):
 
 def _job(rank, world):
     out = {"conserve": {}, "equal": {}}
-    for spec in CONSERVE:
-        state, _, local, avg = _train(rank, _with(spec, HIER), capture=True)
+    for key in CONSERVE:
+        spec, _, net = key.partition("|")
+        state, _, local, avg = _train(rank, _with(spec, HIER), capture=True,
+                                      net_fn=NETS[net or "small"])
         mem = state.state_dict()["memory"]["flat"]
-        out["conserve"][spec] = (local, avg, {s: {n: v.clone() for n, v in d.items()}
+        out["conserve"][key] = (local, avg, {s: {n: v.clone() for n, v in d.items()}
                                               for s, d in mem.items()})
     ref = _train(rank, None, sgd={"lr": 0.1, "momentum": 0.9})[1]
     for spec in ("allreduce", "topk:ratio=1", "dgc:ratio=1,masking=false"):
@@ -97,6 +121,7 @@ def test_error_feedback_conserves_every_gradient_per_shard(runs, spec):
     N = W // L
     weights = {"residual": 1.0, "accumulation": 1.0, "server_residual": float(N)}
     local0, avg0, _ = runs[0]["conserve"][spec]
+    net = NETS[spec.partition("|")[2] or "small"]()
     for n in local0:
         assert all(torch.allclose(r["conserve"][spec][1][n], avg0[n]) for r in runs)
         total = sum(r["conserve"][spec][0][n] for r in runs) / W
@@ -108,8 +133,8 @@ def test_error_feedback_conserves_every_gradient_per_shard(runs, spec):
                     if base != n:
                         continue
                     j, size = map(int, piece.split("/"))
-                    rows = math.prod(small_net().get_parameter(n).shape[:1]) if \
-                        small_net().get_parameter(n).dim() >= 2 else total.numel()
+                    rows = net.get_parameter(n).shape[0] if net.get_parameter(n).dim() >= 2 \
+                        else total.numel()
                     per_row = total.numel() // rows
                     a = (j * rows // size) * per_row
                     left[a : a + v.numel()] += w * v.double() / N

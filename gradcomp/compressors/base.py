@@ -114,6 +114,12 @@ class Compressor(ABC):
     def unbind(self) -> None:
         """Detach what :meth:`bind` attached (the state is closing)."""
 
+    def reads_params(self, live) -> bool:
+        """Whether :meth:`reduce` reads ``ctx.param_values()`` (with delayed averaging the
+        state then hands it a copy taken at submit: the optimizer updates the parameters
+        while the exchange runs)."""
+        return False
+
     def live(self, names):
         """Values the method reads from the job at each step, taken when a bucket holding the
         parameters ``names`` is submitted, on the caller's thread (so the exchange never

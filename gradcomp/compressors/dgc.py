@@ -97,8 +97,10 @@ class OptimizerMomentum:
 
     def __init__(self, optimizer: torch.optim.Optimizer, names: dict[int, str], fixed: bool):
         self.optimizer, self.fixed = optimizer, fixed
-        self._group_of = {names[id(p)]: i for i, g in enumerate(optimizer.param_groups)
-                          for p in g["params"] if id(p) in names}
+        # a parameter the optimizer does not hold is never updated: nothing to apply (-1)
+        self._group_of = {n: -1 for n in names.values()}
+        self._group_of.update({names[id(p)]: i for i, g in enumerate(optimizer.param_groups)
+                               for p in g["params"] if id(p) in names})
         self._saved: list[dict] | None = None  # the user's values while step() runs
         self._layouts: dict[tuple, list[int]] = {}
         old = getattr(optimizer, "_gradcomp_momentum_hooks", None)
@@ -114,14 +116,18 @@ class OptimizerMomentum:
             h.remove()
 
     def _groups(self) -> list[tuple]:
-        self._restore()  # a step() that raised never ran its post-hook
+        """The user's values per group (+ a last entry, nothing, for parameters the optimizer
+        does not hold). Inside step() (a closure's backward) and after a step() that raised
+        (its post-hook never ran) the groups are zeroed: the user's values are the saved ones."""
+        if self._saved is not None:
+            return [tuple(s[k] for k in _KEYS) for s in self._saved] + [(0.0, False, 0.0)]
         out = []
         for g in self.optimizer.param_groups:
             legacy = g.pop("gradcomp_moved", None)  # optimizer checkpoints of gradcomp <= 0.1
             if legacy and not any(g.get(k) for k in _KEYS):
                 g.update(legacy)
             out.append(tuple(g.get(k, _OFF[k]) for k in _KEYS))
-        return out
+        return out + [(0.0, False, 0.0)]
 
     def values(self, names) -> tuple | None:
         """(momentum, nesterov, weight_decay) for the parameters ``names`` at this step: one
@@ -138,7 +144,8 @@ class OptimizerMomentum:
         return tuple(list(col) for col in zip(*(groups[i] for i in idx)))
 
     def _pre(self, optimizer, args, kwargs) -> None:
-        groups = self._groups()
+        self._restore()  # a step() that raised never ran its post-hook
+        groups = self._groups()[:-1]
         if self.fixed:
             bad = [(i, dict(zip(_KEYS, v))) for i, v in enumerate(groups) if any(v)]
             if bad:
@@ -219,6 +226,12 @@ class DGC(Compressor):
 
     def __getstate__(self):
         return {**self.__dict__, "source": None}  # the optimizer stays with the process
+
+    def reads_params(self, live) -> bool:
+        if live is None:
+            return bool(self.config.weight_decay)
+        wd = live[2]
+        return any(wd) if isinstance(wd, list) else bool(wd)
 
     def live(self, names):
         return self.source.values(names) if self.source is not None else None

@@ -217,28 +217,34 @@ class GradcompState(Guard, Delayed, Telemetry, Checkpoint):
             shards = self._shards(params, lane.intra.rank, buf.device)
             ctx = _Ctx(self, lane.inter, bucket, shards.mine, shards.pieces(param_tensors),
                        buf.device, step, shards.live(live))
-            L = lane.intra.world_size
+            L, real = lane.intra.world_size, shards.real
 
             def run(y, method):
                 node = lane.intra.reduce_scatter(shards.gather(y)).div_(L)
-                return shards.scatter(lane.intra.allgather(method(node, ctx)).reshape(-1))
+                if real:  # the method sees this rank's pieces, not the shard's padding; ranks
+                    # of one local index hold the same pieces, so they agree on skipping
+                    node[:real] = method(node[:real], ctx)
+                node[real:] = 0
+                return shards.scatter(lane.intra.allgather(node).reshape(-1))
         else:
             ctx = _Ctx(self, lane.comm, bucket, params, param_tensors, buf.device, step, live)
 
             def run(y, method):
                 return method(y, ctx)
-        if step < self.config.dense_steps:  # warm-up: uncompressed, memory untouched
-            out = run(x, self.compressor.dense)
-        elif self.compressor.stateless:
+        if self.compressor.stateless:
             out = run(x, self.compressor.reduce)
         else:
             slot = self.compressor.residual_slot if ctx.details and self.config.error_feedback else None
+            if step < self.config.dense_steps:
+                slot = None
             if slot and lane.inter is None:  # (not measured per shard)
                 names = [p.name for p in params]
                 owed = _sq_norm(x, params, self.memory.peek(slot, names))
             else:
                 slot = None
-            out = self._guarded(x, ctx, lane.comm, lambda y: run(y, self.compressor.reduce))
+            # warm-up: uncompressed (DGC's dense step still moves its velocity: guarded too)
+            method = self.compressor.dense if step < self.config.dense_steps else self.compressor.reduce
+            out = self._guarded(x, ctx, lane.comm, lambda y: run(y, method))
             if slot and self._skipped != step:
                 kept = _sq_norm(None, params, self.memory.peek(slot, names))
                 self._log_ratio(step, "residual_energy", kept, owed)
@@ -287,10 +293,6 @@ class GradcompState(Guard, Delayed, Telemetry, Checkpoint):
         step = self._begin(bucket)
         scale = self._scale()
         live = self.compressor.live(names)
-        event = None
-        if buf.is_cuda:
-            event = torch.cuda.Event()
-            event.record()
         lane = self._lanes[bucket % len(self._lanes)]
         D = self.config.delay
         layout = tuple(names)
@@ -301,29 +303,44 @@ class GradcompState(Guard, Delayed, Telemetry, Checkpoint):
             # earlier steps': this step's may wait for this very bucket's turn.
             self.drain(before=step)
         self._layouts[bucket] = layout
-        rnd = self._seq.open(bucket, last)
         if self.trace is not None:
             now = time.perf_counter()
             self.trace.append(("submit", bucket, now, now))
+        devices = [buf.device] if buf.is_cuda else None
         if D == 0:
-            fut = torch.futures.Future(devices=[buf.device] if buf.is_cuda else None)
-            self._put(lane, (bucket, buf, slices, list(params), step, scale, live, event, fut,
-                             False, rnd))
+            fut = torch.futures.Future(devices=devices)
+            self._enqueue(lane, bucket, last, (bucket, buf, slices, list(params), step, scale, live),
+                          fut, False)
             return fut
         # Delayed averaging: exchange a copy in the background, apply the local gradient now
-        # plus the correction (average - local) of step - D.
+        # plus the correction (average - local) of step - D. The copy, and the parameters
+        # where the method reads them (DGC's weight decay), are taken now: the optimizer
+        # updates the parameters while the exchange runs.
         for name, p in zip(names, params):
             self._params[name] = p
-        job = torch.futures.Future()
-        self._put(lane, (bucket, buf.clone(), slices, list(params), step, None, live, event, job,
-                         True, rnd))
+        tensors = list(params)
+        if self.compressor.reads_params(live):
+            tensors = [p.detach().clone() for p in params]
+        job = torch.futures.Future(devices=devices)  # its wait orders after the lane's stream
+        self._enqueue(lane, bucket, last, (bucket, buf.clone(), slices, tensors, step, None, live),
+                      job, True)
         self._pending.append(_Pending(step, slices, job))
         corr = self._take(step - D, slices, buf)
         if corr is not None:
             buf.add_(corr)
-        fut = torch.futures.Future(devices=[buf.device] if buf.is_cuda else None)
+        fut = torch.futures.Future(devices=devices)
         fut.set_result(buf)
         return fut
+
+    def _enqueue(self, lane, bucket, last, work, fut, delayed) -> None:
+        """Open the exchange's place in the order and queue it, after everything it reads was
+        enqueued on this stream (the ready event is recorded last)."""
+        event = None
+        if work[1].is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        rnd = self._seq.open(bucket, last)
+        self._put(lane, (*work, event, fut, delayed, rnd))
 
     def _scale(self):
         """The loss scale the current gradients carry (a copy: the scaler updates it in place

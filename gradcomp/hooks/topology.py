@@ -78,6 +78,7 @@ class Shards:
         self.index = index.reshape(-1).to(device)
         self.numel = n
         self.mine, self.owner, self.ranges, off = [], [], [], 0
+
         for i, a, b in cuts[local]:
             p = params[i]
             shape = (b - a,) if len(p.shape) < 2 else ((b - a) // (p.numel // p.shape[0]), *p.shape[1:])
@@ -85,6 +86,7 @@ class Shards:
             self.owner.append(i)
             self.ranges.append((a, b))
             off += b - a
+        self.real = off  # this rank's elements; the shard is padded to ``length``
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """The bucket x in shard-major order (L * length,), padding zero."""
