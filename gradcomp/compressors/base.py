@@ -137,6 +137,15 @@ class Compressor(ABC):
         """Plain fp32 allreduce average: small buckets and degenerate settings."""
         return ctx.comm.allreduce(x).div_(ctx.comm.world_size)
 
+    def add_residual(self, x: torch.Tensor, ctx: BucketContext) -> torch.Tensor | None:
+        """Error feedback's input: x += this rank's residual (memory slot ``residual``);
+        returns the residual buffer, None with ``error_feedback`` off."""
+        if not self.config.error_feedback:
+            return None
+        e = ctx.memory("residual")
+        x.add_(e)
+        return e
+
     def split(self, params) -> tuple[list[ParamSlice], list[ParamSlice]]:
         """(compressed, sent dense): parameters below ``min_numel`` elements go uncompressed."""
         big = [p for p in params if p.size >= self.config.min_numel]

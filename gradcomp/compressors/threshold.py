@@ -137,9 +137,7 @@ class Threshold(Compressor):
         if not big:
             return self.dense(x, ctx)
         cfg = self.config
-        if cfg.error_feedback:
-            e = ctx.memory("residual")
-            x.add_(e)
+        e = self.add_residual(x, ctx)
         fixed = None if cfg.adaptive else torch.full((), cfg.tau, dtype=torch.float32, device=x.device)
         codes, taus, caps = [], [], []
         for p in big:
@@ -166,7 +164,7 @@ class Threshold(Compressor):
             ctx.log("sent_fraction", (codes != 0).sum() / sum(p.numel for p in big))
         owner = _owner(tuple(caps), x.device)  # each code slot's parameter: its sender's tau
         pos = codes.abs().sub_(1).clamp_(min=0).long()
-        if cfg.error_feedback:
+        if e is not None:
             e.copy_(x).index_put_((pos,), -torch.sign(codes).float() * taus[owner], accumulate=True)
             zero_dense(e, dense)
         K, P = codes.numel(), len(big)

@@ -113,11 +113,9 @@ class TopK(Compressor):
         if not big:
             return self.dense(x, ctx)
         cfg = self.config
-        if cfg.error_feedback:
-            e = ctx.memory("residual")
-            x.add_(e)
+        e = self.add_residual(x, ctx)
         vals, idx = select(x, big, ctx, cfg.ratio, cfg.sample_ratio)
-        if cfg.error_feedback:
+        if e is not None:
             e.copy_(x).index_put_((idx.long(),), -vals, accumulate=True)
             zero_dense(e, dense)
         return exchange_sparse(vals, idx, x, dense, ctx)
