@@ -34,7 +34,6 @@ Accuracy is asserted only far from noise: every method learns (> 3x chance).
 """
 import pytest
 
-from gradcomp import data
 from gradcomp.launch import spawn
 from gradcomp.train import train
 
@@ -65,9 +64,7 @@ def _results(rank, world, specs):
 
 
 @pytest.fixture(scope="module")
-def res():
-    if data.resolve(None) is None:
-        pytest.skip("needs ../shared CIFAR-10 data")
+def res(cifar):
     specs = ["allreduce", *METHODS.values()]
     for a, b in ABLATIONS.values():
         specs += [s for s in (a, b) if s not in specs]

@@ -6,7 +6,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
-from gradcomp import data
 from gradcomp.launch import spawn
 from gradcomp.train import train
 from test_distributed import _train_pair, batch, small_net
@@ -65,8 +64,7 @@ def _train_delays(rank, world, specs):
             for s in specs}
 
 
-@pytest.mark.skipif(data.resolve(None) is None, reason="needs ../shared CIFAR-10 data")
-def test_training_with_delay_lowers_the_loss():
+def test_training_with_delay_lowers_the_loss(cifar):
     got = spawn(_train_delays, 2, args=(["allreduce|1", "allreduce|2", "onebit|2"],), timeout=600)[0]
     for s, ls in got.items():
         first, last = sum(ls[:6]) / 6, sum(ls[-6:]) / 6

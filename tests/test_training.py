@@ -1,8 +1,6 @@
 """A short real training run (2 ranks, CIFAR-10 subset, small ResNet) with every method
 lowers the loss. One spawn runs all methods in turn to pay process start-up once."""
-import pytest
 
-from gradcomp import data
 from gradcomp.launch import spawn
 from gradcomp.train import train
 
@@ -15,8 +13,7 @@ def _run_all(rank, world, methods):
             for m in methods}
 
 
-@pytest.mark.skipif(data.resolve(None) is None, reason="needs ../shared CIFAR-10 data")
-def test_every_method_lowers_the_loss():
+def test_every_method_lowers_the_loss(cifar):
     losses = spawn(_run_all, 2, args=(METHODS,), timeout=600)[0]
     for m, ls in losses.items():
         first, last = sum(ls[:6]) / 6, sum(ls[-6:]) / 6
