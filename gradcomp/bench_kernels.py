@@ -31,11 +31,12 @@ import torch
 
 from . import kernels
 from .compressors.topk import CAPACITY_FACTOR, TARGET_FACTOR, sparse_select
+from .compressors.onebit import OneBitConfig
 from .kernels import reference
 
 MIN_REPEATS = 3
 MAX_SECONDS = 2.0      # per measurement, once MIN_REPEATS are in
-CHUNK = 1024           # OneBitConfig's default
+CHUNK = OneBitConfig().chunk  # the default the method runs with (256)
 W = 4                  # messages decoded per decompress / scattered per scatter_add
 TOPK_RATIO = 0.01      # TopKConfig's default
 DGC_RATIO = 0.001      # DGCConfig's default
