@@ -62,23 +62,20 @@ def test_compression_really_changes_the_update():
     assert any(not torch.allclose(a, b, atol=1e-4) for a, b in zip(ref, got))
 
 
-def _conservation(rank, world, spec, steps):
-    """Through DDP (buckets rebuilt after step 1): per parameter, return the local gradients'
-    sum, the averaged results' sum and what is left in memory."""
-    net = small_net()
-    model = DDP(net, bucket_cap_mb=0.004)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    state = gradcomp.register(model, spec, optimizer=opt, min_numel=0)
-    names = dict((id(p), n) for n, p in net.named_parameters())
+def train_capturing(rank, model, net, opt, steps, capture=True):
+    """Train ``steps`` steps; return per parameter (float64, flat) the sum of this rank's
+    local gradients (before communication; zeros unless ``capture``) and of the averaged
+    gradients the optimizer applied."""
     local = {n: torch.zeros(p.numel(), dtype=torch.float64) for n, p in net.named_parameters()}
     avg = {n: torch.zeros_like(v) for n, v in local.items()}
 
-    def capture(name):
+    def capture_into(name):
         def fn(g):
             local[name].add_(g.reshape(-1).double())
         return fn
-    for p in net.parameters():
-        p.register_hook(capture(names[id(p)]))
+    if capture:
+        for n, p in net.named_parameters():
+            p.register_hook(capture_into(n))
     for step in range(steps):
         x, y = batch(rank, step)
         opt.zero_grad()
@@ -86,6 +83,17 @@ def _conservation(rank, world, spec, steps):
         for n, p in net.named_parameters():
             avg[n] += p.grad.reshape(-1).double()
         opt.step()
+    return local, avg
+
+
+def _conservation(rank, world, spec, steps):
+    """Through DDP (buckets rebuilt after step 1): per parameter, return the local gradients'
+    sum, the averaged results' sum and what is left in memory."""
+    net = small_net()
+    model = DDP(net, bucket_cap_mb=0.004)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    state = gradcomp.register(model, spec, optimizer=opt, min_numel=0)
+    local, avg = train_capturing(rank, model, net, opt, steps)
     mem = state.state_dict()["memory"]["flat"]
     weights = {"residual": 1.0, "accumulation": 1.0, "server_residual": float(world)}
     left = {n: sum(w * mem[s][n].double() for s, w in weights.items() if s in mem)

@@ -12,7 +12,7 @@ from gradcomp.compressors.base import ParamSlice
 from gradcomp.config import MethodConfig
 from gradcomp.hooks.topology import Shards, node_size
 from gradcomp.launch import spawn
-from test_distributed import batch, small_net
+from test_distributed import small_net, train_capturing
 from test_order import _record_collectives
 
 HIER = "topology=hierarchical,local_size=2"
@@ -53,22 +53,7 @@ def _train(rank, spec, steps=STEPS, capture=False, sgd=None, net_fn=small_net):
     model = DDP(net, bucket_cap_mb=0.004)
     opt = torch.optim.SGD(model.parameters(), **(sgd or {"lr": 0.05}))
     state = gradcomp.register(model, spec, optimizer=opt, min_numel=0) if spec else None
-    local = {n: torch.zeros(p.numel(), dtype=torch.float64) for n, p in net.named_parameters()}
-    avg = {n: torch.zeros_like(v) for n, v in local.items()}
-    def capture_into(n):
-        def fn(g):
-            local[n].add_(g.reshape(-1).double())
-        return fn
-    if capture:
-        for n, p in net.named_parameters():
-            p.register_hook(capture_into(n))
-    for step in range(steps):
-        x, y = batch(rank, step)
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        for n, p in net.named_parameters():
-            avg[n] += p.grad.reshape(-1).double()
-        opt.step()
+    local, avg = train_capturing(rank, model, net, opt, steps, capture)
     params = [p.detach().clone() for p in net.parameters()]
     return state, params, local, avg
 

@@ -27,7 +27,6 @@ class Checkpoint:
                 "step": self.step, "memory": self.memory.state_dict(), "pending": pending}
 
     def load_state_dict(self, sd: dict) -> None:
-        # options added since a checkpoint was written take their defaults
         # options added since a checkpoint was written take their defaults; the topology is
         # compared as resolved (ranks per node), below
         saved = {**type(self.config)().to_dict(), **sd.get("config", {})}

@@ -32,13 +32,19 @@ def parse_spec(spec: str) -> tuple[str, dict]:
     return name, opts
 
 
-def build_config(method: str, **options):
-    """The validated config of ``method`` (a name or spec string) with ``options``."""
+def merge_options(method: str, options: dict) -> tuple[str, dict]:
+    """(name, the spec's options + ``options``); an option given in both is an error."""
     name, opts = parse_spec(method)
     clash = sorted(set(opts) & set(options))
     if clash:
         raise ValueError(f"option(s) {', '.join(clash)} given both in {method!r} and as arguments")
-    return name, METHODS[name].config.from_dict({**opts, **options})
+    return name, {**opts, **options}
+
+
+def build_config(method: str, **options):
+    """The validated config of ``method`` (a name or spec string) with ``options``."""
+    name, opts = merge_options(method, options)
+    return name, METHODS[name].config.from_dict(opts)
 
 
 def methods() -> list[dict]:
@@ -126,13 +132,9 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
 
 
 def _build_state(model, method, optimizer, group, options) -> GradcompState:
-    name, spec_opts = parse_spec(method)
-    clash = sorted(set(spec_opts) & set(options))
-    if clash:
-        raise ValueError(f"option(s) {', '.join(clash)} given both in {method!r} and as arguments")
+    name, options = merge_options(method, options)
     # what the method needs from the optimizer (DGC: its momentum) is the method's business
-    options = METHODS[name].compressor.prepare({**spec_opts, **options}, optimizer)
-    name, config = build_config(name, **options)
+    config = METHODS[name].config.from_dict(METHODS[name].compressor.prepare(options, optimizer))
     names, numels = {}, {}
     for pname, p in model.module.named_parameters():
         if not p.requires_grad:

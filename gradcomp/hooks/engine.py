@@ -35,9 +35,6 @@ import torch
 
 from ..comm import Comm
 
-INF = float("inf")
-
-
 class Sequencer:
     """Turns for collectives, in key order, identical on every rank (see module doc).
 
@@ -50,7 +47,7 @@ class Sequencer:
     def __init__(self, lanes: int):
         self.lanes = lanes
         self._cv = threading.Condition()
-        self._next: dict[tuple[int, int], int | float] = {}  # (round, bucket) -> next phase
+        self._next: dict[tuple[int, int], int] = {}  # open (round, bucket) -> next phase
         self._round = 0
         self._submitted = -1     # highest bucket submitted in the current round
         self._last_seen = False  # the current round's last bucket was submitted
@@ -102,15 +99,12 @@ class Sequencer:
 
 
 class Ticket:
-    """One exchange's place in the order: every collective its Comm issues takes the next
-    phase's turn. ``rider``: a tensor all-reduced (MAX) in the same turn as the first
-    collective (the inf/NaN flag), so it costs no turn and no round trip of its own."""
+    """One exchange's place in the order: every collective its lane's comms issue takes the
+    next phase's turn (the inf/NaN flag rides in the first one's: comm.Rider)."""
 
     def __init__(self, seq: Sequencer, rnd: int, bucket: int, timeout: float | None):
         self.seq, self.rnd, self.bucket, self.timeout = seq, rnd, bucket, timeout
         self.phase = 0
-        self.rider: torch.Tensor | None = None
-        self.rider_work = None
 
     @contextmanager
     def turn(self):

@@ -66,19 +66,19 @@ class _Ctx:
         self.comm, self.step, self.device, self.live = comm, step, device, live
         self.logging = state._writer is not None
         self.details = self.logging and state._details
-        self._tensors, self._device = param_tensors, device
+        self._tensors = param_tensors
 
     def memory(self, slot):
         return self.state.memory.flat(slot, self.bucket, [p.name for p in self.params],
-                                      [p.numel for p in self.params], self._device)
+                                      [p.numel for p in self.params], self.device)
 
     def tensor(self, slot, name, init):
         return self.state.memory.tensor(slot, name, init)
 
     def segment_ids(self):
         return torch.repeat_interleave(
-            torch.arange(len(self.params), device=self._device),
-            torch.tensor([p.numel for p in self.params], device=self._device))
+            torch.arange(len(self.params), device=self.device),
+            torch.tensor([p.numel for p in self.params], device=self.device))
 
     def param_values(self):
         if self._tensors is None:
@@ -234,16 +234,15 @@ class GradcompState(Guard, Delayed, Telemetry, Checkpoint):
         if self.compressor.stateless:
             out = run(x, self.compressor.reduce)
         else:
-            slot = self.compressor.residual_slot if ctx.details and self.config.error_feedback else None
-            if step < self.config.dense_steps:
-                slot = None
-            if slot and lane.inter is None:  # (not measured per shard)
+            dense = step < self.config.dense_steps
+            # the residual diagnostic: compressed steps, flat topology (not measured per shard)
+            slot = (self.compressor.residual_slot if ctx.details and self.config.error_feedback
+                    and not dense and lane.inter is None else None)
+            if slot:
                 names = [p.name for p in params]
                 owed = _sq_norm(x, params, self.memory.peek(slot, names))
-            else:
-                slot = None
             # warm-up: uncompressed (DGC's dense step still moves its velocity: guarded too)
-            method = self.compressor.dense if step < self.config.dense_steps else self.compressor.reduce
+            method = self.compressor.dense if dense else self.compressor.reduce
             out = self._guarded(x, ctx, lane.comm, lambda y: run(y, method))
             if slot and self._skipped != step:
                 kept = _sq_norm(None, params, self.memory.peek(slot, names))
@@ -392,14 +391,14 @@ class GradcompState(Guard, Delayed, Telemetry, Checkpoint):
                     lane.set_ticket(ticket)
                     with torch.profiler.record_function(f"gradcomp.{self.method}.bucket{bucket}"):
                         out = self._reduce(lane, buf, slices, bucket, params, step, scale, live)
-                    ticket.close()
+                    ticket.close()  # as soon as it issues no more (again in finally: a no-op)
                     if self.trace is not None:
                         self.trace.append(("exchange", bucket, t0, time.perf_counter()))
                     # on CUDA the future records the lane stream's work: DDP's wait orders after it
                     fut.set_result(out.sub_(local) if delayed else out)
             except BaseException as exc:  # noqa: BLE001  (handed to DDP, which re-raises)
-                ticket.close()
                 self._error = exc
                 fut.set_exception(exc)
             finally:
+                ticket.close()
                 lane.set_ticket(None)
