@@ -1,14 +1,22 @@
 """How many aten ops one bucket's exchange costs, per method (the codec issue's measure).
 
 Every op ``GradcompState.reduce`` dispatches for one bucket at world size 1 is counted with
-a TorchDispatchMode (on a GPU each is at least one kernel launch). Layouts: DDP's 25 MB
+a TorchDispatchMode: all of them ("ops"), and those that do work ("kernel ops": on a GPU
+each is at least one kernel launch; views, ``detach`` and ``lift_fresh`` only make a new
+tensor header and are left out). ``launches`` counts what a GPU would launch: the exchange
+runs the Triton kernels (``GRADCOMP_KERNELS=triton``; on a CPU under ``TRITON_INTERPRET=1``),
+each Triton launch counts 1 and the aten ops around them count as kernel ops. The CPU path's
+kernel ops also include its cache blocking (:mod:`gradcomp.kernels.cpu` runs each step over
+blocks of 2^18 elements), which grows with the bucket's size, not its tensor count. Layouts: DDP's 25 MB
 buckets of ResNet-18 and of GPT-2 small's parameter shapes, and 1M elements cut into 16 or
 160 tensors (the issue's check that the count does not grow with the tensor count). A warm
 step runs first, so memory creation is not counted.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -21,13 +29,20 @@ SPECS = ("allreduce", "topk", "dgc", "onebit", "terngrad", "powersgd", "threshol
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
 
 
+_HEADER_ONLY = {"detach", "lift_fresh", "alias"}
+
+
 class _Count(TorchDispatchMode):
     def __init__(self):
         super().__init__()
-        self.n = 0
+        self.n = self.kernels = 0
+        self.inside = False  # in a Triton launch: the interpreter's own copies do not count
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
+        if not self.inside:
+            self.n += 1
+            if not func.is_view and func.overloadpacket.__name__ not in _HEADER_ONLY:
+                self.kernels += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -67,21 +82,64 @@ def buckets(shapes, cap_bytes: int = BUCKET_BYTES) -> list[list[ParamSlice]]:
     return out + ([cur] if cur else [])
 
 
-def count(spec: str, layout: list[ParamSlice], seed: int = 0) -> int:
-    """aten ops of one warm exchange of the bucket ``layout`` (world size 1)."""
+@contextlib.contextmanager
+def _triton_launches(mode):
+    """Route the exchange through the Triton kernels and count their launches into mode.n
+    and mode.kernels (each launch is one op that does work)."""
+    import triton.runtime.interpreter as interp
+    import triton.runtime.jit as jit
+    patched = []
+    for cls in (jit.JITFunction, interp.InterpretedFunction):
+        run = cls.run
+
+        def counted(self, *args, _run=run, **kwargs):
+            if mode.inside:  # a kernel launched from inside another (none here) counts once
+                return _run(self, *args, **kwargs)
+            mode.n += 1
+            mode.kernels += 1
+            mode.inside = True
+            try:
+                return _run(self, *args, **kwargs)
+            finally:
+                mode.inside = False
+        cls.run = counted
+        patched.append((cls, run))
+    old = os.environ.get("GRADCOMP_KERNELS")
+    os.environ["GRADCOMP_KERNELS"] = "triton"
+    try:
+        yield
+    finally:
+        for cls, run in patched:
+            cls.run = run
+        if old is None:
+            os.environ.pop("GRADCOMP_KERNELS")
+        else:
+            os.environ["GRADCOMP_KERNELS"] = old
+
+
+def count(spec: str, layout: list[ParamSlice], seed: int = 0, kernels: bool = False,
+          launches: bool = False) -> int:
+    """aten ops of one warm exchange of the bucket ``layout`` (world size 1); with
+    ``kernels``, only those that do work (no views); with ``launches``, the GPU's launches
+    (Triton kernels and the aten ops around them; needs Triton, and ``TRITON_INTERPRET=1``
+    set before Triton is imported where there is no GPU)."""
     name, cfg = build_config(spec)
     state = GradcompState(name, cfg)
     n = sum(p.numel for p in layout)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, generator=g)
-    state.reduce(x.clone(), layout)  # warm: memory created
     mode = _Count()
-    with mode:
-        state.reduce(x.clone(), layout)
-    return mode.n
+    with _triton_launches(mode) if launches else contextlib.nullcontext():
+        state.reduce(x.clone(), layout)  # warm: memory created (and kernels compiled)
+        mode.n = mode.kernels = 0
+        with mode:
+            state.reduce(x.clone(), layout)
+    return mode.kernels if kernels or launches else mode.n
 
 
-def run(specs=SPECS) -> list[dict]:
+def run(specs=SPECS, launch: bool = True) -> list[dict]:
+    """One row per (method, layout). ``launch``: also count the GPU launches (Triton must be
+    importable; without a GPU, set ``TRITON_INTERPRET=1`` before importing it)."""
     layouts = {"16 tensors, 1M": [buckets(even_shapes(2**20, 16), 2**40)[0]],
                "160 tensors, 1M": [buckets(even_shapes(2**20, 160), 2**40)[0]],
                "resnet18": buckets(resnet18_shapes()),
@@ -90,7 +148,11 @@ def run(specs=SPECS) -> list[dict]:
     for spec in specs:
         for key, bs in layouts.items():
             ops = [count(spec, b) for b in bs]
+            work = [count(spec, b, kernels=True) for b in bs]
+            gpu = [count(spec, b, launches=True) for b in bs] if launch else [0]
             rows.append({"method": spec, "layout": key, "buckets": len(bs),
                          "tensors": sum(len(b) for b in bs), "ops_per_step": sum(ops),
-                         "max_ops_per_bucket": max(ops)})
+                         "max_ops_per_bucket": max(ops), "kernel_ops_per_step": sum(work),
+                         "max_kernel_ops_per_bucket": max(work),
+                         "max_launches_per_bucket": max(gpu) if launch else None})
     return rows

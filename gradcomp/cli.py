@@ -356,12 +356,22 @@ def cmd_overlap(args) -> int:
 
 # --------------------------------------------------------------------------- kernels
 def cmd_kernels(args) -> int:
-    if args.ops:  # aten ops per bucket exchange: no timing, no Triton needed
+    if args.ops:  # aten ops per bucket exchange: no timing; GPU launches where Triton is
         from . import bench_ops, report
-        rows = bench_ops.run()
+        if not torch.cuda.is_available():  # the Triton kernels run interpreted on the CPU
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        try:
+            import triton  # noqa: F401
+            launch = True
+        except ImportError:
+            launch = False
+        rows = bench_ops.run(launch=launch)
         cols = [("method", "method", ""), ("layout", "layout", ""), ("buckets", "buckets", "d"),
                 ("tensors", "tensors", "d"), ("ops_per_step", "ops/step", "d"),
-                ("max_ops_per_bucket", "max ops/bucket", "d")]
+                ("max_ops_per_bucket", "max ops/bucket", "d"),
+                ("max_kernel_ops_per_bucket", "max kernel ops/bucket", "d")]
+        if launch:
+            cols.append(("max_launches_per_bucket", "max GPU launches/bucket", "d"))
         print(report.table(rows, cols))
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1))

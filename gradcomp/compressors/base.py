@@ -14,6 +14,7 @@ step than the uninterrupted job did; this rule is what makes the resumed job bit
 """
 from __future__ import annotations
 
+import functools
 import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -152,11 +153,23 @@ class Compressor(ABC):
         return big, [p for p in params if p.size < self.config.min_numel]
 
 
+@functools.lru_cache(maxsize=256)
+def positions(layout: tuple, device) -> torch.Tensor:
+    """int64 positions in the bucket of the elements of ``layout`` ((offset, numel) pairs),
+    laid end to end: one gather or scatter moves them all (cached per layout)."""
+    idx = [torch.arange(off, off + n, dtype=torch.int64) for off, n in layout]
+    return (torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64)).to(device)
+
+
+def _positions(params, device) -> torch.Tensor:
+    return positions(tuple((p.offset, p.numel) for p in params), torch.device(device))
+
+
 def dense_values(x: torch.Tensor, params) -> torch.Tensor:
     """The elements of ``params`` in x, laid end to end (to ride along in a message)."""
     if not params:
         return x.new_zeros(0)
-    return torch.cat([x[p.offset : p.offset + p.numel] for p in params])
+    return x.index_select(0, _positions(params, x.device))
 
 
 def put_dense(rows: torch.Tensor, params, out: torch.Tensor) -> None:
@@ -168,12 +181,15 @@ def put_dense(rows: torch.Tensor, params, out: torch.Tensor) -> None:
         return
     rows = rows.contiguous().view(torch.float32)
     total = rows[0].clone()
-    for r in rows[1:]:
+    for r in rows[1:]:  # a loop over ranks, in rank order (not over parameters)
         total += r
-    off = 0
-    for p in params:
-        torch.div(total[off : off + p.numel], rows.shape[0], out=out[p.offset : p.offset + p.numel])
-        off += p.numel
+    out.index_copy_(0, _positions(params, out.device), total.div_(rows.shape[0]))
+
+
+def zero_dense(e: torch.Tensor, params) -> None:
+    """Parameters sent exactly keep no error: zero their elements of the memory e."""
+    if params:
+        e.index_fill_(0, _positions(params, e.device), 0.0)
 
 
 @dataclass(frozen=True)

@@ -36,14 +36,15 @@ averaged whole: momentum SGD, with its momentum in one place.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 
 from ..config import MethodConfig, check
-from .base import Compressor, register_method
-from .topk import exchange_sparse, select, zero_dense
+from .base import Compressor, register_method, zero_dense
+from .topk import exchange_sparse, select
 
 _KEYS = ("momentum", "nesterov", "weight_decay")
 _OFF = {"momentum": 0.0, "nesterov": False, "weight_decay": 0.0}
@@ -168,6 +169,22 @@ class OptimizerMomentum:
             self._saved = None
 
 
+@functools.lru_cache(maxsize=256)
+def _lengths(layout: tuple, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Segment lengths covering a bucket of n elements, one per parameter ((offset, numel)
+    pairs) and one per gap between them, and which segments are gaps (left unclipped)."""
+    out, gap, pos = [], [], 0
+    for off, numel in sorted(layout):
+        if off > pos:
+            out.append(off - pos), gap.append(True)
+        out.append(numel), gap.append(False)
+        pos = off + numel
+    if pos < n:
+        out.append(n - pos), gap.append(True)
+    return (torch.tensor(out, dtype=torch.int64, device=device),
+            torch.tensor(gap, dtype=torch.bool, device=device))
+
+
 def _per_element(values, ctx):
     """A per-parameter list as a per-element tensor of the bucket (a float stays a float)."""
     if not isinstance(values, list):
@@ -264,11 +281,13 @@ class DGC(Compressor):
             x.addcmul_(ctx.param_values(), wd)
         elif wd:
             x.add_(ctx.param_values(), alpha=wd)
-        if cfg.clip:
+        if cfg.clip:  # each parameter's own L2 norm, all at once (segment sums)
             limit = cfg.clip / math.sqrt(ctx.comm.world_size)
-            for p in ctx.params:
-                g = x[p.offset : p.offset + p.numel]
-                g.mul_((limit / (g.norm() + 1e-12)).clamp_(max=1.0))
+            lengths, gap = _lengths(tuple((p.offset, p.numel) for p in ctx.params), x.numel(),
+                                    x.device)
+            norm = torch.segment_reduce(x * x, "sum", lengths=lengths).sqrt_()
+            factor = (limit / (norm + 1e-12)).clamp_(max=1.0).masked_fill_(gap, 1.0)
+            x.mul_(torch.repeat_interleave(factor, lengths, output_size=x.numel()))
         if not isinstance(m, torch.Tensor) and not m:
             return None
         u = ctx.memory("velocity")
@@ -297,11 +316,10 @@ class DGC(Compressor):
         ratio = cfg.ratio_at(ctx.step)
         ctx.log("sparsity", 1.0 - ratio)
         vals, idx = select(x, big, ctx, ratio, cfg.sample_ratio)
-        idx_l = idx.long()
         if cfg.error_feedback:
-            v.copy_(x).index_put_((idx_l,), -vals, accumulate=True)
+            v.copy_(x).index_put_((idx,), -vals, accumulate=True)
             zero_dense(v, dense)
         if u is not None and cfg.masking:
             # padding slots carry value 0: they must not mask anything
-            u.index_put_((idx_l,), -u[idx_l] * (vals != 0), accumulate=True)
+            u.index_put_((idx,), -u[idx] * (vals != 0), accumulate=True)
         return exchange_sparse(vals, idx, x, dense, ctx)

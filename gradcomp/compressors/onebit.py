@@ -20,6 +20,7 @@ a 16x..32x saving at any W.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -60,88 +61,100 @@ class OneBit(Compressor):
     residual_slot = "residual"
     description = "1-bit SGD: sign bits + 2 scales per chunk, error feedback, two-phase reduce"
 
-    def __init__(self, config):
-        super().__init__(config)
-        self._layouts = {}  # part layout per (bucket layout, W)
-
     def reduce(self, x, ctx):
         big, dense = self.split(ctx.params)
         if not big:
             return self.dense(x, ctx)
         cfg, W, r = self.config, ctx.comm.world_size, ctx.comm.rank
         chunk = cfg.chunk
-        pieces, part = self._part_layout(big, W, chunk)
-        ef = cfg.error_feedback
-        y = _spread(x, pieces, W, part)
-        res = _spread(ctx.memory("residual"), pieces, W, part) if ef else None
-        msg = self._encode_parts(y, res, W, part, chunk)
+        lay = _parts(tuple((p.offset, p.numel) for p in big), x.numel(), W, r, chunk, x.device)
+        part, ef = lay.part, cfg.error_feedback
+        y = lay.spread(x)
+        res = lay.spread(ctx.memory("residual")) if ef else None
+        msg = self._encode_parts(y[:-1], None if res is None else res[:-1], W, part, chunk)
         if ef:
-            _gather(res, ctx.memory("residual"), pieces, W, part)
+            lay.gather(res, out=ctx.memory("residual"))
         got = ctx.comm.all_to_all(msg)  # (W, part_bytes): every rank's message for my part
         mine = torch.zeros(part, dtype=torch.float32, device=x.device)
         decode_sum(got, chunk, mine, 1.0 / W)
-        res2 = e2p = None
+        res2 = None
         if ef:  # the second memory holds, per parameter, what this rank owns (its part)
-            e2p = _spread(ctx.memory("server_residual"), pieces, W, part)
-            res2 = e2p[r]
+            e2 = ctx.memory("server_residual")
+            res2 = torch.zeros(part, dtype=torch.float32, device=x.device)
+            res2.index_copy_(0, lay.own_col, e2[lay.own_x])
         msg2 = torch.cat([encode(mine, res2, chunk),
                           dense_values(x, dense).view(torch.uint8)])
         if ef:
-            _gather(e2p, ctx.memory("server_residual"), pieces, W, part, rows=[r])
+            e2.index_copy_(0, lay.own_x, res2[lay.own_col])
         allmsg = ctx.comm.allgather(msg2)  # (W, part_bytes + dense bytes)
         nb, ns = part // 8, 2 * (part // chunk) * 4
         # the W parts laid end to end are one message of W * part elements
         bits = allmsg[:, :nb].reshape(1, -1)
         scales = allmsg[:, nb : nb + ns].contiguous().view(torch.float32).view(W, 2, -1)
         scales = scales.transpose(0, 1).reshape(1, 2, -1)
-        out = torch.zeros(W * part, dtype=torch.float32, device=x.device)
-        kernels.onebit_decompress(bits, scales, chunk, out)
-        result = torch.empty_like(x)
-        _gather(out.view(W, part), result, pieces, W, part)
+        out = torch.zeros(W * part + 1, dtype=torch.float32, device=x.device)
+        kernels.onebit_decompress(bits, scales, chunk, out[:-1])  # the extra slot stays 0
+        result = lay.gather(out)
         put_dense(allmsg[:, nb + ns :], dense, result)
         return result
 
     @staticmethod
     def _encode_parts(y, res, W, part, chunk):
-        """Quantize y (W, part) once; lay the message out as W rows, one per destination."""
-        bits, scales = kernels.onebit_compress(y.view(-1), None if res is None else res.view(-1), chunk)
+        """Quantize y (W * part) once; lay the message out as W rows, one per destination."""
+        bits, scales = kernels.onebit_compress(y, res, chunk)
         bits = bits.view(W, part // 8)
         scales = scales.view(2, W, part // chunk).transpose(0, 1).reshape(W, -1)
         return torch.cat([bits, scales.contiguous().view(torch.uint8)], dim=1)
 
-    def _part_layout(self, params, W, chunk):
-        """([(offset in x, numel, column in a part, width)] per parameter, part length): each
-        parameter is padded to W * width elements, width a whole number of chunks."""
-        key = (tuple((p.name, p.offset, p.numel) for p in params), W, chunk)
-        hit = self._layouts.get(key)
-        if hit is None:
-            pieces, col = [], 0
-            for p in params:
-                width = -(-p.numel // (W * chunk)) * chunk
-                pieces.append((p.offset, p.numel, col, width))
-                col += width
-            hit = self._layouts[key] = (pieces, col)
-        return hit
+
+@dataclass(frozen=True)
+class _Parts:
+    """Where each element of a bucket goes in the W parts (built once per layout).
+
+    Each compressed parameter is padded to W * width elements, width a whole number of
+    chunks, and cut into W parts of width: part j of every parameter, laid end to end, is row
+    j of a (W, part) buffer. ``to_slot`` maps each element of the bucket to its place in that
+    buffer seen flat; elements of parameters sent dense map to one extra slot at the end,
+    which stays 0."""
+
+    part: int
+    slots: int             # W * part
+    to_slot: torch.Tensor  # (n,) int64
+    dense: bool            # some elements map to the extra slot
+    own_x: torch.Tensor    # this rank's part: bucket positions of its elements ...
+    own_col: torch.Tensor  # ... and their columns in the part
+
+    def spread(self, src: torch.Tensor) -> torch.Tensor:
+        """(W * part + 1,): src's elements in their slots, the padding and the extra slot 0."""
+        buf = torch.zeros(self.slots + 1, dtype=torch.float32, device=src.device)
+        buf.index_copy_(0, self.to_slot, src)
+        if self.dense:
+            buf[-1] = 0
+        return buf
+
+    def gather(self, buf: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Inverse of :meth:`spread`: the bucket's elements of a (W * part + 1,) buffer (0 for
+        the parameters sent dense)."""
+        return torch.index_select(buf, 0, self.to_slot, out=out)
 
 
-def _spread(src, pieces, W, part):
-    """(W, part) zero-padded: row j holds part j of every parameter of the flat ``src``."""
-    dst = torch.empty(W, part, dtype=torch.float32, device=src.device)
-    for off, n, col, width in pieces:
-        block = dst[:, col : col + width]
-        q, rem = divmod(n, width)
-        block[:q].copy_(src[off : off + q * width].view(q, width))
-        if rem:
-            block[q, :rem].copy_(src[off + q * width : off + n])
-            block[q, rem:].zero_()
-        block[q + (rem > 0):].zero_()  # only the padding is zeroed, not the whole buffer
-    return dst
-
-
-def _gather(src, dst, pieces, W, part, rows=None):
-    """Inverse of :func:`_spread` into the flat ``dst``; only the given rows when ``rows``."""
-    for off, n, col, width in pieces:
-        for j in (rows if rows is not None else range(W)):
-            lo, hi = min(n, j * width), min(n, (j + 1) * width)
-            if hi > lo:
-                dst[off + lo : off + hi].copy_(src[j, col : col + hi - lo])
+@functools.lru_cache(maxsize=256)
+def _parts(layout: tuple, n: int, W: int, rank: int, chunk: int, device) -> _Parts:
+    """The part layout of the parameters ``layout`` ((offset, numel) pairs) of a bucket of n
+    elements."""
+    widths = [-(-numel // (W * chunk)) * chunk for _, numel in layout]
+    part = sum(widths)
+    to_slot = torch.full((n,), W * part, dtype=torch.int64)
+    own_x, own_col = [], []
+    col = 0
+    for (off, numel), width in zip(layout, widths):
+        i = torch.arange(numel, dtype=torch.int64)
+        j = i // width
+        to_slot[off : off + numel] = j * part + col + i - j * width
+        lo, hi = min(numel, rank * width), min(numel, (rank + 1) * width)
+        own_x.append(torch.arange(off + lo, off + hi))
+        own_col.append(torch.arange(col, col + hi - lo))
+        col += width
+    dense = sum(numel for _, numel in layout) < n
+    return _Parts(part, W * part, to_slot.to(device), dense, torch.cat(own_x).to(device),
+                  torch.cat(own_col).to(device))

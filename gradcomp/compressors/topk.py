@@ -15,22 +15,15 @@ does not depend on which neighbours DDP put in its bucket.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from .. import kernels
 from ..config import MethodConfig, check
-from .base import Compressor, dense_values, put_dense, register_method
-
-# Candidate buffer = CAPACITY_FACTOR * k; the sampled threshold targets TARGET_FACTOR * k so
-# that the count that passes (about 1.5k +- a few sqrt(k)) rarely overflows the buffer.
-CAPACITY_FACTOR = 2
-TARGET_FACTOR = 1.5
-# The threshold is the MIN_SAMPLE_HITS-th largest sampled magnitude at least: its relative
-# error is about 1/sqrt(MIN_SAMPLE_HITS), within what the 2x buffer absorbs.
-MIN_SAMPLE_HITS = 32
+from ..kernels import segmented
+from ..kernels.segmented import CAPACITY_FACTOR, MIN_SAMPLE_HITS, TARGET_FACTOR  # noqa: F401
+from .base import Compressor, dense_values, put_dense, register_method, zero_dense
 
 
 @dataclass(frozen=True)
@@ -47,38 +40,28 @@ class TopKConfig(MethodConfig):
 
 
 def sparse_select(y: torch.Tensor, ratio: float, sample_ratio: float, seed: int, thresholds=None):
-    """(values, int32 indices) of about the ratio*n largest |y|; k fixed per (n, ratio).
-    The sampled threshold is appended to ``thresholds`` when a list is given."""
-    n = y.numel()
-    k = max(1, math.ceil(ratio * n))
-    if k >= n:  # every element: keep the sparse format so the path is the same one
-        return y.clone(), torch.arange(n, dtype=torch.int32, device=y.device)
-    target = min(n, math.ceil(TARGET_FACTOR * k))
-    capacity = min(n, CAPACITY_FACTOR * k)
-    g = torch.Generator(device=y.device)
-    g.manual_seed(seed)
-    # enough samples that ~MIN_SAMPLE_HITS of them land above the threshold
-    m = min(n, max(math.ceil(sample_ratio * n), math.ceil(MIN_SAMPLE_HITS * n / target)))
-    sample = torch.randint(0, n, (m,), generator=g, device=y.device)
-    thr = kernels.sample_threshold(y, target, sample)
-    if thresholds is not None:
+    """One parameter's (values, int64 indices): the per-parameter reference of :func:`select`
+    (:func:`gradcomp.kernels.segmented.select_param`). The sampled threshold is appended to
+    ``thresholds`` when a list is given."""
+    vals, idx, thr = segmented.select_param(y, ratio, sample_ratio, seed)
+    if thresholds is not None and thr is not None:
         thresholds.append(thr)
-    return kernels.select_topk(y, thr, k, capacity)
+    return vals, idx
 
 
 def select(x: torch.Tensor, params, ctx, ratio: float, sample_ratio: float):
-    """Per-parameter top-k of the bucket x: (values, int32 indices into x) for ``params``.
-    Logs the mean sampled threshold when a writer is attached."""
-    vals, idxs = [], []
-    thresholds = [] if ctx.logging else None
-    for p in params:
-        v, i = sparse_select(x[p.offset : p.offset + p.numel], ratio, sample_ratio,
-                             ctx.seed(0, p.name), thresholds)
-        vals.append(v)
-        idxs.append(i.add_(p.offset))  # padding slots carry value 0: harmless anywhere
-    if thresholds:
-        ctx.log("threshold", torch.stack(thresholds).mean())
-    return torch.cat(vals), torch.cat(idxs)
+    """Per-parameter top-k of the bucket x: (values, int64 indices into x) for ``params``, in
+    a fixed number of ops whatever their count (:mod:`gradcomp.kernels.segmented`). Logs the
+    mean sampled threshold when a writer is attached."""
+    params = sorted(params, key=lambda p: p.offset)
+    pl = segmented.plan(tuple((p.offset, p.numel) for p in params), x.numel(), ratio,
+                        sample_ratio, x.device)
+    shifts = torch.tensor([segmented.shift(ctx.seed(0, p.name), p.numel) for p in params],
+                          dtype=torch.int64, device=x.device)
+    vals, idx, thr = segmented.select(x, pl, shifts)
+    if ctx.logging and pl.sampled:
+        ctx.log("threshold", thr[pl.param_seg[list(pl.sampled)]].mean())
+    return vals, idx
 
 
 def exchange_sparse(values: torch.Tensor, indices: torch.Tensor, x: torch.Tensor, dense,
@@ -86,19 +69,14 @@ def exchange_sparse(values: torch.Tensor, indices: torch.Tensor, x: torch.Tensor
     """Allgather every rank's (values, indices) and the ``dense`` parameters' values of x as
     one fp32 message; return the dense average."""
     k = values.numel()
-    msg = torch.cat([values, indices.view(torch.float32), dense_values(x, dense)])
+    parts = [values, indices.to(torch.int32).view(torch.float32)]
+    msg = torch.cat(parts + [dense_values(x, dense)] if dense else parts)
     got = ctx.comm.allgather(msg)  # (W, 2k + dense)
     out = torch.zeros(x.numel(), dtype=torch.float32, device=values.device)
     kernels.scatter_add(got[:, :k].contiguous(), got[:, k : 2 * k].contiguous().view(torch.int32), out)
     out.div_(ctx.comm.world_size)
     put_dense(got[:, 2 * k :], dense, out)
     return out
-
-
-def zero_dense(e: torch.Tensor, dense) -> None:
-    """Dense parameters are sent exactly: no error to keep."""
-    for p in dense:
-        e[p.offset : p.offset + p.numel].zero_()
 
 
 @register_method
@@ -116,6 +94,6 @@ class TopK(Compressor):
         e = self.add_residual(x, ctx)
         vals, idx = select(x, big, ctx, cfg.ratio, cfg.sample_ratio)
         if e is not None:
-            e.copy_(x).index_put_((idx.long(),), -vals, accumulate=True)
+            e.copy_(x).index_put_((idx,), -vals, accumulate=True)
             zero_dense(e, dense)
         return exchange_sparse(vals, idx, x, dense, ctx)

@@ -1,0 +1,249 @@
+"""Per-parameter top-k of a whole bucket in a fixed number of ops (no loop over parameters).
+
+A bucket holds many parameters and every choice is per parameter (k, the sampled threshold,
+the candidate budget, the random sample), so that a parameter's result never depends on its
+neighbours in the bucket. Written as one loop over parameters, that costs ~25 ops (on a GPU,
+launches) per parameter. Here the parameters are described once per bucket layout by small
+tables (:class:`SelectPlan`, cached), and each step runs a fixed sequence of batched torch
+ops over the whole bucket, whatever its parameter count:
+
+  1. Sample: m_p positions per parameter: a Weyl sequence (static) shifted by a random
+     amount drawn from the parameter's seed, modulo its size -- for all parameters at once.
+  2. Threshold: the ks_p-th largest sampled magnitude of each parameter, by ONE sort of the
+     sample under the key (parameter, descending magnitude) (non-negative floats order like
+     their bit patterns, so the key is an integer).
+  3. Candidates: |y| >= threshold of its parameter; the first cap_p of each parameter, in
+     index order, are compacted into the parameter's slots of a candidate buffer.
+  4. Exact top k_p of each parameter's candidates: ONE sort of the buffer under the same key;
+     parameter p's candidates then sit in its own cap_p positions, largest first, and a fixed
+     gather takes the first k_p of each.
+
+:func:`select_param` is the per-parameter reference (the same rules, one parameter at a
+time): :func:`select` equals it bit for bit, value and index, for every parameter.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import backend
+
+# Candidate buffer = CAPACITY_FACTOR * k; the sampled threshold targets TARGET_FACTOR * k so
+# that the count that passes (about 1.5k +- a few sqrt(k)) rarely overflows the buffer.
+CAPACITY_FACTOR = 2
+TARGET_FACTOR = 1.5
+# The threshold is the MIN_SAMPLE_HITS-th largest sampled magnitude at least: its relative
+# error is about 1/sqrt(MIN_SAMPLE_HITS), within what the 2x buffer absorbs.
+MIN_SAMPLE_HITS = 32
+
+_M64 = 0xFFFFFFFFFFFFFFFF
+_LOW31 = 0x7FFFFFFF
+
+
+_PHI = (math.sqrt(5) - 1) / 2
+
+
+def shift(seed: int, n: int) -> int:
+    """A parameter's random shift in [0, n) for this step, from its 64-bit seed (on the host,
+    once per parameter and step: a splitmix64 finalizer)."""
+    z = seed & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return (z ^ (z >> 31)) % n if n else 0
+
+
+def weyl(n: int, m: int) -> list[int]:
+    """m points of the Weyl sequence floor(frac(i * phi) * n): spread evenly over [0, n) at
+    every scale, and equidistributed modulo any period (phi is irrational), so a tensor's
+    periodic structure (channels, kernel taps) cannot alias with it."""
+    return [int(math.fmod(i * _PHI, 1.0) * n) for i in range(m)]
+
+
+def sample_positions(seed: int, n: int, m: int, device=None) -> torch.Tensor:
+    """The m sample positions in [0, n) of one parameter with ``seed`` (what :func:`select`
+    draws for it): the Weyl points shifted by a random amount, modulo n. Each position is
+    uniform over [0, n) (the shift is), and the m positions are spread evenly: a stratified
+    sample, whose quantile estimate varies less than that of m independent draws."""
+    base = torch.tensor(weyl(n, m), dtype=torch.int64, device=device)
+    return (base + shift(seed, n)) % n
+
+
+def budget(n: int, ratio: float, sample_ratio: float) -> tuple[int, int, int, int]:
+    """(k, capacity, sample size m, sample rank ks) of a parameter of n elements; m = 0: every
+    element is sent (k >= n)."""
+    k = max(1, math.ceil(ratio * n))
+    if k >= n:
+        return n, n, 0, 0
+    target = min(n, math.ceil(TARGET_FACTOR * k))
+    capacity = min(n, CAPACITY_FACTOR * k)
+    # enough samples that ~MIN_SAMPLE_HITS of them land above the threshold
+    m = min(n, max(math.ceil(sample_ratio * n), math.ceil(MIN_SAMPLE_HITS * n / target)))
+    ks = max(1, min(m, -(-target * m // n)))
+    return k, capacity, m, ks
+
+
+def _desc_key(mag: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """int64 keys ordering by (segment ascending, magnitude descending): ``base`` is
+    ``(segment << 31) + 0x7FFFFFFF`` per element, mag >= 0 (a non-negative float orders like
+    its bit pattern; NaN sorts first)."""
+    return base - mag.view(torch.int32)
+
+
+def select_param(y: torch.Tensor, ratio: float, sample_ratio: float, seed: int):
+    """Reference: (values, int64 indices into y) of about the ratio*n largest |y|, one
+    parameter, and the sampled threshold (None when every element is sent). The threshold is
+    the ks-th largest sampled magnitude; the candidates are the first ``capacity`` elements
+    with |y| >= it, in index order; the result is the k largest candidates, ties in index
+    order. Slots the candidates did not fill carry value 0 and index 0."""
+    n = y.numel()
+    k, capacity, m, ks = budget(n, ratio, sample_ratio)
+    if m == 0:
+        thr = None
+        cand = torch.arange(n, device=y.device)
+    else:
+        s = y[sample_positions(seed, n, m, y.device)].abs()
+        thr = torch.sort(s, descending=True, stable=True).values[ks - 1]
+        cand = torch.nonzero(y.abs() >= thr).view(-1)[:capacity]
+    val = torch.zeros(capacity, dtype=y.dtype, device=y.device)
+    idx = torch.zeros(capacity, dtype=torch.int64, device=y.device)
+    val[: cand.numel()] = y[cand]
+    idx[: cand.numel()] = cand
+    order = torch.sort(_desc_key(val.abs(), torch.full_like(idx, _LOW31)), stable=True).indices
+    return val[order[:k]], idx[order[:k]], thr
+
+
+@dataclass(frozen=True)
+class SelectPlan:
+    """A bucket's top-k tables (device tensors; built once per layout and ratio).
+
+    Segments cover the bucket's n elements in order: one per selected parameter and one per
+    gap between them (parameters sent otherwise). The sorted sample ends with two constants,
+    a NaN (a gap's threshold: no element of a gap is ever a candidate) and a 0 (the threshold
+    of a parameter that sends every element)."""
+
+    n: int
+    count: int                # selected parameters (P)
+    seg_of: torch.Tensor      # (n,) int32 segment of each element (shared by a layout's plans)
+    seg_start: torch.Tensor   # (S,) offset of each segment
+    seg_prev: torch.Tensor    # (S,) the element before each segment (0 for one at 0) ...
+    at_zero: torch.Tensor     # (S,) ... and whether there is none
+    seg_thr: torch.Tensor     # (S,) place of each segment's threshold in the sorted sample
+    param_seg: torch.Tensor   # (P,) segment of each parameter
+    slot_base: torch.Tensor   # (S,) first candidate slot of each segment
+    slot_end: torch.Tensor    # (S,) end of its candidate slots (= slot_base for a gap)
+    slots: int                # candidate slots in all (C); slot C is the spill slot
+    slot_key: torch.Tensor    # (C + 1,) sort base of each slot (its parameter; P: spill)
+    take: torch.Tensor        # (K,) positions, in the sorted buffer, of the k_p best of each
+    sample_key: torch.Tensor  # (M + 2,) sort base of each sample (P: the two constants)
+    sample_of: torch.Tensor   # (M,) parameter of each sample
+    sample_base: torch.Tensor  # (M,) its Weyl point
+    sample_n: torch.Tensor    # (M,) its parameter's element count
+    sample_off: torch.Tensor  # (M,) its parameter's offset
+    tail: torch.Tensor        # (2,) the constants NaN, 0
+    sampled: tuple            # parameters that sample (the others send every element)
+
+
+@functools.lru_cache(maxsize=16)
+def _segment_of(lengths: tuple, device) -> torch.Tensor:
+    """(sum(lengths),) int32: the segment of each element. One per bucket layout (plans of
+    other ratios share it): it is the one table as large as the bucket."""
+    return torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32),
+                                   torch.tensor(lengths, dtype=torch.int64)).to(device)
+
+
+def _key_base(segments: list[int]) -> list[int]:
+    return [(s << 31) + _LOW31 for s in segments]
+
+
+@functools.lru_cache(maxsize=256)
+def plan(layout: tuple, n: int, ratio: float, sample_ratio: float, device) -> SelectPlan:
+    """The tables for the parameters ``layout`` ((offset, numel) pairs in offset order,
+    disjoint) of a bucket of n elements."""
+    P = len(layout)
+    budgets = [budget(numel, ratio, sample_ratio) for _, numel in layout]
+    M = sum(b[2] for b in budgets)
+    seg_len, seg_start, seg_thr, param_seg, slot_base, slot_end = [], [], [], [], [], []
+    take, slot_seg, sampled = [], [], []
+    sample_of, sample_base, sample_n, sample_off = [], [], [], []
+    pos = slot = m_total = 0
+
+    def segment(start, length, thr, cap):
+        seg_len.append(length), seg_start.append(start), seg_thr.append(thr)
+        slot_base.append(slot), slot_end.append(slot + cap)
+
+    for p, ((off, numel), (k, capacity, m, ks)) in enumerate(zip(layout, budgets)):
+        if off < pos:
+            raise ValueError(f"parameters overlap or are out of order at offset {off}")
+        if off > pos:
+            segment(pos, off - pos, M, 0)
+        param_seg.append(len(seg_len))
+        segment(off, numel, m_total + ks - 1 if m else M + 1, capacity)
+        take.extend(range(slot, slot + k))
+        slot_seg.extend([p] * capacity)
+        slot += capacity
+        sample_of.extend([p] * m), sample_base.extend(weyl(numel, m))
+        sample_n.extend([numel] * m), sample_off.extend([off] * m)
+        if m:
+            sampled.append(p)
+        m_total += m
+        pos = off + numel
+    if pos < n:
+        segment(pos, n - pos, M, 0)
+
+    def t(v):
+        return torch.tensor(v, dtype=torch.int64, device=device)
+
+    return SelectPlan(
+        n, P, _segment_of(tuple(seg_len), device), t(seg_start),
+        t([max(0, a - 1) for a in seg_start]),
+        torch.tensor([a == 0 for a in seg_start], dtype=torch.bool, device=device),
+        t(seg_thr), t(param_seg), t(slot_base), t(slot_end), slot, t(_key_base(slot_seg + [P])),
+        t(take), t(_key_base(sample_of + [P, P])), t(sample_of), t(sample_base), t(sample_n),
+        t(sample_off), torch.tensor([float("nan"), 0.0], device=device), tuple(sampled))
+
+
+def select(x: torch.Tensor, pl: SelectPlan, shifts: torch.Tensor, compact: str = "auto"):
+    """Every parameter of ``pl`` at once: (values (K,), int64 indices into x (K,), each
+    segment's threshold (S,): ``[pl.param_seg]`` gives the parameters'), each parameter's k_p
+    values in its own positions, equal to :func:`select_param` on it. shifts: (P,) int64,
+    :func:`shift` of each parameter's seed and size, in the plan's order. ``compact``:
+    "nonzero" (the CPU's way), "cumsum" (no host sync: the GPU's way) or "auto" (the GPU's
+    way where the Triton kernels run)."""
+    n, dev, C = x.numel(), x.device, pl.slots
+    if C == 0:  # nothing to select (every parameter empty)
+        return (x.new_zeros(0), torch.zeros(0, dtype=torch.int64, device=dev),
+                x.new_zeros(pl.seg_thr.numel()))
+    # 1-2: sample, then one sort gives each parameter's ks-th largest sampled magnitude
+    at = (pl.sample_base + shifts[pl.sample_of]).remainder_(pl.sample_n).add_(pl.sample_off)
+    mag = torch.cat([x[at].abs_(), pl.tail])
+    order = torch.sort(_desc_key(mag, pl.sample_key)).indices
+    thr = mag[order[pl.seg_thr]]  # the two constants sort last: their places are fixed
+    # 3: candidates, the first cap_p of each parameter in index order
+    mask = x.abs() >= thr[pl.seg_of]
+    if compact == "auto":  # the GPU's way wherever the GPU's kernels run (tests: on the CPU)
+        compact = "cumsum" if backend("select_topk", x) == "triton" else "nonzero"
+    if compact == "nonzero":
+        cand = torch.nonzero(mask).view(-1)
+        seg = pl.seg_of[cand]
+        # slot = slot_base + (rank of the candidate within its segment)
+        move = pl.slot_base - torch.searchsorted(cand, pl.seg_start)
+        slot = torch.arange(cand.numel(), device=dev).add_(move[seg])
+        slot.masked_fill_(slot >= pl.slot_end[seg], C)
+        src_val, src_idx = x[cand], cand
+    else:
+        cs = torch.cumsum(mask, 0)  # candidates up to each element
+        before = cs[pl.seg_prev].masked_fill_(pl.at_zero, 0)  # ... before each segment
+        slot = cs.add_((pl.slot_base - 1 - before)[pl.seg_of])
+        keep = mask & (slot < pl.slot_end[pl.seg_of])
+        slot.masked_fill_(~keep, C)
+        # dropped elements all land in the spill slot, whatever they hold
+        src_val, src_idx = x, torch.arange(n, device=dev)
+    val = torch.zeros(C + 1, dtype=x.dtype, device=dev).index_put_((slot,), src_val)
+    idx = torch.zeros(C + 1, dtype=torch.int64, device=dev).index_put_((slot,), src_idx)
+    # 4: one sort puts each parameter's candidates in its own slots, largest first (the
+    # spill slot, whatever it holds, sorts after every parameter's: it is never taken)
+    order = torch.sort(_desc_key(val.abs(), pl.slot_key), stable=True).indices[pl.take]
+    return val[order], idx[order], thr
