@@ -40,7 +40,7 @@ def _two_ranks(rank, world, specs, steps):
                 total[p.name] += x[p.offset : p.offset + p.numel].double()
                 sent[p.name] += out[p.offset : p.offset + p.numel].double()
         mem = st.state_dict()["memory"]
-        got[spec] = (outs, total, sent, mem["flat"]["residual"], mem["tensors"].get("tau", {}))
+        got[spec] = (outs, total, sent, mem["flat"]["residual"], mem["flat"].get("tau", {}))
     return got
 
 
@@ -160,7 +160,7 @@ def test_adaptive_tau_sends_about_half_the_cap_and_logs_it():
     assert 100 <= counts[0] <= 300 and all(c <= 400 for c in counts), counts
     assert w.seen["gradcomp/sent_fraction"] == pytest.approx([c / n for c in counts])
     assert len(w.seen["gradcomp/threshold"]) == 4
-    assert set(st.state_dict()["memory"]["tensors"]["tau"]) == {"w"}
+    assert set(st.state_dict()["memory"]["flat"]["tau"]) == {"w"}
 
 
 def test_a_parameter_result_does_not_depend_on_its_bucket():

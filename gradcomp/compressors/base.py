@@ -68,6 +68,10 @@ class BucketContext(Protocol):
     def memory(self, slot: str) -> torch.Tensor:
         """Persistent fp32 flat buffer laid out like x, zero at first use, kept per parameter."""
 
+    def scalars(self, slot: str) -> torch.Tensor:
+        """Persistent fp32 buffer of one value per parameter, in ``params`` order, zero at
+        first use, kept per parameter (a bucket's per-parameter scalars in one tensor)."""
+
     def tensor(self, slot: str, name: str, init: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Persistent per-parameter tensor of any shape, created by ``init`` at first use."""
 

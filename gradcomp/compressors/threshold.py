@@ -8,12 +8,13 @@ plain fp32 values inside the same message); cap = ceil(max_ratio * n):
      fixed tau depends on the model's gradient scale, which changes by orders of magnitude
      between models, layers and phases of training). Adaptive rule, per parameter and rank:
        est_t = the smallest non-zero value among the ceil((1 - quantile) * m) largest |y| of
-               m elements sampled with replacement (generator ``ctx.seed(0, name)``), i.e.
-               the ``quantile`` of |y| with zeros skipped (+inf if every sampled |y| is 0);
+               m sampled elements (a Weyl sequence shifted at random per parameter and
+               step, see kernels/segmented.py), i.e. the ``quantile`` of |y| with zeros
+               skipped (+inf if every sampled |y| is 0);
        tau_t = est_t at the first estimate, tau_{t-1} if est_t is +inf, else
                ema * tau_{t-1} + (1 - ema) * est_t   (torch.lerp, fp32).
-     tau_t is kept per parameter in ``ctx.tensor("tau", name)`` (+inf = no estimate yet), so
-     it is in the checkpoint and a resumed job is bit-exact. ``quantile`` defaults to
+     tau_t is kept per parameter in the memory slot ``tau`` (one value per parameter; 0 = no
+     estimate yet), so it is in the checkpoint and a resumed job is bit-exact. ``quantile`` defaults to
      1 - max_ratio / 2: about cap/2 elements pass, so the cap below rarely binds.
      m = min(n, max(sample_ratio * n, 32 / (1 - quantile), 32 n / (1.5 cap))): enough that
      about 32 sampled elements lie above each estimated order statistic.
@@ -32,6 +33,8 @@ plain fp32 values inside the same message); cap = ceil(max_ratio * n):
      code = sign(y) * (index in the bucket + 1), 0 = an unused slot. Every rank sends its
      own tau (adaptive taus differ between ranks); the receiver decodes each element with
      its sender's tau, scatter-adds every rank's message and divides by W.
+Every step above runs for all of a bucket's parameters at once (kernels/segmented.py: a
+fixed number of ops whatever the parameter count).
 Bytes per rank: 4 cap + 4 per compressed parameter (+ 4 per dense element): half of top-k's
 8k for the same k. Every rank receives (W - 1) times that (allgather).
 """
@@ -45,8 +48,9 @@ import torch
 
 from .. import kernels
 from ..config import MethodConfig, check
-from .base import Compressor, dense_values, put_dense, register_method
-from .topk import CAPACITY_FACTOR, MIN_SAMPLE_HITS, TARGET_FACTOR, zero_dense
+from ..kernels import segmented
+from ..kernels.segmented import CAPACITY_FACTOR, MIN_SAMPLE_HITS, TARGET_FACTOR
+from .base import Compressor, dense_values, put_dense, register_method, zero_dense
 
 _INF = float("inf")
 
@@ -90,32 +94,59 @@ class ThresholdConfig(MethodConfig):
         return self.quantile if self.quantile is not None else 1 - self.max_ratio / 2
 
 
-def _estimates(y, cap, cfg, seed, adaptive, guarded):
-    """(est, guard) from one sample of |y|: the adaptive estimate of step 2 (None when not
-    adaptive) and the cap guard of step 3 (None when 2 cap >= n). 0-d fp32 tensors."""
-    n = y.numel()
+def _budget(n: int, cfg) -> tuple[tuple, int]:
+    """((k, capacity, sample size m, guard rank kg), estimate rank ks) of a parameter of n
+    elements: cap = k = ceil(max_ratio * n) elements at most; the sample feeds the adaptive
+    estimate (rank ks, 0 when not adaptive) and the cap guard (rank kg, 0 when 2 cap >= n)."""
+    cap = min(n, max(1, math.ceil(cfg.max_ratio * n)))
+    capacity = min(n, CAPACITY_FACTOR * cap)
+    guarded = capacity < n
     target = math.ceil(TARGET_FACTOR * cap)
     need = math.ceil(cfg.sample_ratio * n)
-    if adaptive:
+    if cfg.adaptive:
         need = max(need, math.ceil(MIN_SAMPLE_HITS / (1 - cfg.q)))
     if guarded:
         need = max(need, math.ceil(MIN_SAMPLE_HITS * n / target))
-    m = min(n, need)
-    g = torch.Generator(device=y.device)
-    g.manual_seed(seed)
-    s = y[torch.randint(0, n, (m,), generator=g, device=y.device)].abs()
-    ks = max(1, min(m, math.ceil((1 - cfg.q) * m))) if adaptive else 0
-    kg = max(1, min(m, -(-target * m // n))) if guarded else 0  # as kernels.sample_threshold
-    top = torch.topk(s, max(ks, kg), sorted=True).values  # descending
-    est = torch.where(top[:ks] > 0, top[:ks], _INF).min() if adaptive else None
-    return est, (top[kg - 1] if guarded else None)
+    m = min(n, need) if cfg.adaptive or guarded else 0
+    ks = max(1, min(m, math.ceil((1 - cfg.q) * m))) if cfg.adaptive and m else 0
+    kg = max(1, min(m, -(-target * m // n))) if guarded else 0  # as topk's sampled threshold
+    return (cap, capacity, m, kg), ks
+
+
+@dataclass(frozen=True)
+class _Tables:
+    """A bucket's tables (built once per layout and config)."""
+
+    plan: segmented.SelectPlan
+    big: tuple               # the compressed parameters' places in ctx.params, offset order
+    where: torch.Tensor      # the same, as a tensor
+    est_end: torch.Tensor    # (P,) first sample after each parameter's estimate rank ...
+    est_start: torch.Tensor  # (P,) ... its first sample
+    zero_key: torch.Tensor   # (P,) the sort key of a 0 magnitude of each parameter
+    owner: torch.Tensor      # (K,) the parameter of each code slot
+    seg_param: torch.Tensor  # (S,) each segment's parameter (0 for a gap: its NaN wins)
+    inf: torch.Tensor        # (P,) +inf (where nextafter goes)
 
 
 @functools.lru_cache(maxsize=64)
-def _owner(caps: tuple, device: torch.device) -> torch.Tensor:
-    """(sum(caps),) int64: which compressed parameter each code slot belongs to. Cached per
-    layout: building it on a GPU each step would copy from the host each step."""
-    return torch.repeat_interleave(torch.arange(len(caps)), torch.tensor(caps)).to(device)
+def _tables(layout: tuple, n: int, cfg, device) -> _Tables:
+    """layout: (offset, numel, size) of every parameter of the bucket, in ctx.params order."""
+    big = tuple(sorted((i for i, (_, _, size) in enumerate(layout) if size >= cfg.min_numel),
+                       key=lambda i: layout[i][0]))
+    budgets, ranks = zip(*(_budget(layout[i][1], cfg) for i in big)) if big else ((), ())
+    pl = segmented.plan(tuple(layout[i][:2] for i in big), budgets, n, device)
+    starts = pl.sample_start.tolist()
+    seg_param = [0] * pl.seg_thr.numel()
+    for p, s in enumerate(pl.param_seg.tolist()):
+        seg_param[s] = p
+
+    def t(v):
+        return torch.tensor(v, dtype=torch.int64, device=device)
+
+    return _Tables(pl, big, t(list(big)), t([a + k for a, k in zip(starts, ranks)]), t(starts),
+                   t([(p << 31) + 0x7FFFFFFF for p in range(len(big))]),
+                   t([p for p, b in enumerate(budgets) for _ in range(b[0])]), t(seg_param),
+                   torch.full((len(big),), _INF, device=device))
 
 
 @register_method
@@ -125,53 +156,51 @@ class Threshold(Compressor):
     residual_slot = "residual"
     description = "threshold quantization (Strom 2015): elements above tau sent as sign + index"
 
-    def _tau(self, est, name, ctx, device):
-        """Step 2's EMA, in place in the parameter's persistent tau."""
-        prev = ctx.tensor("tau", name, lambda: torch.full((), _INF, device=device))
-        new = torch.where(torch.isinf(prev), est,
-                          torch.where(torch.isinf(est), prev, torch.lerp(prev, est, 1 - self.config.ema)))
-        return prev.copy_(new)
-
     def reduce(self, x, ctx):
         big, dense = self.split(ctx.params)
         if not big:
             return self.dense(x, ctx)
         cfg = self.config
         e = self.add_residual(x, ctx)
-        fixed = None if cfg.adaptive else torch.full((), cfg.tau, dtype=torch.float32, device=x.device)
-        codes, taus, caps = [], [], []
-        for p in big:
-            y = x[p.offset : p.offset + p.numel]
-            n = p.numel
-            cap = max(1, math.ceil(cfg.max_ratio * n))
-            capacity = min(n, CAPACITY_FACTOR * cap)
-            guarded = capacity < n
-            est = guard = None
-            if cfg.adaptive or guarded:
-                est, guard = _estimates(y, cap, cfg, ctx.seed(0, p.name), cfg.adaptive, guarded)
-            tau = self._tau(est, p.name, ctx, x.device) if cfg.adaptive else fixed
-            thr = torch.nextafter(tau, torch.full_like(tau, _INF))  # |y| > tau  <=>  |y| >= thr
-            if guard is not None:
-                thr = torch.maximum(thr, guard)
-            vals, idx = kernels.select_topk(y, thr, cap, capacity)  # unused slots: value 0
-            codes.append(idx.add_(p.offset + 1).mul_(torch.sign(vals).to(torch.int32)))
-            taus.append(torch.where(torch.isinf(tau), 0.0, tau))  # +inf: nothing was sent
-            caps.append(cap)
-        codes = torch.cat(codes)
-        taus = torch.stack(taus)
+        tb = _tables(tuple((p.offset, p.numel, p.size) for p in ctx.params), x.numel(), cfg,
+                     x.device)
+        pl = tb.plan
+        params = [ctx.params[i] for i in tb.big]
+        shifts = torch.tensor([segmented.shift(ctx.seed(0, p.name), p.numel) for p in params],
+                              dtype=torch.int64, device=x.device)
+        keys, mag, guard = segmented.sample(x, pl, shifts)
+        if cfg.adaptive:
+            # step 2: the smallest non-zero magnitude among each parameter's ks largest
+            # sampled (zeros sort last within a parameter: count the non-zero ones)
+            nonzero_end = torch.searchsorted(keys, tb.zero_key)
+            est = mag[torch.minimum(tb.est_end, nonzero_end) - 1]
+            est.masked_fill_(nonzero_end <= tb.est_start, _INF)  # every sampled |y| is 0
+            taus = ctx.scalars("tau")  # per parameter; 0: no estimate yet
+            prev = taus[tb.where]
+            tau = torch.where(prev == 0, est, torch.where(
+                torch.isinf(est), prev, torch.lerp(prev, est, 1 - cfg.ema)))
+        else:
+            tau = torch.full((len(params),), cfg.tau, dtype=torch.float32, device=x.device)
+        sent_tau = torch.where(torch.isinf(tau), 0.0, tau)  # +inf: nothing is sent
+        if cfg.adaptive:
+            taus.index_copy_(0, tb.where, sent_tau)
+        # |y| > tau  <=>  |y| >= nextafter(tau); the cap guard raises it (gaps stay NaN)
+        thr = torch.maximum(guard, torch.nextafter(tau, tb.inf)[tb.seg_param])
+        vals, idx = segmented.select_above(x, pl, thr)  # unused slots: value 0
+        sign = torch.sign(vals)
+        codes = (idx + 1).to(torch.int32).mul_(sign.to(torch.int32))
         if ctx.logging:
-            ctx.log("threshold", taus.mean())
-            ctx.log("sent_fraction", (codes != 0).sum() / sum(p.numel for p in big))
-        owner = _owner(tuple(caps), x.device)  # each code slot's parameter: its sender's tau
-        pos = codes.abs().sub_(1).clamp_(min=0).long()
+            ctx.log("threshold", sent_tau.mean())
+            ctx.log("sent_fraction", (codes != 0).sum() / sum(p.numel for p in params))
         if e is not None:
-            e.copy_(x).index_put_((pos,), -torch.sign(codes).float() * taus[owner], accumulate=True)
+            e.copy_(x).index_put_((idx,), -sign * sent_tau[tb.owner], accumulate=True)
             zero_dense(e, dense)
-        K, P = codes.numel(), len(big)
-        msg = torch.cat([codes, taus.view(torch.int32), dense_values(x, dense).view(torch.int32)])
+        K, P = codes.numel(), len(params)
+        parts = [codes, sent_tau.view(torch.int32)]
+        msg = torch.cat(parts + [dense_values(x, dense).view(torch.int32)] if dense else parts)
         got = ctx.comm.allgather(msg)  # (W, K + P + dense) int32
         got_codes = got[:, :K]
-        sent = torch.sign(got_codes).float() * got[:, K : K + P].contiguous().view(torch.float32)[:, owner]
+        sent = torch.sign(got_codes).float() * got[:, K : K + P].contiguous().view(torch.float32)[:, tb.owner]
         out = torch.zeros(x.numel(), dtype=torch.float32, device=x.device)
         kernels.scatter_add(sent, got_codes.abs().sub_(1).clamp_(min=0), out)
         out.div_(ctx.comm.world_size)

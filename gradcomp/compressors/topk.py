@@ -54,7 +54,7 @@ def select(x: torch.Tensor, params, ctx, ratio: float, sample_ratio: float):
     a fixed number of ops whatever their count (:mod:`gradcomp.kernels.segmented`). Logs the
     mean sampled threshold when a writer is attached."""
     params = sorted(params, key=lambda p: p.offset)
-    pl = segmented.plan(tuple((p.offset, p.numel) for p in params), x.numel(), ratio,
+    pl = segmented.topk_plan(tuple((p.offset, p.numel) for p in params), x.numel(), ratio,
                         sample_ratio, x.device)
     shifts = torch.tensor([segmented.shift(ctx.seed(0, p.name), p.numel) for p in params],
                           dtype=torch.int64, device=x.device)

@@ -72,6 +72,10 @@ class _Ctx:
         return self.state.memory.flat(slot, self.bucket, [p.name for p in self.params],
                                       [p.numel for p in self.params], self.device)
 
+    def scalars(self, slot):
+        return self.state.memory.flat(slot, self.bucket, [p.name for p in self.params],
+                                      [1] * len(self.params), self.device)
+
     def tensor(self, slot, name, init):
         return self.state.memory.tensor(slot, name, init)
 

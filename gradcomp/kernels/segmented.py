@@ -142,6 +142,7 @@ class SelectPlan:
     sample_base: torch.Tensor  # (M,) its Weyl point
     sample_n: torch.Tensor    # (M,) its parameter's element count
     sample_off: torch.Tensor  # (M,) its parameter's offset
+    sample_start: torch.Tensor  # (P,) first sample of each parameter
     tail: torch.Tensor        # (2,) the constants NaN, 0
     sampled: tuple            # parameters that sample (the others send every element)
 
@@ -158,15 +159,23 @@ def _key_base(segments: list[int]) -> list[int]:
     return [(s << 31) + _LOW31 for s in segments]
 
 
+def topk_plan(layout: tuple, n: int, ratio: float, sample_ratio: float, device) -> SelectPlan:
+    """The top-k tables of the parameters ``layout`` ((offset, numel) pairs in offset order)
+    of a bucket of n elements, every one with :func:`budget`'s choices."""
+    return plan(layout, tuple(budget(numel, ratio, sample_ratio) for _, numel in layout), n,
+                device)
+
+
 @functools.lru_cache(maxsize=256)
-def plan(layout: tuple, n: int, ratio: float, sample_ratio: float, device) -> SelectPlan:
+def plan(layout: tuple, budgets: tuple, n: int, device) -> SelectPlan:
     """The tables for the parameters ``layout`` ((offset, numel) pairs in offset order,
-    disjoint) of a bucket of n elements."""
+    disjoint) of a bucket of n elements, with per-parameter ``budgets`` (k, capacity, sample
+    size m, sample rank ks): each parameter's sampled threshold is its ks-th largest sampled
+    magnitude, or 0 (every element a candidate) where ks is 0."""
     P = len(layout)
-    budgets = [budget(numel, ratio, sample_ratio) for _, numel in layout]
     M = sum(b[2] for b in budgets)
     seg_len, seg_start, seg_thr, param_seg, slot_base, slot_end = [], [], [], [], [], []
-    take, slot_seg, sampled = [], [], []
+    take, slot_seg, sampled, sample_start = [], [], [], []
     sample_of, sample_base, sample_n, sample_off = [], [], [], []
     pos = slot = m_total = 0
 
@@ -180,13 +189,14 @@ def plan(layout: tuple, n: int, ratio: float, sample_ratio: float, device) -> Se
         if off > pos:
             segment(pos, off - pos, M, 0)
         param_seg.append(len(seg_len))
-        segment(off, numel, m_total + ks - 1 if m else M + 1, capacity)
+        segment(off, numel, m_total + ks - 1 if ks else M + 1, capacity)
         take.extend(range(slot, slot + k))
         slot_seg.extend([p] * capacity)
         slot += capacity
+        sample_start.append(m_total)
         sample_of.extend([p] * m), sample_base.extend(weyl(numel, m))
         sample_n.extend([numel] * m), sample_off.extend([off] * m)
-        if m:
+        if ks:
             sampled.append(p)
         m_total += m
         pos = off + numel
@@ -202,25 +212,41 @@ def plan(layout: tuple, n: int, ratio: float, sample_ratio: float, device) -> Se
         torch.tensor([a == 0 for a in seg_start], dtype=torch.bool, device=device),
         t(seg_thr), t(param_seg), t(slot_base), t(slot_end), slot, t(_key_base(slot_seg + [P])),
         t(take), t(_key_base(sample_of + [P, P])), t(sample_of), t(sample_base), t(sample_n),
-        t(sample_off), torch.tensor([float("nan"), 0.0], device=device), tuple(sampled))
+        t(sample_off), t(sample_start), torch.tensor([float("nan"), 0.0], device=device),
+        tuple(sampled))
+
+
+def sample(x: torch.Tensor, pl: SelectPlan, shifts: torch.Tensor):
+    """Steps 1-2: (sorted keys (M + 2,), magnitudes sorted by them, each segment's sampled
+    threshold (S,): NaN for a gap, 0 where ks is 0). Within a parameter the magnitudes run
+    largest first; the two constants (NaN, 0) close the list. shifts: (P,) int64,
+    :func:`shift` of each parameter's seed and size, in the plan's order."""
+    at = (pl.sample_base + shifts[pl.sample_of]).remainder_(pl.sample_n).add_(pl.sample_off)
+    mag = torch.cat([x[at].abs_(), pl.tail])
+    keys, order = torch.sort(_desc_key(mag, pl.sample_key))
+    mag = mag[order]
+    return keys, mag, mag[pl.seg_thr]  # the two constants sort last: their places are fixed
 
 
 def select(x: torch.Tensor, pl: SelectPlan, shifts: torch.Tensor, compact: str = "auto"):
     """Every parameter of ``pl`` at once: (values (K,), int64 indices into x (K,), each
     segment's threshold (S,): ``[pl.param_seg]`` gives the parameters'), each parameter's k_p
-    values in its own positions, equal to :func:`select_param` on it. shifts: (P,) int64,
-    :func:`shift` of each parameter's seed and size, in the plan's order. ``compact``:
-    "nonzero" (the CPU's way), "cumsum" (no host sync: the GPU's way) or "auto" (the GPU's
-    way where the Triton kernels run)."""
+    values in its own positions, equal to :func:`select_param` on it. shifts: see
+    :func:`sample`; compact: see :func:`select_above`."""
+    if pl.slots == 0:  # nothing to select (every parameter empty)
+        return (*select_above(x, pl, None), x.new_zeros(pl.seg_thr.numel()))
+    thr = sample(x, pl, shifts)[2]
+    return (*select_above(x, pl, thr, compact), thr)
+
+
+def select_above(x: torch.Tensor, pl: SelectPlan, thr: torch.Tensor, compact: str = "auto"):
+    """Steps 3-4 with each segment's threshold ``thr`` (S,) (NaN: no candidate): (values (K,),
+    int64 indices into x (K,)), the k_p largest of the first capacity_p elements with
+    |x| >= thr of each parameter. ``compact``: "nonzero" (the CPU's way), "cumsum" (no host
+    sync: the GPU's way) or "auto" (the GPU's way where the Triton kernels run)."""
     n, dev, C = x.numel(), x.device, pl.slots
     if C == 0:  # nothing to select (every parameter empty)
-        return (x.new_zeros(0), torch.zeros(0, dtype=torch.int64, device=dev),
-                x.new_zeros(pl.seg_thr.numel()))
-    # 1-2: sample, then one sort gives each parameter's ks-th largest sampled magnitude
-    at = (pl.sample_base + shifts[pl.sample_of]).remainder_(pl.sample_n).add_(pl.sample_off)
-    mag = torch.cat([x[at].abs_(), pl.tail])
-    order = torch.sort(_desc_key(mag, pl.sample_key)).indices
-    thr = mag[order[pl.seg_thr]]  # the two constants sort last: their places are fixed
+        return x.new_zeros(0), torch.zeros(0, dtype=torch.int64, device=dev)
     # 3: candidates, the first cap_p of each parameter in index order
     mask = x.abs() >= thr[pl.seg_of]
     if compact == "auto":  # the GPU's way wherever the GPU's kernels run (tests: on the CPU)
@@ -246,4 +272,4 @@ def select(x: torch.Tensor, pl: SelectPlan, shifts: torch.Tensor, compact: str =
     # 4: one sort puts each parameter's candidates in its own slots, largest first (the
     # spill slot, whatever it holds, sorts after every parameter's: it is never taken)
     order = torch.sort(_desc_key(val.abs(), pl.slot_key), stable=True).indices[pl.take]
-    return val[order], idx[order], thr
+    return val[order], idx[order]
