@@ -160,3 +160,39 @@ def test_op_count_does_not_grow_with_the_tensor_count(spec):
     assert bench_ops.count(spec, many) <= 1.5 * bench_ops.count(spec, few)
     for layout in (few, many):
         assert bench_ops.count(spec, layout, launches=True) <= SEGMENTED[spec]
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.05,min_numel=64", "dgc:ratio=0.05,min_numel=64"])
+@pytest.mark.parametrize("grad_dtype,option,width", [
+    (torch.float32, "auto", 4), (torch.float16, "auto", 2), (torch.bfloat16, "auto", 2),
+    (torch.float32, "fp16", 2), (torch.float32, "bf16", 2), (torch.float16, "fp32", 4)])
+def test_sparse_values_travel_in_two_bytes_and_memory_keeps_the_rounding(spec, grad_dtype,
+                                                                         option, width):
+    """fp16/bf16 gradients (or value_dtype=fp16|bf16) send 2-byte values: 6 bytes per element
+    instead of 8, counted in stats; the result is the rounded values, and the memory holds
+    exactly what rounding took (gradient == result + memory, element for element). Values
+    beyond fp16's range are clamped, never sent as inf."""
+    name, cfg = build_config(spec, value_dtype=option)
+    state = GradcompState(name, cfg)
+    g = torch.Generator().manual_seed(3)
+    n = 4000
+    x = (torch.randn(n, generator=g) * 3).to(grad_dtype)
+    x[7] = 60000.0 if grad_dtype == torch.float16 else 1e6  # fp16 max is 65504
+    layout = [ParamSlice("w", (n,), 0, n)]
+    out = state.reduce(x.clone(), layout)
+    assert out.dtype == grad_dtype and torch.isfinite(out).all()
+    k = 200  # ratio 0.05 of 4000
+    assert state.stats()["sent_bytes"] == k * (4 + width) + 4  # + the inf/NaN flag
+    slot = "residual" if name == "topk" else "accumulation"
+    mem = state.state_dict()["memory"]["flat"][slot]["w"]
+    sent = out.float()
+    if grad_dtype != torch.float32 and width == 4:
+        return  # fp32 values: the result is rounded to the gradient's dtype on the way back
+    exact = torch.zeros(n)
+    exact[sent != 0] = sent[sent != 0]
+    torch.testing.assert_close(exact + mem, x.float(), rtol=0, atol=0)
+    if width == 2:
+        wire = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(option, grad_dtype)
+        nz = sent[sent != 0]
+        assert torch.equal(nz, nz.to(wire).float())  # what arrives is representable
+        assert sent.abs().max() <= torch.finfo(wire).max

@@ -61,6 +61,7 @@ class BucketContext(Protocol):
     step: int                 # optimizer steps completed before this one
     params: list[ParamSlice]  # layout of x
     device: torch.device      # x's device
+    grad_dtype: torch.dtype   # the gradient's own dtype (x itself is always fp32)
     live: object              # what Compressor.live returned when the bucket was submitted
     logging: bool             # a writer is attached: per-step scalars are wanted
     details: bool             # ... and costly diagnostics too (PowerSGD's approximation error)

@@ -44,7 +44,7 @@ import torch
 
 from ..config import MethodConfig, check
 from .base import Compressor, register_method, zero_dense
-from .topk import exchange_sparse, select
+from .topk import check_value_dtype, exchange_sparse, round_values, select, value_dtype
 
 _KEYS = ("momentum", "nesterov", "weight_decay")
 _OFF = {"momentum": 0.0, "nesterov": False, "weight_decay": 0.0}
@@ -55,7 +55,9 @@ class DGCConfig(MethodConfig):
     """ratio: final fraction sent, in (0, 1]. momentum/nesterov/weight_decay: only for an
     optimizer without momentum of its own (by default they are read from the optimizer's
     param groups at every step). masking: momentum factor masking. clip: local gradient
-    clipping norm (0 = off). warmup_steps/warmup_ratio: exponential sparsity warm-up."""
+    clipping norm (0 = off). warmup_steps/warmup_ratio: exponential sparsity warm-up.
+    value_dtype: the sent values' type (see topk: auto sends 2-byte values for fp16/bf16
+    gradients; the accumulation keeps what rounding takes)."""
 
     ratio: float = 0.001
     momentum: float = 0.0
@@ -66,9 +68,11 @@ class DGCConfig(MethodConfig):
     warmup_steps: int = 0
     warmup_ratio: float = 0.25
     sample_ratio: float = 0.01
+    value_dtype: str = "auto"
 
     def validate(self):
         check(0 < self.ratio <= 1, "ratio", self.ratio, "a number in (0, 1]")
+        check_value_dtype(self.value_dtype)
         check(0 <= self.momentum < 1, "momentum", self.momentum, "a number in [0, 1)")
         check(self.weight_decay >= 0, "weight_decay", self.weight_decay, "a number >= 0")
         check(self.clip >= 0, "clip", self.clip, "a number >= 0 (0 = off)")
@@ -316,10 +320,12 @@ class DGC(Compressor):
         ratio = cfg.ratio_at(ctx.step)
         ctx.log("sparsity", 1.0 - ratio)
         vals, idx = select(x, big, ctx, ratio, cfg.sample_ratio)
+        dtype = value_dtype(cfg.value_dtype, ctx)
+        vals = round_values(vals, dtype)  # the accumulation keeps what rounding takes
         if cfg.error_feedback:
             v.copy_(x).index_put_((idx,), -vals, accumulate=True)
             zero_dense(v, dense)
         if u is not None and cfg.masking:
             # padding slots carry value 0: they must not mask anything
             u.index_put_((idx,), -u[idx] * (vals != 0), accumulate=True)
-        return exchange_sparse(vals, idx, x, dense, ctx)
+        return exchange_sparse(vals, idx, x, dense, ctx, dtype)

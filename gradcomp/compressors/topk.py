@@ -29,14 +29,43 @@ from .base import Compressor, dense_values, put_dense, register_method, zero_den
 @dataclass(frozen=True)
 class TopKConfig(MethodConfig):
     """ratio: fraction of each bucket's elements sent, in (0, 1].
-    sample_ratio: fraction of elements sampled to estimate the threshold, in (0, 1]."""
+    sample_ratio: fraction of elements sampled to estimate the threshold, in (0, 1].
+    value_dtype: the sent values' type: auto (the gradient's: fp16/bf16 gradients send
+    2-byte values, fp32 ones 4-byte), fp32, fp16 or bf16."""
 
     ratio: float = 0.01
     sample_ratio: float = 0.01
+    value_dtype: str = "auto"
 
     def validate(self):
         check(0 < self.ratio <= 1, "ratio", self.ratio, "a number in (0, 1]")
         check(0 < self.sample_ratio <= 1, "sample_ratio", self.sample_ratio, "a number in (0, 1]")
+        check_value_dtype(self.value_dtype)
+
+
+VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def check_value_dtype(value: str) -> None:
+    check(value == "auto" or value in VALUE_DTYPES, "value_dtype", value,
+          "auto, " + ", ".join(VALUE_DTYPES))
+
+
+def value_dtype(option: str, ctx) -> torch.dtype:
+    """The dtype the sparse values travel in (``auto``: 2 bytes for fp16/bf16 gradients)."""
+    if option != "auto":
+        return VALUE_DTYPES[option]
+    return ctx.grad_dtype if ctx.grad_dtype in (torch.float16, torch.bfloat16) else torch.float32
+
+
+def round_values(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """values as they arrive in ``dtype`` (fp32 again): clamped to its largest finite value,
+    then rounded. Error feedback keeps the difference (the clamp's too): nothing is lost,
+    only sent later; a scaled fp32 gradient never turns into an fp16 inf."""
+    if dtype == torch.float32:
+        return values
+    big = torch.finfo(dtype).max
+    return values.clamp(-big, big).to(dtype).float()
 
 
 def sparse_select(y: torch.Tensor, ratio: float, sample_ratio: float, seed: int, thresholds=None):
@@ -65,17 +94,25 @@ def select(x: torch.Tensor, params, ctx, ratio: float, sample_ratio: float):
 
 
 def exchange_sparse(values: torch.Tensor, indices: torch.Tensor, x: torch.Tensor, dense,
-                    ctx) -> torch.Tensor:
-    """Allgather every rank's (values, indices) and the ``dense`` parameters' values of x as
-    one fp32 message; return the dense average."""
+                    ctx, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Allgather every rank's (indices, values) and the ``dense`` parameters' values of x as
+    one message; return the dense average. ``values`` are already rounded to ``dtype`` (see
+    :func:`round_values`): they travel in it, 2 or 4 bytes each, indices as int32."""
     k = values.numel()
-    parts = [values, indices.to(torch.int32).view(torch.float32)]
-    msg = torch.cat(parts + [dense_values(x, dense)] if dense else parts)
-    got = ctx.comm.allgather(msg)  # (W, 2k + dense)
+    parts = [indices.to(torch.int32).view(torch.uint8), values.to(dtype).view(torch.uint8)]
+    vb = parts[1].numel()
+    pad = -(4 * k + vb) % 4  # dense values start on a 4-byte boundary
+    if pad:
+        parts.append(values.new_zeros(pad, dtype=torch.uint8))
+    if dense:
+        parts.append(dense_values(x, dense).view(torch.uint8))
+    got = ctx.comm.allgather(torch.cat(parts))  # (W, bytes)
     out = torch.zeros(x.numel(), dtype=torch.float32, device=values.device)
-    kernels.scatter_add(got[:, :k].contiguous(), got[:, k : 2 * k].contiguous().view(torch.int32), out)
+    idx = got[:, : 4 * k].contiguous().view(torch.int32)
+    vals = got[:, 4 * k : 4 * k + vb].contiguous().view(dtype)
+    kernels.scatter_add(vals if dtype == torch.float32 else vals.float(), idx, out)
     out.div_(ctx.comm.world_size)
-    put_dense(got[:, 2 * k :], dense, out)
+    put_dense(got[:, 4 * k + vb + pad :], dense, out)
     return out
 
 
@@ -93,7 +130,9 @@ class TopK(Compressor):
         cfg = self.config
         e = self.add_residual(x, ctx)
         vals, idx = select(x, big, ctx, cfg.ratio, cfg.sample_ratio)
-        if e is not None:
+        dtype = value_dtype(cfg.value_dtype, ctx)
+        vals = round_values(vals, dtype)
+        if e is not None:  # what is not sent, and what rounding took from what is
             e.copy_(x).index_put_((idx,), -vals, accumulate=True)
             zero_dense(e, dense)
-        return exchange_sparse(vals, idx, x, dense, ctx)
+        return exchange_sparse(vals, idx, x, dense, ctx, dtype)

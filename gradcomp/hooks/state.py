@@ -64,6 +64,7 @@ class _Ctx:
                  param_tensors, device, step: int, live=None):
         self.state, self.bucket, self.params = state, bucket, params
         self.comm, self.step, self.device, self.live = comm, step, device, live
+        self.grad_dtype = torch.float32  # the gradient's own dtype (set by _reduce)
         self.logging = state._writer is not None
         self.details = self.logging and state._details
         self._tensors = param_tensors
@@ -235,6 +236,7 @@ class GradcompState(Guard, Delayed, Telemetry, Checkpoint):
 
             def run(y, method):
                 return method(y, ctx)
+        ctx.grad_dtype = buf.dtype
         if self.compressor.stateless:
             out = run(x, self.compressor.reduce)
         else:
