@@ -1,7 +1,7 @@
 """local_steps=H (DiLoCo / Streaming DiLoCo / SparseLoCo): inner steps without exchange, an
 outer SGD-Nesterov step on the method's average of the pseudo-gradients every H steps.
-Two gloo ranks on CPU, the tiny net of test_distributed; several specs per spawn to keep
-the file fast."""
+Two gloo ranks on CPU, the tiny net of test_distributed: one spawn runs every 2-rank job of
+the module (``runs``), the resume test spawns fresh processes, the hierarchy four ranks."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -49,11 +49,14 @@ def _flat(net):
 
 
 # ---------------------------------------------------------------- equivalences
-def test_local_steps_1_is_todays_path_bit_for_bit():
+TODAY = ("allreduce:local_steps=1,outer_lr=1,outer_momentum=0",
+         "allreduce:outer_lr=0.3,outer_momentum=0.5")
+
+
+def test_local_steps_1_is_todays_path_bit_for_bit(runs):
     # outer options are inert at H=1: plain DDP SGD exactly, whatever they are
-    for spec in ("allreduce:local_steps=1,outer_lr=1,outer_momentum=0",
-                 "allreduce:outer_lr=0.3,outer_momentum=0.5"):
-        ref, got = spawn(_train_pair, 2, args=(spec, {"lr": 0.1}, 4))[0]
+    for spec in TODAY:
+        ref, got = runs[0]["today"][spec]
         assert all(torch.equal(a, b) for a, b in zip(ref, got)), spec
 
 
@@ -77,10 +80,12 @@ def _averaging_by_hand(rank, world, spec, steps):
     return _flat(net), _flat(ref), state.step
 
 
-def test_outer_lr_1_without_momentum_is_parameter_averaging_every_H_steps():
-    steps = 2 * H + 1  # two rounds and an inner step
-    (a0, r0, n0), (a1, r1, _) = spawn(_averaging_by_hand, 2, args=(
-        f"allreduce:local_steps={H},outer_lr=1,outer_momentum=0", steps))
+AVERAGING = (f"allreduce:local_steps={H},outer_lr=1,outer_momentum=0", 2 * H + 1)
+
+
+def test_outer_lr_1_without_momentum_is_parameter_averaging_every_H_steps(runs):
+    # two rounds and an inner step
+    (a0, r0, n0), (a1, r1, _) = (r["averaging"] for r in runs)
     assert n0 == 2  # two outer exchanges
     torch.testing.assert_close(a0, r0, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(a1, r1, atol=1e-6, rtol=1e-5)
@@ -114,10 +119,56 @@ def _nesterov_by_hand(rank, world, spec, lr, mu, rounds):
     return _flat(net), _flat(ref)
 
 
-def test_outer_step_is_torch_sgd_nesterov_on_the_average():
-    got, ref = spawn(_nesterov_by_hand, 2, args=(
-        f"allreduce:local_steps={H},outer_lr=0.7,outer_momentum=0.9", 0.7, 0.9, 3))[0]
+NESTEROV = (f"allreduce:local_steps={H},outer_lr=0.7,outer_momentum=0.9", 0.7, 0.9, 3)
+
+
+def test_outer_step_is_torch_sgd_nesterov_on_the_average(runs):
+    got, ref = runs[0]["nesterov"]
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+
+
+def _late_by_hand(rank, world, spec, lr, mu, rounds):
+    """local_delay=1's rule written out on whole-model vectors (see hooks/local.py): at a
+    round's end P = R - theta; the previous round's average A arrives: m = mu m + A,
+    G = G - lr (A + mu m), theta = G - P; P is sent; R = theta. flush() applies the last."""
+    from torch.nn.utils import parameters_to_vector as p2v, vector_to_parameters as v2p
+    net, model, opt, state = _job(spec, sgd={"lr": LR})
+    local = small_net()
+    lopt = torch.optim.SGD(local.parameters(), lr=LR)
+    G = p2v(local.parameters()).detach().clone()
+    R, m, pending, got, ref = G.clone(), torch.zeros_like(G), None, [], []
+    for r in range(rounds):
+        for i in range(H):
+            _step(model, opt, rank, r * H + i)
+            x, y = batch(rank, r * H + i)
+            lopt.zero_grad()
+            nn.functional.cross_entropy(local(x), y).backward()
+            lopt.step()
+        with torch.no_grad():
+            P = R - p2v(local.parameters())
+            if pending is not None:
+                m = mu * m + pending
+                G = G - lr * (pending + mu * m)
+                v2p(G - P, local.parameters())
+            pending = P.clone()
+            dist.all_reduce(pending)
+            pending /= world
+            R = p2v(local.parameters()).clone()
+        got.append(_flat(net))
+        ref.append(p2v(local.parameters()).detach().clone())
+    state.flush()
+    m = mu * m + pending
+    G = G - lr * (pending + mu * m)
+    return got + [_flat(net)], ref + [G]
+
+
+LATE = (f"allreduce:local_steps={H},local_delay=1,outer_lr=0.7,outer_momentum=0.9", 0.7, 0.9, 3)
+
+
+def test_local_delay_1_is_the_documented_rule(runs):
+    got, ref = runs[1]["late"]
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
 # ---------------------------------------------------------------- rounds
@@ -142,10 +193,14 @@ def _trajectories(rank, world, specs, steps):
     return out
 
 
-def test_ranks_are_identical_after_every_round_and_differ_inside_it():
-    specs = [f"{s}:local_steps={H}" if ":" not in s else f"{s},local_steps={H}" for s in SPECS]
-    steps = 2 * H + 1
-    r0, r1 = spawn(_trajectories, 2, args=(specs, steps))
+ROUNDS = [f"{s}:local_steps={H}" if ":" not in s else f"{s},local_steps={H}" for s in SPECS]
+DELAYED = [f"allreduce:local_steps={H},local_delay=1",
+           f"topk:ratio=0.1,local_steps={H},local_delay=1", f"allreduce:local_steps={H}"]
+
+
+def test_ranks_are_identical_after_every_round_and_differ_inside_it(runs):
+    specs, steps = ROUNDS, 2 * H + 1
+    r0, r1 = (r["rounds"] for r in runs)
     for spec in specs:
         (t0, b0, _, _, n), (t1, b1, _, _, _) = r0[spec], r1[spec]
         assert n == 2, spec
@@ -161,11 +216,10 @@ def test_ranks_are_identical_after_every_round_and_differ_inside_it():
     assert all(not torch.equal(ends[0], e) for e in ends[1:])
 
 
-def test_local_delay_applies_each_round_one_round_late():
-    specs = [f"allreduce:local_steps={H},local_delay=1", f"topk:ratio=0.1,local_steps={H},local_delay=1",
-             f"allreduce:local_steps={H}"]
+def test_local_delay_applies_each_round_one_round_late(runs):
+    specs = DELAYED
     steps = 3 * H  # ends at a round's end; flush() then applies the last exchange
-    r0, r1 = spawn(_trajectories, 2, args=(specs, steps))
+    r0, r1 = (r["delayed"] for r in runs)
     for spec in specs[:2]:
         (t0, _, g0, f0, n), (t1, _, g1, f1, _) = r0[spec], r1[spec]
         assert n == 3, spec
@@ -216,12 +270,14 @@ def _conservation(rank, world, spec, rounds):
     return total, g0 - _flat(net).double(), left
 
 
-@pytest.mark.parametrize("spec", ["topk:ratio=0.05", "onebit:chunk=64"])
-def test_error_feedback_conserves_the_pseudo_gradients(spec):
+CONSERVE = ["topk:ratio=0.05", "onebit:chunk=64"]
+
+
+@pytest.mark.parametrize("spec", CONSERVE)
+def test_error_feedback_conserves_the_pseudo_gradients(spec, runs):
     """With outer_lr=1 and no momentum the global point moves by the sum of the averages:
     sum_t A_t == mean over ranks of (sum_t D_t - final residual)."""
-    (d0, moved0, e0), (d1, moved1, e1) = spawn(_conservation, 2, args=(
-        f"{spec},local_steps={H},outer_lr=1,outer_momentum=0", 3))
+    (d0, moved0, e0), (d1, moved1, e1) = (r["conserve"][spec] for r in runs)
     assert torch.equal(moved0, moved1)
     assert e0.abs().sum() > 0 and e1.abs().sum() > 0  # compression dropped something
     torch.testing.assert_close(moved0, (d0 - e0 + d1 - e1) / 2, atol=1e-6, rtol=1e-5)
@@ -238,11 +294,11 @@ RESUME = [f"topk:ratio=0.05,local_steps={H}", f"topk:ratio=0.05,local_steps={H},
 def _resume(rank, world, path):
     out = {}
     for i, spec in enumerate(RESUME):
-        net, model, opt, state = _job(spec, net_fn=_BNNet)
+        net, model, opt, state = _job(spec, net_fn=_BNNet, lanes=1)
         for step in range(2 * K):
             _step(model, opt, rank, step)
         out[spec] = [_flat(net), net.body[1].running_mean.clone()]
-        net, model, opt, state = _job(spec, net_fn=_BNNet)
+        net, model, opt, state = _job(spec, net_fn=_BNNet, lanes=1)
         for step in range(K):
             _step(model, opt, rank, step)
         torch.save({"model": net.state_dict(), "opt": opt.state_dict(),
@@ -253,7 +309,7 @@ def _resume(rank, world, path):
 def _resume_second_half(rank, world, path):
     out = {}
     for i, spec in enumerate(RESUME):
-        net, model, opt, state = _job(spec, net_fn=_BNNet)
+        net, model, opt, state = _job(spec, net_fn=_BNNet, lanes=1)
         ck = torch.load(f"{path}/{i}-rank{rank}.pt")
         net.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
@@ -264,9 +320,10 @@ def _resume_second_half(rank, world, path):
     return out
 
 
-def test_resume_mid_round_in_fresh_processes_is_bit_exact(tmp_path):
-    ref = spawn(_resume, 2, args=(str(tmp_path),))[0]
-    got = spawn(_resume_second_half, 2, args=(str(tmp_path),))[0]
+def test_resume_mid_round_in_fresh_processes_is_bit_exact(runs):
+    # the uninterrupted jobs and the first halves ran in ``runs``'s processes
+    ref = runs[0]["resume"]
+    got = spawn(_resume_second_half, 2, args=(runs[0]["path"],))[0]
     for spec in RESUME:
         assert got[spec][2] == 2 * K // H, spec
         assert torch.equal(ref[spec][0], got[spec][0]), spec
@@ -310,12 +367,86 @@ def _refusals(rank, world):
     return out
 
 
-def test_bad_input_raises_at_registration_on_every_rank():
-    r0, r1 = spawn(_refusals, 2)
-    for msgs in (r0, r1):
+def test_bad_input_raises_at_registration_on_every_rank(runs):
+    for msgs in (r["refusals"] for r in runs):
         assert "invalid local_steps=0" in msgs[0]
         assert "invalid outer_lr=0.0" in msgs[1]
         assert "needs register(..., optimizer=opt)" in msgs[2]
         assert "scaler= with local_steps=4" in msgs[3]
         assert "method 'dgc' with local_steps=4" in msgs[4]
         assert "invalid delay=1" in msgs[5]
+
+
+# ---------------------------------------------------------------- topology, order
+def _hierarchical(rank, world):
+    net, model, opt, state = _job("topk:ratio=0.1,local_steps=2,topology=hierarchical,local_size=2",
+                                  sgd={"lr": LR}, lanes=2)
+    traj = []
+    for step in range(5):
+        _step(model, opt, rank, step)
+        traj.append(_flat(net))
+    return traj, state.stats()
+
+
+def test_hierarchical_inner_steps_average_inside_the_node_only():
+    """2 nodes x 2 ranks: inner steps apply the node's average (the node's ranks agree, the
+    nodes do not), every round's end makes all four agree; nothing crossed between nodes
+    but the outer exchange."""
+    out = spawn(_hierarchical, 4)
+    t = [o[0] for o in out]
+    for s in range(5):
+        assert torch.equal(t[0][s], t[1][s]) and torch.equal(t[2][s], t[3][s]), s
+        if s % 2 == 1:
+            assert torch.equal(t[0][s], t[2][s]), s
+        else:
+            assert not torch.allclose(t[0][s], t[2][s]), s
+    stats = out[0][1]
+    assert stats["step"] == 2 and 0 < stats["inter_node_wire_bytes"] < stats["raw_wire_bytes"]
+
+
+def _sequences(rank, world, specs):
+    from test_order import _record_collectives
+    log = _record_collectives(rank)
+    out = {}
+    for spec in specs:
+        net, model, opt, state = _job(spec, net_fn=_BNNet, lanes=4)
+        start = len(log)
+        for step in range(2 * H + 1):
+            _step(model, opt, rank, step)
+        state.drain()
+        out[spec] = log[start:]
+        state.close()
+    return out
+
+
+ORDER = [f"powersgd:rank=1,local_steps={H}", f"onebit:chunk=64,local_steps={H},local_delay=1"]
+
+
+def test_every_rank_issues_the_same_global_sequence(runs):
+    r0, r1 = (r["order"] for r in runs)
+    for spec in ORDER:
+        assert len(r0[spec]) > 4 and r0[spec] == r1[spec], spec
+
+
+def _everything(rank, world, path):
+    """Every 2-rank job of the module, in one spawn (the collective recorder goes last: it
+    wraps torch.distributed for the rest of the process)."""
+    return {
+        "today": {spec: _train_pair(rank, world, spec, {"lr": 0.1}, 4) for spec in TODAY},
+        "averaging": _averaging_by_hand(rank, world, *AVERAGING),
+        "nesterov": _nesterov_by_hand(rank, world, *NESTEROV),
+        "late": _late_by_hand(rank, world, *LATE),
+        "rounds": _trajectories(rank, world, ROUNDS, 2 * H + 1),
+        "delayed": _trajectories(rank, world, DELAYED, 3 * H),
+        "conserve": {spec: _conservation(rank, world,
+                                         f"{spec},local_steps={H},outer_lr=1,outer_momentum=0", 3)
+                     for spec in CONSERVE},
+        "refusals": _refusals(rank, world),
+        "resume": _resume(rank, world, path), "path": path,
+        "order": _sequences(rank, world, ORDER),
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return spawn(_everything, 2, args=(str(tmp_path_factory.mktemp("local_steps")),))

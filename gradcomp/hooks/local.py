@@ -59,6 +59,14 @@ class _Round:
         self.step, self.futures = step, futures
         self.buffers_future, self.buffers_sent = buffers_future, buffers_sent
 
+    def __getstate__(self):  # waited for: futures do not pickle
+        return {"step": self.step, "averages": self.averages(), "buffers_avg": self.buffers(),
+                "buffers_sent": self.buffers_sent}
+
+    def __setstate__(self, d):
+        self.__dict__.update(_Round.done(d["step"], d["averages"], d["buffers_avg"],
+                                         d["buffers_sent"]).__dict__)
+
     def averages(self) -> list[torch.Tensor]:
         return [f.wait() for f in self.futures]
 
@@ -189,7 +197,7 @@ class Local:
             slices = _slices((f"buffer:{name}", t) for name, t in self._outer_buffers)
             bfut = self._outer_job(n, buffers.clone(), slices, None, True,
                                    self.compressor.dense)
-        return _Round(self.step - 1, futures, bfut, buffers)
+        return _Round(self._step, futures, bfut, buffers)
 
     def _outer_job(self, bucket, x, slices, tensors, last, plain) -> torch.futures.Future:
         step = self._begin(bucket) if plain is None else max(self._step, 0)
@@ -227,6 +235,13 @@ class Local:
         for t in tensors:
             t.detach().copy_(flat[off : off + t.numel()].view_as(t))
             off += t.numel()
+
+    def drain(self, before: int | None = None) -> None:
+        """Also waits for the outer exchange in flight (local_delay=1)."""
+        if self._round is not None and (before is None or self._round.step < before):
+            self._round.averages()
+            self._round.buffers()
+        super().drain(before)
 
     def flush(self) -> dict:
         """With ``local_delay=1``: wait for the outer exchange in flight and apply it to the

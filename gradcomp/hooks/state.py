@@ -157,14 +157,14 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint):
         for k in ("group", "_lane_groups", "_lanes", "_seq", "_lock", "_error", "_shard_cache",
                   "_param_names",
                   "_params", "_writer", "scaler", "_outer_buckets", "_outer_buffers",
-                  "_local_hooks", "_round"):
+                  "_local_hooks"):
             d.pop(k, None)
         return d
 
     def __setstate__(self, d):
         self.__dict__.update(d)
         self.group, self._param_names, self._params, self._writer = None, {}, {}, None
-        self._lane_groups, self.scaler, self.local_size, self._round = [], None, 0, None
+        self._lane_groups, self.scaler, self.local_size = [], None, 0
         self._local_setup()
         self._setup_runtime()
 
