@@ -347,6 +347,14 @@ def test_bad_options_are_named():
                                                                         "outer_lr": 0.5}
 
 
+def test_a_state_hooked_without_register_refuses_to_train_locally_forever():
+    w = torch.zeros(3, requires_grad=True)
+    st = gradcomp.GradcompState(*gradcomp.build_config("topk:local_steps=2"),
+                                param_names={id(w): "w"}, param_numels={"w": 3})
+    with pytest.raises(RuntimeError, match="local_steps=2: no optimizer to run the outer step"):
+        st.submit(0, torch.zeros(3), [w])
+
+
 def _refusals(rank, world):
     out = []
     cases = [("topk:local_steps=0", {}), ("topk:outer_lr=0", {}),

@@ -308,6 +308,11 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint):
         slices = _slices(zip(names, params))
         devices = [buf.device] if buf.is_cuda else None
         if self.local:  # an inner step: this rank's gradient, or under a hierarchy the node's
+            if not self._local_hooks:
+                raise RuntimeError(f"local_steps={self.config.local_steps}: no optimizer to run "
+                                   f"the outer step from; build the state with gradcomp.register"
+                                   f"(model, ..., optimizer=opt) or call state.bind_local(model."
+                                   f"module, opt, model.bucket_bytes_cap) before training")
             fut = torch.futures.Future(devices=devices)
             if not self.local_size:
                 fut.set_result(buf)
