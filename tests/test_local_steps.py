@@ -172,7 +172,8 @@ def test_local_delay_1_is_the_documented_rule(runs):
 
 
 # ---------------------------------------------------------------- rounds
-SPECS = ["allreduce", "topk:ratio=0.1", "onebit:chunk=64", "powersgd:rank=1"]
+SPECS = ["allreduce", "topk:ratio=0.1", "onebit:chunk=64", "powersgd:rank=1", "dgc:ratio=0.1",
+         "dgc:ratio=1,masking=false"]
 
 
 def _trajectories(rank, world, specs, steps):
@@ -213,7 +214,10 @@ def test_ranks_are_identical_after_every_round_and_differ_inside_it(runs):
                 assert not torch.allclose(b0[s], b1[s]), (spec, s)
     # methods really differ from each other (each went through its own compressor)
     ends = [r0[s][0][-1] for s in specs]
-    assert all(not torch.equal(ends[0], e) for e in ends[1:])
+    assert all(not torch.equal(ends[0], e) for e in ends[1:-1])
+    # dgc sending everything is allreduce: the inner steps kept the optimizer's momentum
+    # (dgc is not bound to it) and the outer step got the plain average
+    torch.testing.assert_close(ends[-1], ends[0], atol=1e-6, rtol=1e-5)
 
 
 def test_local_delay_applies_each_round_one_round_late(runs):
@@ -360,7 +364,6 @@ def _refusals(rank, world):
     cases = [("topk:local_steps=0", {}), ("topk:outer_lr=0", {}),
              ("topk:local_steps=4", {"optimizer": None}),
              ("topk:local_steps=4", {"scaler": torch.amp.GradScaler("cpu")}),
-             ("dgc:ratio=0.1,local_steps=4", {}),
              ("topk:local_steps=4,delay=1", {})]
     for spec, kw in cases:
         model = DDP(small_net())
@@ -381,8 +384,7 @@ def test_bad_input_raises_at_registration_on_every_rank(runs):
         assert "invalid outer_lr=0.0" in msgs[1]
         assert "needs register(..., optimizer=opt)" in msgs[2]
         assert "scaler= with local_steps=4" in msgs[3]
-        assert "method 'dgc' with local_steps=4" in msgs[4]
-        assert "invalid delay=1" in msgs[5]
+        assert "invalid delay=1" in msgs[4]
 
 
 # ---------------------------------------------------------------- topology, order

@@ -128,9 +128,10 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
         state.set_topology(local, pairs)
     model.register_comm_hook(state, hook)
     if optimizer is not None:  # only once every rank agreed: nothing attached on a refusal
-        state.compressor.bind(optimizer, state._param_names)
-        if state.local:
+        if state.local:  # inner steps are the optimizer's own (hooks/local.py)
             state.bind_local(model.module, optimizer, getattr(model, "bucket_bytes_cap", None))
+        else:
+            state.compressor.bind(optimizer, state._param_names)
     if log_dir is not None and (log_all_ranks or dist.get_rank(group) == 0):
         from torch.utils.tensorboard import SummaryWriter
         state.attach(SummaryWriter(log_dir), details=log_details)

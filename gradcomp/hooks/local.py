@@ -37,15 +37,17 @@ training call ``state.flush()`` at a round's end: it waits for the exchange in f
 applies it (no ``optimizer.step()`` after it); every rank then holds G.
 
 Options ``dense_steps``, warm-ups and random streams count outer rounds (``state.step``).
-Refused: ``delay`` (nothing to delay on inner steps; ``local_delay`` is the overlap), a
-GradScaler (a rank that skips a step would fall out of step with the others' rounds), and a
-method that drives the optimizer itself (DGC's momentum correction: use ``topk``).
+The method is not bound to the optimizer: the inner steps are the optimizer's own, with its
+momentum and weight decay (DGC then sparsifies the pseudo-gradient with its warm-up,
+clipping and accumulation, and no momentum correction: the outer Nesterov momentum is the
+momentum of the outer loop). Refused: ``delay`` (nothing to delay on inner steps;
+``local_delay`` is the overlap) and a GradScaler (a rank that skips a step would fall out of
+step with the others' rounds).
 """
 from __future__ import annotations
 
 import torch
 
-from ..compressors.base import Compressor
 from .delayed import _slices
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
@@ -95,10 +97,12 @@ def check_local(state, optimizer, scaler) -> None:
         raise ValueError(f"scaler= with local_steps={H}: a GradScaler skips optimizer steps on "
                          f"the rank that overflowed, which would then end its rounds at other "
                          f"steps than the rest; use bfloat16 without a scaler")
-    if type(state.compressor).bind is not Compressor.bind:
-        raise ValueError(f"method {state.method!r} with local_steps={H}: it drives the optimizer "
-                         f"itself (momentum in the hook), which inner steps without exchange "
-                         f"would lose; use 'topk' (SparseLoCo) or another method")
+
+
+def _node_average(x: torch.Tensor, ctx) -> torch.Tensor:
+    """Between nodes, nothing: under a hierarchical topology an inner step averages inside
+    the node only (the node's reduce-scatter, this, the node's allgather)."""
+    return x
 
 
 class Local:

@@ -34,7 +34,7 @@ from .checkpoint import Checkpoint
 from .delayed import Delayed, _Pending, _slices
 from .engine import Lane, Sequencer, Ticket
 from .guard import Guard
-from .local import Local
+from .local import Local, _node_average
 from .telemetry import Telemetry, _sq_norm
 from .topology import Shards
 
@@ -50,12 +50,6 @@ _LIVE: "weakref.WeakSet[GradcompState]" = weakref.WeakSet()
 def _close_all() -> None:
     for state in list(_LIVE):
         state.close()
-
-
-def _node_average(x: torch.Tensor, ctx) -> torch.Tensor:
-    """Between nodes, nothing: under a hierarchical topology an inner step of local_steps
-    averages inside the node only (reduce-scatter, this, allgather)."""
-    return x
 
 
 def _mix(*parts: int) -> int:
