@@ -29,10 +29,13 @@ where round t+1 started on this rank):
   sent and R = theta.
 
 So the rank's own contribution of round t in theta is replaced by the outer update, and its
-progress since carries on (as delayed gradient averaging does with gradients). G follows
-exactly the trajectory of local_delay=0 fed with the same averages, identical on every rank;
-the ranks' parameters differ from G by their latest round's progress only. Buffers: b = A_b +
-(b - b_t), the rank's own value at the end of round t replaced by the average. At the end of
+progress since carries on (as delayed gradient averaging does with gradients). Streaming
+DiLoCo overlaps tau < H inner steps and then mixes theta = alpha theta + (1 - alpha) G; here
+tau = H, and nothing of the progress made since is thrown away or mixed: only the part of
+theta the exchange replaces changes. G follows exactly the trajectory of local_delay=0 fed
+with the same averages, identical on every rank; the ranks' parameters differ from G by
+their latest round's progress only. Buffers: b = A_b + (b - b_t), the rank's own value at
+the end of round t replaced by the average. At the end of
 training call ``state.flush()`` at a round's end: it waits for the exchange in flight and
 applies it (no ``optimizer.step()`` after it); every rank then holds G.
 
