@@ -241,6 +241,40 @@ def test_local_delay_applies_each_round_one_round_late(runs):
     assert not torch.equal(late, sync)
 
 
+def _bf16(rank, world):
+    """A bf16 model: two rounds of training, then a round of inner steps at lr 0."""
+    net = small_net().to(torch.bfloat16)
+    model = DDP(net, bucket_cap_mb=0.004)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    state = gradcomp.register(model, f"allreduce:local_steps={H},outer_momentum=0",
+                              optimizer=opt, min_numel=0)
+    traj, glob = [], []
+    for step in range(3 * H):
+        if step == 2 * H:
+            opt.param_groups[0]["lr"] = 0.0
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x.bfloat16()), y).backward()
+        opt.step()
+        traj.append(_flat(net))
+        glob.append(torch.cat(state._start).clone())
+    return traj, glob, _flat(net).dtype
+
+
+def test_a_bf16_model_keeps_its_global_point_in_fp32(runs):
+    """G is fp32 and the ranks agree after each round; a round without progress leaves G
+    where it was (the parameters' bf16 rounding of G is not a pseudo-gradient)."""
+    (t0, g0, pd), (t1, g1, _) = (r["bf16"] for r in runs)
+    assert pd == torch.bfloat16 and g0[-1].dtype == torch.float32
+    assert not torch.equal(g0[-1], g0[-1].bfloat16().float())  # G is not bf16-representable
+    for s in range(3 * H):
+        assert torch.equal(g0[s], g1[s]), s
+        if s < 2 * H:  # (the third round does not move)
+            assert torch.equal(t0[s], t1[s]) == ((s + 1) % H == 0), s
+    assert not torch.equal(g0[H - 1], g0[2 * H - 1])
+    assert torch.equal(g0[2 * H - 1], g0[3 * H - 1])
+
+
 # ---------------------------------------------------------------- error feedback
 def _conservation(rank, world, spec, rounds):
     """Per rank: sum over rounds of the true pseudo-gradient D (captured by an optimizer
@@ -452,6 +486,7 @@ def _everything(rank, world, path):
                                          f"{spec},local_steps={H},outer_lr=1,outer_momentum=0", 3)
                      for spec in CONSERVE},
         "refusals": _refusals(rank, world),
+        "bf16": _bf16(rank, world),
         "resume": _resume(rank, world, path), "path": path,
         "order": _sequences(rank, world, ORDER),
     }

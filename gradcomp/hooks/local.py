@@ -10,7 +10,8 @@ post-hook, installed by ``register``, counts steps; at the end of every round of
 per parameter, in fp32 (G: the global point, identical on every rank; m: outer momentum;
 lr = ``outer_lr``, mu = ``outer_momentum``):
 
-  1. D = G - theta, this rank's pseudo-gradient;
+  1. D = R - theta, this rank's pseudo-gradient (R: the parameters at the round's start,
+     G itself for fp32 parameters, G rounded to a half-precision parameter's dtype);
   2. A = the method's average of D over ranks: flat buckets (DDP's bucket cap) go through
      the lanes in the global collective order, with the method's error feedback and the
      inf/NaN guard, like DDP's buckets;
@@ -114,7 +115,7 @@ class Local:
     def _local_init(self) -> None:
         self._inner = 0                      # optimizer steps taken (inner steps)
         self._start: list | None = None      # per outer bucket: G, fp32 flat
-        self._anchor: list | None = None     # per outer bucket: where this round's D starts
+        self._anchor: list | None = None     # per outer bucket: R, where this round's D starts
         self._outer_m: list | None = None    # per outer bucket: outer momentum
         self._round: _Round | None = None    # local_delay=1: the exchange in flight
         self._local_setup()
@@ -169,8 +170,21 @@ class Local:
         # (from a checkpoint, or pretrained weights) starts the first round
         if self._start is None:
             self._start = [self._flat_params(ts) for _, ts in self._outer_buckets]
-            self._anchor = (self._start if not self.config.local_delay
-                            else [g.clone() for g in self._start])
+            self._reanchor()
+
+    def _shared_anchor(self) -> bool:
+        """Whether R is G itself: local_delay=0 and fp32 parameters (which hold G exactly)."""
+        return not self.config.local_delay and all(
+            t.dtype == torch.float32 for _, ts in self._outer_buckets for t in ts)
+
+    def _reanchor(self) -> None:
+        """R = the parameters as they now are, where the next D is measured from. Not G for
+        half-precision parameters: they hold G rounded, and that rounding is no progress
+        (measured from G it would pull G towards its rounded value every round)."""
+        if self._shared_anchor():
+            self._anchor = self._start
+        else:
+            self._anchor = [self._flat_params(ts) for _, ts in self._outer_buckets]
 
     def _inner_post(self, optimizer, args, kwargs) -> None:
         self._inner += 1
@@ -182,12 +196,12 @@ class Local:
         deltas = [r - self._flat_params(ts) for r, (_, ts) in zip(self._anchor, self._outer_buckets)]
         if not self.config.local_delay:
             self._outer_apply(self._outer_send(deltas), None)
-            return
-        pending, self._round = self._round, None
-        if pending is not None:
-            self._outer_apply(pending, deltas)
-        self._round = self._outer_send(deltas)
-        self._anchor = [self._flat_params(ts) for _, ts in self._outer_buckets]
+        else:
+            pending, self._round = self._round, None
+            if pending is not None:
+                self._outer_apply(pending, deltas)
+            self._round = self._outer_send(deltas)
+        self._reanchor()
 
     def _outer_send(self, deltas) -> _Round:
         """Queue each bucket's exchange of ``deltas`` (and the buffers' plain average) in the
@@ -260,7 +274,7 @@ class Local:
                 progress = [r - self._flat_params(ts)
                             for r, (_, ts) in zip(self._anchor, self._outer_buckets)]
                 self._outer_apply(rnd, progress)
-                self._anchor = [self._flat_params(ts) for _, ts in self._outer_buckets]
+                self._reanchor()
         return super().flush()
 
     # ------------------------------------------------------------------ checkpoints
@@ -301,7 +315,7 @@ class Local:
             raise ValueError("checkpoint has no local_steps state (saved with local_steps=1)")
         self._inner = sd["inner_steps"]
         self._start = self._flats(sd["start"])
-        self._anchor = self._start if not self.config.local_delay else self._flats(sd["anchor"])
+        self._anchor = self._start if self._shared_anchor() else self._flats(sd["anchor"])
         self._outer_m = self._flats(sd["momentum"])
         r = sd.get("round")
         self._round = None if r is None else _Round.done(
