@@ -34,6 +34,16 @@ class MethodConfig:
         nodes' ranks of the same local index, dense allgather inside the node) or "auto"
         (hierarchical when the job spans several nodes of several ranks each).
     local_size: ranks per node for the hierarchy (0: torchrun's LOCAL_WORLD_SIZE).
+    local_steps: H > 1 syncs every H optimizer steps instead of every step (DiLoCo,
+        Douillard et al. 2023): inner steps send nothing across nodes; every H steps the
+        pseudo-gradient (round start - parameters) goes through the method, with its error
+        feedback, and an outer SGD-Nesterov step (``outer_lr``, ``outer_momentum``) applies
+        the average. 1 = every step (the usual path). See hooks/local.py.
+    outer_lr, outer_momentum: the outer optimizer's learning rate and Nesterov momentum.
+    local_delay: 1 overlaps a round's outer exchange with the next round's inner steps and
+        applies it one round late (Streaming DiLoCo, Douillard et al. 2025); 0 = at once.
+    With local_steps > 1 the method's step counter (``dense_steps``, warm-ups, random
+    streams) counts outer rounds.
     """
 
     min_numel: int = DEFAULT_MIN_NUMEL
@@ -43,6 +53,10 @@ class MethodConfig:
     dense_steps: int = 0
     topology: str = "auto"
     local_size: int = 0
+    local_steps: int = 1
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    local_delay: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -58,6 +72,18 @@ class MethodConfig:
         check(self.topology in TOPOLOGIES, "topology", self.topology, ", ".join(TOPOLOGIES))
         check(self.local_size >= 0, "local_size", self.local_size,
               "an integer >= 0 (0: LOCAL_WORLD_SIZE)")
+        check(self.local_steps >= 1, "local_steps", self.local_steps,
+              "an integer >= 1 (1 = sync every step)")
+        check(self.outer_lr > 0, "outer_lr", self.outer_lr, "a number > 0")
+        check(0 <= self.outer_momentum < 1, "outer_momentum", self.outer_momentum,
+              "a number in [0, 1)")
+        check(self.local_delay in (0, 1), "local_delay", self.local_delay,
+              "0 (outer step at the round's end) or 1 (one round late, overlapped)")
+        check(self.local_steps > 1 or self.local_delay == 0, "local_delay", self.local_delay,
+              "0 unless local_steps > 1")
+        check(self.local_steps == 1 or self.delay == 0, "delay", self.delay,
+              f"0 with local_steps={self.local_steps} (inner steps send nothing to delay; "
+              f"local_delay=1 overlaps the outer exchange instead)")
         self.validate()
 
     def validate(self) -> None:

@@ -4,6 +4,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ..compressors import METHODS
+from .local import check_local
 from .state import GradcompState
 from .topology import node_size
 
@@ -65,7 +66,9 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
     applying them again (zero only while ``optimizer.step()`` runs). ``scaler``: the ``torch.amp.GradScaler`` of an fp16
     job, whose loss scale the gradients carry; the hook keeps its memory unscaled so that
     scale changes do not corrupt it (not with ``delay``: a rank's overflow would reach the
-    others only D steps later). ``log_dir``: TensorBoard scalars per step (rank 0
+    others only D steps later). With ``local_steps`` > 1 ``optimizer`` is required: the
+    outer step runs from its step post-hook every ``local_steps`` steps (hooks/local.py).
+    ``log_dir``: TensorBoard scalars per step (rank 0
     only unless ``log_all_ranks``; ``log_details`` adds costly diagnostics such as PowerSGD's
     approximation error: see :meth:`GradcompState.attach`). Must be called on every rank (it is collective):
     ranks that registered different methods or options all raise ValueError.
@@ -98,6 +101,7 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
                                  f"learn of it only {state.config.delay} steps later; use "
                                  f"delay=0, or bfloat16 without a scaler")
             state.scaler = scaler
+        check_local(state, optimizer, scaler)
         local = node_size(state.config, len(ranks))
         mine = (f"{state.digest()}/{lanes}/{local}", state.method,
                 {**state.config.to_dict(), "lanes": lanes, "ranks per node": local})
@@ -124,7 +128,10 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
         state.set_topology(local, pairs)
     model.register_comm_hook(state, hook)
     if optimizer is not None:  # only once every rank agreed: nothing attached on a refusal
-        state.compressor.bind(optimizer, state._param_names)
+        if state.local:  # inner steps are the optimizer's own (hooks/local.py)
+            state.bind_local(model.module, optimizer, getattr(model, "bucket_bytes_cap", None))
+        else:
+            state.compressor.bind(optimizer, state._param_names)
     if log_dir is not None and (log_all_ranks or dist.get_rank(group) == 0):
         from torch.utils.tensorboard import SummaryWriter
         state.attach(SummaryWriter(log_dir), details=log_details)

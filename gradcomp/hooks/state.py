@@ -7,6 +7,7 @@ counter, and the lanes that run the exchanges. What it owns, one module each:
   delayed.py     delayed averaging: exchanges owed, ``flush``
   telemetry.py   ``stats()`` and TensorBoard scalars
   checkpoint.py  ``state_dict`` / ``load_state_dict``
+  local.py       ``local_steps``: inner steps without exchange, the outer step every H
 
 This module ties them together: ``submit`` (DDP's thread: step counter, a ticket in the
 order, the lane) and ``_reduce`` (a lane: the method's exchange of one bucket). The hook
@@ -33,6 +34,7 @@ from .checkpoint import Checkpoint
 from .delayed import Delayed, _Pending, _slices
 from .engine import Lane, Sequencer, Ticket
 from .guard import Guard
+from .local import Local, _node_average
 from .telemetry import Telemetry, _sq_norm
 from .topology import Shards
 
@@ -103,7 +105,7 @@ class _Ctx:
             logs[key] = (total + value, n + 1)
 
 
-class GradcompState(Guard, Delayed, Telemetry, Checkpoint):
+class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint):
     """Everything one registered hook owns. Build it with :func:`gradcomp.register`, or
     directly to call ``register_comm_hook(state, gradcomp.hook)`` yourself."""
 
@@ -137,6 +139,7 @@ class GradcompState(Guard, Delayed, Telemetry, Checkpoint):
         self.scaler = None  # a torch.amp.GradScaler whose scale the gradients carry
         self._params: dict[str, torch.Tensor] = {}
         self.local_size = 0  # ranks per node of a hierarchical topology (0: flat)
+        self._local_init()
         self._setup_runtime()
 
     # ------------------------------------------------------------------ runtime
@@ -152,7 +155,8 @@ class GradcompState(Guard, Delayed, Telemetry, Checkpoint):
         self.drain()
         for k in ("group", "_lane_groups", "_lanes", "_seq", "_lock", "_error", "_shard_cache",
                   "_param_names",
-                  "_params", "_writer", "scaler"):
+                  "_params", "_writer", "scaler", "_outer_buckets", "_outer_buffers",
+                  "_local_hooks"):
             d.pop(k, None)
         return d
 
@@ -160,6 +164,7 @@ class GradcompState(Guard, Delayed, Telemetry, Checkpoint):
         self.__dict__.update(d)
         self.group, self._param_names, self._params, self._writer = None, {}, {}, None
         self._lane_groups, self.scaler, self.local_size = [], None, 0
+        self._local_setup()
         self._setup_runtime()
 
     @property
@@ -207,7 +212,11 @@ class GradcompState(Guard, Delayed, Telemetry, Checkpoint):
         return self._reduce(self._lanes[0], x, list(params), bucket, param_tensors, step,
                             live=live)
 
-    def _reduce(self, lane, buf, params, bucket, param_tensors, step, scale=None, live=None):
+    def _reduce(self, lane, buf, params, bucket, param_tensors, step, scale=None, live=None,
+                plain=None):
+        """One bucket's exchange on ``lane``. ``plain``: a reduce(x, ctx) run instead of the
+        method's, without memory or guard (local_steps: an inner step's node average, the
+        buffers' average)."""
         if bucket == 0 and self._writer is not None:
             # the last step every exchange of which has finished by now
             self._write_scalars(step - 1 - self.config.delay)
@@ -237,7 +246,9 @@ class GradcompState(Guard, Delayed, Telemetry, Checkpoint):
             def run(y, method):
                 return method(y, ctx)
         ctx.grad_dtype = buf.dtype
-        if self.compressor.stateless:
+        if plain is not None:
+            out = run(x, plain)
+        elif self.compressor.stateless:
             out = run(x, self.compressor.reduce)
         else:
             dense = step < self.config.dense_steps
@@ -295,6 +306,21 @@ class GradcompState(Guard, Delayed, Telemetry, Checkpoint):
                                    "register the state on the model it was built for")
             names.append(name)
         slices = _slices(zip(names, params))
+        devices = [buf.device] if buf.is_cuda else None
+        if self.local:  # an inner step: this rank's gradient, or under a hierarchy the node's
+            if not self._local_hooks:
+                raise RuntimeError(f"local_steps={self.config.local_steps}: no optimizer to run "
+                                   f"the outer step from; build the state with gradcomp.register"
+                                   f"(model, ..., optimizer=opt) or call state.bind_local(model."
+                                   f"module, opt, model.bucket_bytes_cap) before training")
+            fut = torch.futures.Future(devices=devices)
+            if not self.local_size:
+                fut.set_result(buf)
+                return fut
+            lane = self._lanes[bucket % len(self._lanes)]
+            self._enqueue(lane, bucket, last, (bucket, buf, slices, None, self.step, None, None,
+                                               _node_average), fut, False)
+            return fut
         step = self._begin(bucket)
         scale = self._scale()
         live = self.compressor.live(names)
@@ -311,11 +337,10 @@ class GradcompState(Guard, Delayed, Telemetry, Checkpoint):
         if self.trace is not None:
             now = time.perf_counter()
             self.trace.append(("submit", bucket, now, now))
-        devices = [buf.device] if buf.is_cuda else None
         if D == 0:
             fut = torch.futures.Future(devices=devices)
-            self._enqueue(lane, bucket, last, (bucket, buf, slices, list(params), step, scale, live),
-                          fut, False)
+            self._enqueue(lane, bucket, last,
+                          (bucket, buf, slices, list(params), step, scale, live, None), fut, False)
             return fut
         # Delayed averaging: exchange a copy in the background, apply the local gradient now
         # plus the correction (average - local) of step - D. The copy, and the parameters
@@ -327,8 +352,8 @@ class GradcompState(Guard, Delayed, Telemetry, Checkpoint):
         if self.compressor.reads_params(live):
             tensors = [p.detach().clone() for p in params]
         job = torch.futures.Future(devices=devices)  # its wait orders after the lane's stream
-        self._enqueue(lane, bucket, last, (bucket, buf.clone(), slices, tensors, step, None, live),
-                      job, True)
+        self._enqueue(lane, bucket, last,
+                      (bucket, buf.clone(), slices, tensors, step, None, live, None), job, True)
         self._pending.append(_Pending(step, slices, job))
         corr = self._take(step - D, slices, buf)
         if corr is not None:
@@ -364,6 +389,7 @@ class GradcompState(Guard, Delayed, Telemetry, Checkpoint):
         for lane in self._lanes:
             lane.close()
         self.compressor.unbind()
+        self._local_close()
         self.group = None
         if self._writer is not None:
             for step in range(self._written + 1, self._step + 1):
@@ -380,7 +406,7 @@ class GradcompState(Guard, Delayed, Telemetry, Checkpoint):
             job = lane.queue.get()
             if job is None:
                 return
-            bucket, buf, slices, params, step, scale, live, event, fut, delayed, rnd = job
+            bucket, buf, slices, params, step, scale, live, plain, event, fut, delayed, rnd = job
             ticket = Ticket(self._seq, rnd, bucket, TURN_TIMEOUT_S)
             if self._error is not None:
                 ticket.close()
@@ -396,7 +422,8 @@ class GradcompState(Guard, Delayed, Telemetry, Checkpoint):
                     t0 = time.perf_counter()
                     lane.set_ticket(ticket)
                     with torch.profiler.record_function(f"gradcomp.{self.method}.bucket{bucket}"):
-                        out = self._reduce(lane, buf, slices, bucket, params, step, scale, live)
+                        out = self._reduce(lane, buf, slices, bucket, params, step, scale, live,
+                                           plain)
                     ticket.close()  # as soon as it issues no more (again in finally: a no-op)
                     if self.trace is not None:
                         self.trace.append(("exchange", bucket, t0, time.perf_counter()))

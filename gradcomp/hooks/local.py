@@ -1,0 +1,322 @@
+"""Local steps with a compressed outer step, ``local_steps=H``: DiLoCo (Douillard et al.,
+"DiLoCo: Distributed Low-Communication Training of Language Models", 2023, arXiv:2311.08105),
+overlapped as in Streaming DiLoCo (Douillard et al., "Streaming DiLoCo with overlapping
+communication", 2025, arXiv:2501.18512), with any method's compressor and error feedback on
+the pseudo-gradient (SparseLoCo, 2025: top-k + error feedback).
+
+With H > 1 the DDP hook hands each rank's own gradient back (under a hierarchical topology:
+the node's average) and the optimizer steps locally ("inner steps"). An optimizer step
+post-hook, installed by ``register``, counts steps; at the end of every round of H steps,
+per parameter, in fp32 (G: the global point, identical on every rank; m: outer momentum;
+lr = ``outer_lr``, mu = ``outer_momentum``):
+
+  1. D = R - theta, this rank's pseudo-gradient (R: the parameters at the round's start,
+     G itself for fp32 parameters, G rounded to a half-precision parameter's dtype);
+  2. A = the method's average of D over ranks: flat buckets (DDP's bucket cap) go through
+     the lanes in the global collective order, with the method's error feedback and the
+     inf/NaN guard, like DDP's buckets;
+  3. m = mu m + A;  G = G - lr (A + mu m)   (torch's SGD with nesterov=True, dampening 0,
+     applied to the gradient A; its first step takes m = A, as here from m = 0);
+  4. theta = G; floating-point buffers (BatchNorm statistics) = their plain average.
+Every rank ends the round with the same parameters (bit for bit). The inner optimizer's
+state (momentum, Adam moments) stays each rank's own, as in DiLoCo.
+
+``local_delay=1`` (Streaming DiLoCo's overlap, a whole round late): at the end of round t
+the exchange of D_t starts and round t+1's inner steps run while it is in flight. At the end
+of round t+1 its average arrives; with P = R - theta this rank's progress in round t+1 (R:
+where round t+1 started on this rank):
+
+  G = G - lr (A_t + mu m)  (step 3, one round late);   theta = G - P;   then D_{t+1} = P is
+  sent and R = theta.
+
+So the rank's own contribution of round t in theta is replaced by the outer update, and its
+progress since carries on (as delayed gradient averaging does with gradients). Streaming
+DiLoCo overlaps tau < H inner steps and then mixes theta = alpha theta + (1 - alpha) G; here
+tau = H, and nothing of the progress made since is thrown away or mixed: only the part of
+theta the exchange replaces changes. G follows exactly the trajectory of local_delay=0 fed
+with the same averages, identical on every rank; the ranks' parameters differ from G by
+their latest round's progress only. Buffers: b = A_b + (b - b_t), the rank's own value at
+the end of round t replaced by the average. At the end of
+training call ``state.flush()`` at a round's end: it waits for the exchange in flight and
+applies it (no ``optimizer.step()`` after it); every rank then holds G.
+
+Options ``dense_steps``, warm-ups and random streams count outer rounds (``state.step``).
+The method is not bound to the optimizer: the inner steps are the optimizer's own, with its
+momentum and weight decay (DGC then sparsifies the pseudo-gradient with its warm-up,
+clipping and accumulation, and no momentum correction: the outer Nesterov momentum is the
+momentum of the outer loop). Refused: ``delay`` (nothing to delay on inner steps;
+``local_delay`` is the overlap) and a GradScaler (a rank that skips a step would fall out of
+step with the others' rounds).
+"""
+from __future__ import annotations
+
+import torch
+
+from .delayed import _slices
+
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
+
+
+class _Round:
+    """An outer exchange in flight: its step, each bucket's future (the average of D), the
+    buffers' future and this rank's buffers when it was sent."""
+
+    def __init__(self, step, futures, buffers_future=None, buffers_sent=None):
+        self.step, self.futures = step, futures
+        self.buffers_future, self.buffers_sent = buffers_future, buffers_sent
+
+    def __getstate__(self):  # waited for: futures do not pickle
+        return {"step": self.step, "averages": self.averages(), "buffers_avg": self.buffers(),
+                "buffers_sent": self.buffers_sent}
+
+    def __setstate__(self, d):
+        self.__dict__.update(_Round.done(d["step"], d["averages"], d["buffers_avg"],
+                                         d["buffers_sent"]).__dict__)
+
+    def averages(self) -> list[torch.Tensor]:
+        return [f.wait() for f in self.futures]
+
+    def buffers(self):
+        return self.buffers_future.wait() if self.buffers_future is not None else None
+
+    @classmethod
+    def done(cls, step, averages, buffers_avg, buffers_sent) -> "_Round":
+        def ready(t):
+            f = torch.futures.Future()
+            f.set_result(t)
+            return f
+        return cls(step, [ready(a) for a in averages],
+                   ready(buffers_avg) if buffers_avg is not None else None, buffers_sent)
+
+
+def check_local(state, optimizer, scaler) -> None:
+    """Registration-time refusals of ``local_steps > 1`` (raise ValueError naming what)."""
+    H = state.config.local_steps
+    if H == 1:
+        return
+    if optimizer is None:
+        raise ValueError(f"local_steps={H} needs register(..., optimizer=opt): the outer step "
+                         f"runs every {H} calls of opt.step() (a step post-hook)")
+    if scaler is not None:
+        raise ValueError(f"scaler= with local_steps={H}: a GradScaler skips optimizer steps on "
+                         f"the rank that overflowed, which would then end its rounds at other "
+                         f"steps than the rest; use bfloat16 without a scaler")
+
+
+def _node_average(x: torch.Tensor, ctx) -> torch.Tensor:
+    """Between nodes, nothing: under a hierarchical topology an inner step averages inside
+    the node only (the node's reduce-scatter, this, the node's allgather)."""
+    return x
+
+
+class Local:
+    """Mixin of GradcompState: local steps and the outer step (see the module doc)."""
+
+    def _local_init(self) -> None:
+        self._inner = 0                      # optimizer steps taken (inner steps)
+        self._start: list | None = None      # per outer bucket: G, fp32 flat
+        self._anchor: list | None = None     # per outer bucket: R, where this round's D starts
+        self._outer_m: list | None = None    # per outer bucket: outer momentum
+        self._round: _Round | None = None    # local_delay=1: the exchange in flight
+        self._local_setup()
+
+    def _local_setup(self) -> None:
+        """The runtime part (not pickled): the model's tensors and the optimizer's hooks."""
+        self._outer_buckets: list = []       # [(slices, parameter tensors)]
+        self._outer_buffers: list = []       # [(name, buffer)] floating-point buffers
+        self._local_hooks: list = []
+
+    @property
+    def local(self) -> bool:
+        """Whether this state syncs every ``local_steps`` > 1 steps."""
+        return self.config.local_steps > 1
+
+    def bind_local(self, module: torch.nn.Module, optimizer, bucket_bytes: int | None) -> None:
+        """Lay the outer buckets out (every trainable parameter, in module order, cut at
+        ``bucket_bytes`` of fp32) and hook ``optimizer``'s steps. Called by ``register``."""
+        cap = bucket_bytes or DEFAULT_BUCKET_BYTES
+        names = self._param_names
+        buckets, cur, size = [], [], 0
+        for p in module.parameters():
+            if id(p) not in names:
+                continue
+            if cur and size + 4 * p.numel() > cap:
+                buckets.append(cur)
+                cur, size = [], 0
+            cur.append((names[id(p)], p))
+            size += 4 * p.numel()
+        if cur:
+            buckets.append(cur)
+        self._outer_buckets = [(_slices(b), [p for _, p in b]) for b in buckets]
+        self._outer_buffers = [(n, b) for n, b in module.named_buffers()
+                               if b.dtype.is_floating_point]
+        for h in getattr(optimizer, "_gradcomp_local_hooks", ()):
+            h.remove()  # registered again (a resumed job): one pair of hooks only
+        self._local_hooks = [optimizer.register_step_pre_hook(self._inner_pre),
+                             optimizer.register_step_post_hook(self._inner_post)]
+        optimizer._gradcomp_local_hooks = self._local_hooks
+
+    def _local_close(self) -> None:
+        for h in self._local_hooks:
+            h.remove()
+        self._local_hooks = []
+
+    # ------------------------------------------------------------------ rounds
+    def _flat_params(self, tensors) -> torch.Tensor:
+        return torch.cat([t.detach().reshape(-1).float() for t in tensors])
+
+    def _inner_pre(self, optimizer, args, kwargs) -> None:
+        # G is taken at the first step, not at registration: a model loaded after register()
+        # (from a checkpoint, or pretrained weights) starts the first round
+        if self._start is None:
+            self._start = [self._flat_params(ts) for _, ts in self._outer_buckets]
+            self._reanchor()
+
+    def _shared_anchor(self) -> bool:
+        """Whether R is G itself: local_delay=0 and fp32 parameters (which hold G exactly)."""
+        return not self.config.local_delay and all(
+            t.dtype == torch.float32 for _, ts in self._outer_buckets for t in ts)
+
+    def _reanchor(self) -> None:
+        """R = the parameters as they now are, where the next D is measured from. Not G for
+        half-precision parameters: they hold G rounded, and that rounding is no progress
+        (measured from G it would pull G towards its rounded value every round)."""
+        if self._shared_anchor():
+            self._anchor = self._start
+        else:
+            self._anchor = [self._flat_params(ts) for _, ts in self._outer_buckets]
+
+    def _inner_post(self, optimizer, args, kwargs) -> None:
+        self._inner += 1
+        if self._inner % self.config.local_steps == 0:
+            with torch.no_grad():
+                self._round_end()
+
+    def _round_end(self) -> None:
+        deltas = [r - self._flat_params(ts) for r, (_, ts) in zip(self._anchor, self._outer_buckets)]
+        if not self.config.local_delay:
+            self._outer_apply(self._outer_send(deltas), None)
+        else:
+            pending, self._round = self._round, None
+            if pending is not None:
+                self._outer_apply(pending, deltas)
+            self._round = self._outer_send(deltas)
+        self._reanchor()
+
+    def _outer_send(self, deltas) -> _Round:
+        """Queue each bucket's exchange of ``deltas`` (and the buffers' plain average) in the
+        global order; returns the round in flight."""
+        n = len(self._outer_buckets)
+        buffers = None
+        if self._outer_buffers:
+            buffers = torch.cat([b.detach().reshape(-1).float() for _, b in self._outer_buffers])
+        futures, bfut = [], None
+        for b, ((slices, tensors), d) in enumerate(zip(self._outer_buckets, deltas)):
+            fut = self._outer_job(b, d, slices, tensors, b == n - 1 and buffers is None, None)
+            futures.append(fut)
+        if buffers is not None:
+            slices = _slices((f"buffer:{name}", t) for name, t in self._outer_buffers)
+            bfut = self._outer_job(n, buffers.clone(), slices, None, True,
+                                   self.compressor.dense)
+        return _Round(self._step, futures, bfut, buffers)
+
+    def _outer_job(self, bucket, x, slices, tensors, last, plain) -> torch.futures.Future:
+        step = self._begin(bucket) if plain is None else max(self._step, 0)
+        live = self.compressor.live([s.name for s in slices]) if plain is None else None
+        lane = self._lanes[bucket % len(self._lanes)]
+        fut = torch.futures.Future(devices=[x.device] if x.is_cuda else None)
+        self._enqueue(lane, bucket, last, (bucket, x, slices, tensors, step, None, live, plain),
+                      fut, False)
+        return fut
+
+    def _outer_apply(self, rnd: _Round, progress) -> None:
+        """The outer step with the round's averages: G = G - lr (A + mu m); parameters =
+        G (local_delay=0) or G - ``progress`` (local_delay=1: this rank's progress since)."""
+        lr, mu = self.config.outer_lr, self.config.outer_momentum
+        avgs = rnd.averages()
+        if self._outer_m is None and mu:
+            self._outer_m = [torch.zeros_like(a) for a in avgs]
+        for b, (g, a, (_, tensors)) in enumerate(zip(self._start, avgs, self._outer_buckets)):
+            if mu:
+                m = self._outer_m[b]
+                m.mul_(mu).add_(a)
+                a = a.add(m, alpha=mu)
+            g.add_(a, alpha=-lr)
+            self._copy_into(tensors, g if progress is None else g - progress[b])
+        avg = rnd.buffers()
+        if avg is not None:
+            if rnd.buffers_sent is not None and self.config.local_delay:
+                now = torch.cat([t.detach().reshape(-1).float() for _, t in self._outer_buffers])
+                avg = avg + (now - rnd.buffers_sent)
+            self._copy_into([t for _, t in self._outer_buffers], avg)
+
+    @staticmethod
+    def _copy_into(tensors, flat) -> None:
+        off = 0
+        for t in tensors:
+            t.detach().copy_(flat[off : off + t.numel()].view_as(t))
+            off += t.numel()
+
+    def drain(self, before: int | None = None) -> None:
+        """Also waits for the outer exchange in flight (local_delay=1)."""
+        if self._round is not None and (before is None or self._round.step < before):
+            self._round.averages()
+            self._round.buffers()
+        super().drain(before)
+
+    def flush(self) -> dict:
+        """With ``local_delay=1``: wait for the outer exchange in flight and apply it to the
+        parameters (and buffers) now; called at a round's end, every rank then holds the
+        global point. No ``optimizer.step()`` is needed after it. Otherwise as below."""
+        if self._round is not None:
+            rnd, self._round = self._round, None
+            with torch.no_grad():
+                progress = [r - self._flat_params(ts)
+                            for r, (_, ts) in zip(self._anchor, self._outer_buckets)]
+                self._outer_apply(rnd, progress)
+                self._reanchor()
+        return super().flush()
+
+    # ------------------------------------------------------------------ checkpoints
+    def _named(self, flats) -> dict | None:
+        if flats is None:
+            return None
+        return {s.name: f[s.offset : s.offset + s.numel].clone()
+                for (slices, _), f in zip(self._outer_buckets, flats) for s in slices}
+
+    def _flats(self, named) -> list | None:
+        if named is None:
+            return None
+        missing = [s.name for slices, _ in self._outer_buckets for s in slices if s.name not in named]
+        if missing:
+            raise ValueError(f"checkpoint's local_steps state lacks parameters "
+                             f"{', '.join(missing[:5])}")
+        return [torch.cat([named[s.name].reshape(-1).float() for s in slices])
+                for slices, _ in self._outer_buckets]
+
+    def local_state_dict(self) -> dict | None:
+        """The rounds' state: inner steps taken, G, this round's start, the outer momentum,
+        and the exchange in flight (waited for: its averages and the buffers sent)."""
+        if not self.local:
+            return None
+        rnd = None
+        if self._round is not None:
+            r = self._round
+            rnd = {"step": r.step, "averages": self._named(r.averages()),
+                   "buffers_average": r.buffers(), "buffers_sent": r.buffers_sent}
+        return {"inner_steps": self._inner, "start": self._named(self._start),
+                "anchor": self._named(self._anchor), "momentum": self._named(self._outer_m),
+                "round": rnd}
+
+    def load_local_state_dict(self, sd: dict | None) -> None:
+        if not self.local:
+            return
+        if sd is None:
+            raise ValueError("checkpoint has no local_steps state (saved with local_steps=1)")
+        self._inner = sd["inner_steps"]
+        self._start = self._flats(sd["start"])
+        self._anchor = self._start if self._shared_anchor() else self._flats(sd["anchor"])
+        self._outer_m = self._flats(sd["momentum"])
+        r = sd.get("round")
+        self._round = None if r is None else _Round.done(
+            r["step"], self._flats(r["averages"]), r["buffers_average"], r["buffers_sent"])
