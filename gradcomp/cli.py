@@ -357,6 +357,8 @@ def cmd_overlap(args) -> int:
 # --------------------------------------------------------------------------- kernels
 def cmd_kernels(args) -> int:
     if args.ops:  # aten ops per bucket exchange: no timing; GPU launches where Triton is
+        import torch
+
         from . import bench_ops, report
         if not torch.cuda.is_available():  # the Triton kernels run interpreted on the CPU
             os.environ.setdefault("TRITON_INTERPRET", "1")
