@@ -149,10 +149,12 @@ def run(specs=SPECS, launch: bool = True) -> list[dict]:
         for key, bs in layouts.items():
             ops = [count(spec, b) for b in bs]
             work = [count(spec, b, kernels=True) for b in bs]
-            gpu = [count(spec, b, launches=True) for b in bs] if launch else [0]
+            # the Triton interpreter is slow: GPT-2's 124M elements are left out
+            gpu = ([count(spec, b, launches=True) for b in bs]
+                   if launch and key != "gpt2-small" else None)
             rows.append({"method": spec, "layout": key, "buckets": len(bs),
                          "tensors": sum(len(b) for b in bs), "ops_per_step": sum(ops),
                          "max_ops_per_bucket": max(ops), "kernel_ops_per_step": sum(work),
                          "max_kernel_ops_per_bucket": max(work),
-                         "max_launches_per_bucket": max(gpu) if launch else None})
+                         "max_launches_per_bucket": max(gpu) if gpu else None})
     return rows
