@@ -50,6 +50,9 @@ def _entry(fn, rank, world, addr, port, outdir, args, pg_timeout, threads, env):
         torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
         from .hooks.state import _close_all
         _close_all()  # communication threads stop before their process groups go
+        # no rank tears its connections down while a peer still finishes its last
+        # collective (gloo aborts the peer when a connection closes under it)
+        dist.barrier()
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001  (reported to the parent)
         with open(os.path.join(outdir, f"rank{rank}.err"), "w") as f:
