@@ -16,7 +16,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 @pytest.fixture(scope="session")
 def cifar():
     """The CIFAR-10 directory the tests train on."""
-    from gradcomp import data
+    from gradcomp_bench import data
     found = data.resolve(None)
     if found is None:
         where = ", ".join(str(d) for d in data.default_dirs())

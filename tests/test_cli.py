@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from gradcomp import cli
+from gradcomp_bench import cli
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -40,7 +40,7 @@ def test_spec_list_splitting_keeps_options_with_their_method():
 
 
 def test_installed_console_script_reports_bad_input():
-    out = subprocess.run([sys.executable, "-m", "gradcomp.cli", "ddp", "--methods", "bogus"],
+    out = subprocess.run([sys.executable, "-m", "gradcomp_bench.cli", "ddp", "--methods", "bogus"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "unknown method 'bogus'" in out.stderr

@@ -34,8 +34,8 @@ Accuracy is asserted only far from noise: every method learns (> 3x chance).
 """
 import pytest
 
-from gradcomp.launch import spawn
-from gradcomp.train import train
+from gradcomp_bench.launch import spawn
+from gradcomp_bench.train import train
 
 EPOCHS = 4
 LOSS_TOLERANCE = 0.10

@@ -6,8 +6,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
-from gradcomp.launch import spawn
-from gradcomp.train import train
+from gradcomp_bench.launch import spawn
+from gradcomp_bench.train import train
 from test_distributed import _train_pair, batch, small_net
 
 LR = 0.05

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
-from gradcomp.launch import spawn
+from gradcomp_bench.launch import spawn
 from test_distributed import batch, small_net
 
 STEPS = 8

@@ -6,7 +6,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
-from gradcomp.launch import RankError, spawn
+from gradcomp_bench.launch import RankError, spawn
 
 
 def small_net():

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
 from gradcomp.hooks.engine import Sequencer
-from gradcomp.launch import spawn
+from gradcomp_bench.launch import spawn
 from test_distributed import batch, small_net
 
 SPECS = ["allreduce", "topk:ratio=0.05", "dgc:ratio=0.05", "onebit:chunk=64", "terngrad",

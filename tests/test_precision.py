@@ -6,7 +6,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
-from gradcomp.launch import spawn
+from gradcomp_bench.launch import spawn
 from test_distributed import batch, small_net
 from test_methods import layout, state_for, SHAPES
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import gradcomp
 from gradcomp.compressors.base import ParamSlice
-from gradcomp.launch import spawn
+from gradcomp_bench.launch import spawn
 from test_methods import SHAPES, _Scalars, layout, state_for
 
 NAMES = list(SHAPES)

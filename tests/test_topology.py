@@ -11,7 +11,7 @@ import gradcomp
 from gradcomp.compressors.base import ParamSlice
 from gradcomp.config import MethodConfig
 from gradcomp.hooks.topology import Shards, node_size
-from gradcomp.launch import spawn
+from gradcomp_bench.launch import spawn
 from test_distributed import small_net, train_capturing
 from test_order import _record_collectives
 

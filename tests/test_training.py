@@ -1,8 +1,8 @@
 """A short real training run (2 ranks, CIFAR-10 subset, small ResNet) with every method
 lowers the loss. One spawn runs all methods in turn to pay process start-up once."""
 
-from gradcomp.launch import spawn
-from gradcomp.train import train
+from gradcomp_bench.launch import spawn
+from gradcomp_bench.train import train
 
 METHODS = ["allreduce", "topk:ratio=0.01", "dgc:ratio=0.01", "onebit", "terngrad", "powersgd:rank=2"]
 STEPS = 24

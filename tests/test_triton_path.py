@@ -24,7 +24,7 @@ import torch.distributed as dist  # noqa: E402
 pytest.importorskip("triton")
 
 import gradcomp  # noqa: E402
-from gradcomp.launch import spawn  # noqa: E402
+from gradcomp_bench.launch import spawn  # noqa: E402
 from test_methods import SHAPES, layout  # noqa: E402
 
 SPECS = ["topk:ratio=0.05", "dgc:ratio=0.05", "onebit:chunk=64", "terngrad:error_feedback=true",

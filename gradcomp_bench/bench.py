@@ -40,7 +40,7 @@ def run_ranks(world: int, cfg: TrainConfig, link=None, timeout: float | None = 1
             env = dict(os.environ, MASTER_ADDR=link.addrs[0], MASTER_PORT=str(port), RANK=str(r),
                        WORLD_SIZE=str(world), OMP_NUM_THREADS=str(threads),
                        LOCAL_RANK=str(r % per_node), **node_env)
-            argv = link.prefix(node) + [sys.executable, "-m", "gradcomp.cli", "_rank", spec,
+            argv = link.prefix(node) + [sys.executable, "-m", "gradcomp_bench.cli", "_rank", spec,
                                         os.path.join(d, f"rank{r}.pt"), link.addrs[node]]
             procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL,
                                           stderr=open(os.path.join(d, f"rank{r}.log"), "w")))
@@ -63,7 +63,7 @@ def run_ranks(world: int, cfg: TrainConfig, link=None, timeout: float | None = 1
 
 
 def rank_main(cfg_path: str, out_path: str, addr: str) -> None:
-    """Entry of one rank inside a network namespace (``gradcomp.cli _rank``)."""
+    """Entry of one rank inside a network namespace (``gradcomp_bench.cli _rank``)."""
     import torch.distributed as dist
     import datetime
     os.environ.setdefault("GLOO_SOCKET_IFNAME", _ifname(addr))

@@ -48,7 +48,7 @@ def _entry(fn, rank, world, addr, port, outdir, args, pg_timeout, threads, env):
                                 timeout=datetime.timedelta(seconds=pg_timeout))
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
-        from .hooks.state import _close_all
+        from gradcomp.hooks.state import _close_all
         _close_all()  # communication threads stop before their process groups go
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001  (reported to the parent)

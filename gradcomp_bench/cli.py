@@ -4,7 +4,7 @@
     gradcomp-bench ddp --model resnet18 --link 100mbit,1gbit --latency 50ms
     gradcomp-bench convergence --epochs 30 --data ~/cifar-10-batches-py
     gradcomp-bench kernels
-    torchrun --nnodes 2 --nproc-per-node 1 ... -m gradcomp.cli ddp   # your real network
+    torchrun --nnodes 2 --nproc-per-node 1 ... -m gradcomp_bench.cli ddp   # your real network
 
 Under torchrun each process is one rank (NCCL on GPUs, gloo on CPUs) and rank 0 prints.
 

@@ -17,7 +17,7 @@ torch and triton versions and the git SHA. CUDA timings use events, with the L2 
 before each call; CPU timings use ``time.perf_counter``. A measurement stops after
 ``repeats`` calls, or after ``MAX_SECONDS`` once it has ``MIN_REPEATS`` (slow CPU paths).
 
-    from gradcomp import bench_kernels as b
+    from gradcomp_bench import bench_kernels as b
     print(b.format_table(b.run(sizes=(1 << 20, 1 << 24))))
 """
 from __future__ import annotations
@@ -29,10 +29,10 @@ import time
 
 import torch
 
-from . import kernels
-from .compressors.topk import CAPACITY_FACTOR, TARGET_FACTOR, sparse_select
-from .compressors.onebit import OneBitConfig
-from .kernels import reference
+from gradcomp import kernels
+from gradcomp.compressors.topk import CAPACITY_FACTOR, TARGET_FACTOR, sparse_select
+from gradcomp.compressors.onebit import OneBitConfig
+from gradcomp.kernels import reference
 
 MIN_REPEATS = 3
 MAX_SECONDS = 2.0      # per measurement, once MIN_REPEATS are in

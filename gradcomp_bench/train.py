@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import data, models
-from .hooks import build_config, register
+from gradcomp.hooks import build_config, register
 
 # Baselines that are not gradcomp methods: torch's own hooks, and no communication at all.
 BASELINES = ("ddp", "fp16", "torch-powersgd", "noop")
