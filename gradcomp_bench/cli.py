@@ -356,7 +356,9 @@ def cmd_kernels(args) -> int:
     except ImportError as exc:
         raise UsageError(f"kernel benchmark unavailable: {exc}") from None
     sizes = tuple(int(float(s)) for s in args.sizes.split(","))
-    rows = bench_kernels.run(sizes=sizes, device=args.device, repeats=args.repeats)
+    if not args.max_seconds > 0:
+        raise UsageError(f"--max-seconds {args.max_seconds:g}: expected seconds > 0")
+    rows = bench_kernels.run(sizes=sizes, device=args.device, max_seconds=args.max_seconds)
     print(bench_kernels.format_table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
@@ -423,7 +425,9 @@ def parser() -> argparse.ArgumentParser:
     k = sub.add_parser("kernels", help="quantize/select kernels against torch and a copy")
     k.add_argument("--sizes", default="1048576,16777216")
     k.add_argument("--device", default=None)
-    k.add_argument("--repeats", type=int, default=20)
+    k.add_argument("--max-seconds", type=float, default=2.0,
+                   help="CPU: time spent on one measurement at most (torch's Timer stops "
+                        "earlier once the spread settles)")
     k.add_argument("--json", default=None)
     k.add_argument("--ops", action="store_true",
                    help="count the aten ops of one bucket exchange per method (ResNet-18, "

@@ -9,9 +9,9 @@ import sys
 
 import torch
 import triton
-from triton.testing import do_bench
 
 from gradcomp_bench import bench_kernels as bk
+from gradcomp_bench.timing import measure
 from gradcomp.compressors.topk import CAPACITY_FACTOR, TARGET_FACTOR, sparse_select
 from gradcomp.kernels import reference
 from gradcomp.kernels import triton_kernels as tk
@@ -21,7 +21,7 @@ N = 25_000_000
 
 
 def ms(fn):
-    return do_bench(fn, warmup=20, rep=100, return_mode="median")
+    return measure(fn, DEV)["median_s"] * 1e3
 
 
 def sweep():

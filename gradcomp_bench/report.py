@@ -18,7 +18,7 @@ def table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
     out = []
     for j, c in enumerate(cells):
         out.append("  ".join(s.rjust(w) if j and i else s.ljust(w)
-                             for i, (s, w) in enumerate(zip(c, widths))))
+                             for i, (s, w) in enumerate(zip(c, widths))).rstrip())
         if j == 0:
             out.append("  ".join("-" * w for w in widths))
     return "\n".join(out)
