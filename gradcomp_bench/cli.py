@@ -190,11 +190,11 @@ def cmd_ddp(args) -> int:
         if torchrun:
             res = _torchrun_ranks(cfg)[0]
         elif rate is None:
-            res = bench.run_ranks(w, cfg, per_node=per_node)[0]
+            res = bench.run_train(w, cfg, per_node=per_node)[0]
         else:
             from .netlink import Link
             with Link(rate, latency, n=w // per_node) as link:
-                res = bench.run_ranks(w, cfg, link=link, per_node=per_node)[0]
+                res = bench.run_train(w, cfg, link=link, per_node=per_node)[0]
         row = bench.summarize(m, res, w, rate, args.warmup, args.model)
         rows.append(row)
         raw.append({"method": m, "world": w, "link_bps": rate, "step_times": res["step_times"]})
@@ -289,7 +289,7 @@ def cmd_convergence(args) -> int:
                           epochs=args.epochs, batch=args.batch, lr=args.lr, seed=args.seed,
                           eval=True, options={**_delay_opts(m, args), **_hook_log(m, args)},
                           device=args.device)
-        res = bench.run_ranks(worlds[0], cfg, timeout=args.timeout)[0]
+        res = bench.run_train(worlds[0], cfg, timeout=args.timeout)[0]
         results[m] = res
         for c in res["curve"]:
             scalars.add(f"{m}/test_acc", c["test_acc"], c["step"])
@@ -432,20 +432,12 @@ def parser() -> argparse.ArgumentParser:
     k.add_argument("--ops", action="store_true",
                    help="count the aten ops of one bucket exchange per method (ResNet-18, "
                         "GPT-2 small, 16 vs 160 tensors) instead of timing kernels")
-    r = sub.add_parser("_rank", help=argparse.SUPPRESS)
-    r.add_argument("cfg")
-    r.add_argument("out")
-    r.add_argument("addr")
     return p
 
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
-        if args.cmd == "_rank":
-            from .bench import rank_main
-            rank_main(args.cfg, args.out, args.addr)
-            return 0
         return {"ddp": cmd_ddp, "convergence": cmd_convergence, "kernels": cmd_kernels,
                 "overlap": cmd_overlap}[args.cmd](args)
     except UsageError as exc:
