@@ -10,7 +10,7 @@ from dataclasses import asdict
 import torch
 
 from .launch import spawn
-from .train import TrainConfig, train
+from .train import TrainConfig, parse_method, train
 
 
 def run_train(world: int, cfg: TrainConfig, link=None, timeout: float | None = 1800,
@@ -49,14 +49,13 @@ def wire_bytes(method: str, res: dict, world: int, model_name: str) -> tuple[flo
         return statistics.mean(h.get("inter_node_wire_bytes", h["wire_bytes"]) for h in tail), True
     raw, ps = model_bytes(model_name)
     ring = 2 * (world - 1) / world
-    name = method.partition(":")[0]
+    name, opts = parse_method(method)
     if name == "noop":
         return 0.0, False
     if name == "fp16":
         return ring * raw / 2, False
     if name == "torch-powersgd":
-        rank = int(dict(kv.split("=") for kv in method.partition(":")[2].split(",") if kv).get("rank", 2))
-        return ring * ps * rank / 2, False
+        return ring * ps * opts["rank"] / 2, False
     return ring * raw, False
 
 

@@ -44,11 +44,11 @@ def _check_device(args) -> None:
 
 
 def _methods(text: str) -> list[str]:
-    from .train import check_spec
+    from .train import parse_method
     specs = _split_specs(text)
     for s in specs:
         try:
-            check_spec(s)
+            parse_method(s)
         except ValueError as exc:
             raise UsageError(f"--methods: {exc}") from None
     return specs
@@ -222,8 +222,8 @@ def _delay_opts(method, args):
 
 
 def _is_gradcomp(method) -> bool:
-    from .train import BASELINES
-    return method.partition(":")[0] not in BASELINES
+    from .train import is_gradcomp
+    return is_gradcomp(method)
 
 
 def _hook_log(method, args):
