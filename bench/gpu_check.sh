@@ -20,10 +20,10 @@ for s in $steps; do
       TRITON_INTERPRET=0 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
         2>&1 | tee "$OUT/test_kernels_gpu.log" | tail -25 ;;
     kernels)
-      timeout 240 python3 -m gradcomp.cli kernels --sizes ${SIZES:-1048576,25000000} \
+      timeout 240 python3 -m gradcomp_bench.cli kernels --sizes ${SIZES:-1048576,25000000} \
         --json "$OUT/kernels_gpu.json" 2>&1 | tee "$OUT/kernels_gpu.log" ;;
     ddp)
-      timeout 240 torchrun --standalone --nproc-per-node 1 -m gradcomp.cli ddp --model resnet18 \
+      timeout 240 torchrun --standalone --nproc-per-node 1 -m gradcomp_bench.cli ddp --model resnet18 \
         --synthetic --batch 128 --steps 20 --warmup 5 \
         --methods ${METHODS:-noop,allreduce,dgc:ratio=0.001,topk:ratio=0.01,onebit,terngrad,powersgd:rank=2} \
         --json "$OUT/ddp_gpu.json" --out "$OUT" 2>&1 | tee "$OUT/ddp_gpu.log" | tail -30 ;;

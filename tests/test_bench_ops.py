@@ -2,7 +2,7 @@
 count that sees every aten op of an exchange."""
 import math
 
-from gradcomp import bench_ops
+from gradcomp_bench import bench_ops
 
 
 def test_buckets_cut_reversed_parameters_at_the_cap():

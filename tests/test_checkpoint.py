@@ -11,8 +11,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
-from gradcomp.launch import spawn
-from test_distributed import batch, small_net
+from conftest import batch, small_net
 
 K = 4
 SGD = {"lr": 0.05, "momentum": 0.9}
@@ -62,7 +61,7 @@ def _second_half(rank, world, spec, path):
 
 
 @pytest.mark.parametrize("spec", SPECS)
-def test_resume_in_fresh_processes_is_bit_exact(spec, tmp_path):
+def test_resume_in_fresh_processes_is_bit_exact(spec, tmp_path, spawn):
     ref = spawn(_uninterrupted, 2, args=(spec,))[0]
     spawn(_first_half, 2, args=(spec, str(tmp_path)))
     got, step = spawn(_second_half, 2, args=(spec, str(tmp_path)))[0]
@@ -102,7 +101,7 @@ def _other_net():  # other parameter names
     ("topk:ratio=0.05", "topk:ratio=0.05", _other_net, "parameters this model lacks"),
     ("topk:ratio=0.05", "topk:ratio=0.05", _narrower_net, "elements for parameter"),
 ])
-def test_a_checkpoint_for_something_else_is_refused(saved, new, net_fn, match):
+def test_a_checkpoint_for_something_else_is_refused(saved, new, net_fn, match, spawn):
     msgs = spawn(_load_into, 2, args=(saved, new, None, net_fn))
     assert all(m is not None and match in m for m in msgs), msgs
 

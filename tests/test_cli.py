@@ -4,12 +4,15 @@ import sys
 
 import pytest
 
-from gradcomp import cli
+from gradcomp_bench import cli
 
 
 @pytest.mark.parametrize("argv, match", [
     (["ddp", "--methods", "allreduce,nope"], "unknown method 'nope'"),
     (["ddp", "--methods", "topk:ratio=3"], "invalid ratio=3.0"),
+    (["ddp", "--methods", "torch-powersgd:rank=two"], "'rank=two' for torch-powersgd: expected an integer"),
+    (["ddp", "--methods", "torch-powersgd:ratio=2"], "allowed rank=N, start=N"),
+    (["ddp", "--methods", "fp16:rank=2"], "'rank=2' for fp16: allowed none"),
     (["ddp", "--world", "999"], "--world 999 does not fit"),
     (["ddp", "--world", "two"], "expected integers"),
     (["ddp", "--data", "/nonexistent/dir"], "no CIFAR-10 python-layout data in '/nonexistent/dir'"),
@@ -39,8 +42,17 @@ def test_spec_list_splitting_keeps_options_with_their_method():
     assert cli._split_specs("a:x=1,y=2,b,c:z=3") == ["a:x=1,y=2", "b", "c:z=3"]
 
 
+def test_specs_are_parsed_by_the_library_or_as_a_baseline():
+    import gradcomp
+    from gradcomp_bench.train import parse_method
+    spec = "dgc:ratio=0.01,warmup_steps=30"
+    assert parse_method(spec) == gradcomp.parse_spec(spec) == ("dgc", {"ratio": 0.01, "warmup_steps": 30})
+    assert parse_method("torch-powersgd:rank=4") == ("torch-powersgd", {"rank": 4, "start": 2})
+    assert parse_method("noop") == ("noop", {})
+
+
 def test_installed_console_script_reports_bad_input():
-    out = subprocess.run([sys.executable, "-m", "gradcomp.cli", "ddp", "--methods", "bogus"],
+    out = subprocess.run([sys.executable, "-m", "gradcomp_bench.cli", "ddp", "--methods", "bogus"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "unknown method 'bogus'" in out.stderr

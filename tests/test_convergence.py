@@ -34,8 +34,7 @@ Accuracy is asserted only far from noise: every method learns (> 3x chance).
 """
 import pytest
 
-from gradcomp.launch import spawn
-from gradcomp.train import train
+from gradcomp_bench.train import train
 
 EPOCHS = 4
 LOSS_TOLERANCE = 0.10
@@ -64,7 +63,7 @@ def _results(rank, world, specs):
 
 
 @pytest.fixture(scope="module")
-def res(cifar):
+def res(cifar, spawn):
     specs = ["allreduce", *METHODS.values()]
     for a, b in ABLATIONS.values():
         specs += [s for s in (a, b) if s not in specs]

@@ -7,8 +7,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
-from gradcomp.launch import spawn
-from test_distributed import batch
+from conftest import batch
 
 
 class Branchy(nn.Module):
@@ -51,7 +50,7 @@ def _run(rank, world, spec, mode, steps):
 
 @pytest.mark.parametrize("mode", ["accumulate", "static", "unused"])
 @pytest.mark.parametrize("spec", ["allreduce", "topk:ratio=1"])
-def test_ddp_modes_match_plain_ddp(spec, mode):
+def test_ddp_modes_match_plain_ddp(spec, mode, spawn):
     (ref, _), (got, counted) = spawn(_run, 2, args=(spec, mode, 4))[0]
     assert counted == 4  # optimizer steps, not backward calls
     for a, b in zip(ref, got):
@@ -74,7 +73,7 @@ def _logged(rank, world, log_dir, spec="dgc:ratio=0.1,warmup_steps=3", details=F
     return attached
 
 
-def test_tensorboard_scalars_on_rank_zero(tmp_path):
+def test_tensorboard_scalars_on_rank_zero(tmp_path, spawn):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     attached = spawn(_logged, 2, args=(str(tmp_path),))
     assert attached == [True, False]  # rank 0 only
@@ -90,7 +89,7 @@ def test_tensorboard_scalars_on_rank_zero(tmp_path):
     assert 3 < ratio < 6  # ratio 0.1 sends value + index: 5x
 
 
-def test_powersgd_approximation_error_is_logged_when_asked(tmp_path):
+def test_powersgd_approximation_error_is_logged_when_asked(tmp_path, spawn):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     for details, sub in ((True, "on"), (False, "off")):
         spawn(_logged, 2, args=(str(tmp_path / sub), "powersgd:rank=1", details))

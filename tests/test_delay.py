@@ -6,9 +6,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
-from gradcomp.launch import spawn
-from gradcomp.train import train
-from test_distributed import _train_pair, batch, small_net
+from gradcomp_bench.train import train
+from conftest import batch, small_net, train_pair
 
 LR = 0.05
 
@@ -43,7 +42,7 @@ def _delayed_run(rank, world, spec, steps):
 
 
 @pytest.mark.parametrize("spec", ["allreduce:delay=2", "topk:ratio=0.1,delay=1"])
-def test_after_flush_the_updates_sum_to_the_averages(spec):
+def test_after_flush_the_updates_sum_to_the_averages(spec, spawn):
     (m0, l0, r0, n0), (m1, l1, r1, _) = spawn(_delayed_run, 2, args=(spec, 7))
     assert n0 > 0  # flush had corrections in flight
     for a, b, g0, g1, e0, e1 in zip(m0, m1, l0, l1, r0, r1):
@@ -52,8 +51,8 @@ def test_after_flush_the_updates_sum_to_the_averages(spec):
         torch.testing.assert_close(a, expect, atol=1e-5, rtol=1e-4)
 
 
-def test_delay_zero_is_bit_identical_to_synchronous():
-    a, b = spawn(_train_pair, 2, args=("allreduce:delay=0", {"lr": LR, "momentum": 0.9}, 4,
+def test_delay_zero_is_bit_identical_to_synchronous(spawn):
+    a, b = spawn(train_pair, 2, args=("allreduce:delay=0", {"lr": LR, "momentum": 0.9}, 4,
                                        "allreduce"))[0]
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
@@ -64,7 +63,7 @@ def _train_delays(rank, world, specs):
             for s in specs}
 
 
-def test_training_with_delay_lowers_the_loss(cifar):
+def test_training_with_delay_lowers_the_loss(cifar, spawn):
     got = spawn(_train_delays, 2, args=(["allreduce|1", "allreduce|2", "onebit|2"],), timeout=600)[0]
     for s, ls in got.items():
         first, last = sum(ls[:6]) / 6, sum(ls[-6:]) / 6
@@ -88,7 +87,7 @@ def _lanes_run(rank, world, spec, lanes):
 
 
 @pytest.mark.parametrize("spec", ["powersgd:rank=1", "onebit:chunk=64,delay=2", "dgc:ratio=0.05,delay=1"])
-def test_buckets_in_flight_together_give_the_same_result(spec):
+def test_buckets_in_flight_together_give_the_same_result(spec, spawn):
     """Lanes run different buckets' exchanges at once; a bucket's steps stay in order, so the
     result is bit-identical to one lane (also across DDP's bucket rebuild under delay)."""
     one, n1 = spawn(_lanes_run, 2, args=(spec, 1))[0]
@@ -104,5 +103,5 @@ def _bad_lanes(rank, world):
         return str(exc)
 
 
-def test_bad_lanes_value_is_refused():
+def test_bad_lanes_value_is_refused(spawn):
     assert all("invalid lanes=0" in m for m in spawn(_bad_lanes, 2))

@@ -13,8 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
-from gradcomp.launch import spawn
-from test_distributed import batch, small_net
+from conftest import batch, small_net
 
 STEPS = 8
 SCENARIOS = ["onecycle", "cyclic", "manual", "load_state_dict", "groups", "scaler", "closure"]
@@ -90,7 +89,7 @@ def _compare(rank, world):
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(spawn):
     return spawn(_compare, 2)[0]
 
 

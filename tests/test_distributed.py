@@ -6,38 +6,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
-from gradcomp.launch import RankError, spawn
-
-
-def small_net():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 48), nn.Tanh(),
-                         nn.Linear(48, 10))
-
-
-def batch(rank, step):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(16, 20, generator=g), torch.randint(0, 10, (16,), generator=g)
-
-
-def _train_pair(rank, world, spec, sgd, steps, baseline=None):
-    """Train ``baseline`` (None: plain DDP) and DDP + ``spec`` side by side from one init;
-    return both models' parameters."""
-    out = []
-    for use in (baseline, spec):
-        net = small_net()
-        # tiny buckets: several per step, and DDP rebuilds them after the first iteration
-        model = DDP(net, bucket_cap_mb=0.004)
-        opt = torch.optim.SGD(model.parameters(), **sgd)
-        if use:
-            gradcomp.register(model, use, optimizer=opt, min_numel=0)
-        for step in range(steps):
-            x, y = batch(rank, step)
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-        out.append([p.detach().clone() for p in net.parameters()])
-    return out
+from conftest import batch, small_net, train_capturing, train_pair
+from gradcomp_bench.launch import RankError
 
 
 @pytest.mark.parametrize("spec, sgd, exact", [
@@ -47,8 +17,8 @@ def _train_pair(rank, world, spec, sgd, steps, baseline=None):
     ("dgc:ratio=1,masking=false", {"lr": 0.1, "momentum": 0.9, "nesterov": True}, False),
     ("powersgd:rank=64,min_compression_rate=0", {"lr": 0.1}, False),
 ])
-def test_degenerate_settings_equal_allreduce(spec, sgd, exact):
-    ref, got = spawn(_train_pair, 2, args=(spec, sgd, 5))[0]
+def test_degenerate_settings_equal_allreduce(spec, sgd, exact, spawn):
+    ref, got = spawn(train_pair, 2, args=(spec, sgd, 5))[0]
     for a, b in zip(ref, got):
         if exact:
             assert torch.equal(a, b)
@@ -56,34 +26,10 @@ def test_degenerate_settings_equal_allreduce(spec, sgd, exact):
             torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4)
 
 
-def test_compression_really_changes_the_update():
+def test_compression_really_changes_the_update(spawn):
     # the same harness with a compressing setting must differ: the tests above can fail
-    ref, got = spawn(_train_pair, 2, args=("topk:ratio=0.05", {"lr": 0.1}, 3))[0]
+    ref, got = spawn(train_pair, 2, args=("topk:ratio=0.05", {"lr": 0.1}, 3))[0]
     assert any(not torch.allclose(a, b, atol=1e-4) for a, b in zip(ref, got))
-
-
-def train_capturing(rank, model, net, opt, steps, capture=True):
-    """Train ``steps`` steps; return per parameter (float64, flat) the sum of this rank's
-    local gradients (before communication; zeros unless ``capture``) and of the averaged
-    gradients the optimizer applied."""
-    local = {n: torch.zeros(p.numel(), dtype=torch.float64) for n, p in net.named_parameters()}
-    avg = {n: torch.zeros_like(v) for n, v in local.items()}
-
-    def capture_into(name):
-        def fn(g):
-            local[name].add_(g.reshape(-1).double())
-        return fn
-    if capture:
-        for n, p in net.named_parameters():
-            p.register_hook(capture_into(n))
-    for step in range(steps):
-        x, y = batch(rank, step)
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        for n, p in net.named_parameters():
-            avg[n] += p.grad.reshape(-1).double()
-        opt.step()
-    return local, avg
 
 
 def _conservation(rank, world, spec, steps):
@@ -103,7 +49,7 @@ def _conservation(rank, world, spec, steps):
 
 @pytest.mark.parametrize("spec", ["topk:ratio=0.05", "onebit:chunk=64", "terngrad:error_feedback=true",
                                   "powersgd:rank=1", "dgc:ratio=0.02"])
-def test_error_feedback_conserves_mass_through_ddp(spec):
+def test_error_feedback_conserves_mass_through_ddp(spec, spawn):
     """sum_t average_t == mean over ranks of (sum_t local gradient - final memory)."""
     results = spawn(_conservation, 2, args=(spec, 6))
     (l0, a0, r0, s0), (l1, a1, r1, _) = results
@@ -123,13 +69,13 @@ def _mismatch(rank, world, specs):
     return None
 
 
-def test_ranks_with_different_methods_all_fail_at_registration():
+def test_ranks_with_different_methods_all_fail_at_registration(spawn):
     msgs = spawn(_mismatch, 2, args=(["topk:ratio=0.1", "onebit"],), timeout=120)
     assert all(m and "ranks registered different gradcomp methods" in m for m in msgs)
     assert "rank 1: onebit" in msgs[0]
 
 
-def test_a_rank_with_bad_options_fails_everyone_without_hanging():
+def test_a_rank_with_bad_options_fails_everyone_without_hanging(spawn):
     msgs = spawn(_mismatch, 2, args=(["topk:ratio=0.1", "topk:ratio=7"],), timeout=120)
     assert "invalid ratio=7.0" in msgs[1]
     assert "different gradcomp methods" in msgs[0] and "invalid ratio=7.0" in msgs[0]
@@ -141,7 +87,7 @@ def _raise_in_rank(rank, world):
     dist.barrier()
 
 
-def test_launcher_reports_a_failing_rank_instead_of_hanging():
+def test_launcher_reports_a_failing_rank_instead_of_hanging(spawn):
     with pytest.raises(RankError, match="boom"):
         spawn(_raise_in_rank, 2, timeout=60, pg_timeout=5)
 
@@ -153,7 +99,7 @@ def _raise_while_the_other_sleeps(rank, world):
     time.sleep(600)  # stuck outside any collective: only the launcher can end it
 
 
-def test_launcher_ends_a_run_soon_after_a_rank_fails_even_without_a_deadline():
+def test_launcher_ends_a_run_soon_after_a_rank_fails_even_without_a_deadline(spawn):
     # timeout=None is what the convergence CLI runs under (a full run may take hours); a
     # launcher that waited for the survivor would sleep 600 s and report that it finished
     with pytest.raises(RankError, match="still running 12s after rank 1 failed") as exc:
@@ -184,7 +130,7 @@ def _dies_mid_training(rank, world, spec):
 
 
 @pytest.mark.parametrize("spec", ["onebit", "powersgd:rank=1"])
-def test_a_dead_rank_makes_the_survivors_fail_not_hang(spec):
+def test_a_dead_rank_makes_the_survivors_fail_not_hang(spec, spawn):
     got = spawn(_dies_mid_training, 2, args=(spec,), timeout=120, pg_timeout=10, allow_fail=True)
     status, waited, _ = got[0]
     assert status == "raised" and waited < 60

@@ -1,7 +1,7 @@
 """Triton kernels against the pure-torch reference (the specification).
 
 Without a GPU these run on CPU tensors through the Triton interpreter (TRITON_INTERPRET=1, set
-below before Triton is imported). On a GPU machine the same file runs the compiled kernels
+by conftest.py before Triton is imported). On a GPU machine the same file runs the compiled kernels
 with ``TRITON_INTERPRET=0 python -m pytest tests/test_kernels.py``.
 
 Sizes: 0 (where meaningful), the smallest legal size, one program's worth of elements +- 1,
@@ -11,11 +11,8 @@ Every output is carved out of a guard-banded buffer and every in-place tensor si
 one; the guards are checked after each test (out-of-bounds writes). Inputs sit between NaN
 (or out-of-range index) poison, so an unmasked read shows up in the results.
 """
+import math
 import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import math  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -6,29 +6,14 @@ import pytest
 import torch
 
 import gradcomp
-from gradcomp.compressors.base import ParamSlice
+from conftest import SHAPES, Scalars, layout, state_for
 
-SHAPES = {"fc.weight": (48, 40), "fc.bias": (48,), "conv.weight": (16, 8, 3, 3)}
 # slots whose contents were not yet delivered, with the weight each counts towards the sum
 SLOTS = {"residual": 1.0, "accumulation": 1.0, "server_residual": 1.0}
 METHOD_SPECS = ["allreduce", "topk:ratio=0.05", "dgc:ratio=0.05", "onebit:chunk=64",
                 "terngrad:error_feedback=true", "powersgd:rank=2",
                 "terngrad:share_scalers=false,error_feedback=true", "powersgd:rank=1",
                 "threshold:max_ratio=0.05", "threshold:adaptive=false,tau=0.5,max_ratio=0.05"]
-
-
-def layout(names):
-    out, off = [], 0
-    for n in names:
-        numel = math.prod(SHAPES[n])
-        out.append(ParamSlice(n, SHAPES[n], off, numel))
-        off += numel
-    return out
-
-
-def state_for(spec, **kw):
-    name, cfg = gradcomp.build_config(spec, min_numel=0, **kw)
-    return gradcomp.GradcompState(name, cfg)
 
 
 def undelivered(state, names):
@@ -171,18 +156,10 @@ def test_dense_steps_send_the_first_steps_uncompressed(spec):
     assert not torch.equal(state.reduce(xs[2].clone(), params), xs[2])
 
 
-class _Scalars:
-    def __init__(self):
-        self.seen = {}
-
-    def add_scalar(self, tag, value, step):
-        self.seen.setdefault(tag, []).append(value)
-
-
 def _run_logged(spec, details, grads, params):
     names = [p.name for p in params]
     st = state_for(spec)
-    w = _Scalars()
+    w = Scalars()
     st.attach(w, details=details)
     outs, want = [], []
     for g in grads:
@@ -230,7 +207,7 @@ def test_residual_energy_not_logged_for_powersgd_nor_skipped_steps():
     _, seen, _, _ = _run_logged("powersgd:rank=1", True, [torch.randn(n) for _ in range(3)], params)
     assert "gradcomp/residual_energy" not in seen and len(seen["gradcomp/approx_error"]) == 3
     st = state_for("terngrad:error_feedback=true")
-    w = _Scalars()
+    w = Scalars()
     st.attach(w, details=True)
     bad = torch.randn(n)
     bad[5] = float("inf")

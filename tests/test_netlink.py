@@ -1,4 +1,4 @@
-"""gradcomp.netlink: rate/time parsing, and (as root) a real shaped link between namespaces."""
+"""gradcomp_bench.netlink: rate/time parsing, and (as root) a real shaped link between namespaces."""
 import os
 import signal
 import subprocess
@@ -7,8 +7,8 @@ import textwrap
 
 import pytest
 
-from gradcomp import netlink
-from gradcomp.netlink import (Link, LinkUnavailable, check_available, cleanup_stale, measure_rtt,
+from gradcomp_bench import netlink
+from gradcomp_bench.netlink import (Link, LinkUnavailable, check_available, cleanup_stale, measure_rtt,
                               measure_throughput, parse_rate, parse_time)
 
 

@@ -13,41 +13,20 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
 from gradcomp.hooks.engine import Sequencer
-from gradcomp.launch import spawn
-from test_distributed import batch, small_net
+from conftest import batch, record_collectives, small_net
 
 SPECS = ["allreduce", "topk:ratio=0.05", "dgc:ratio=0.05", "onebit:chunk=64", "terngrad",
          "powersgd:rank=1", "threshold"]
 RUNS = [f"{s},delay={d}" if ":" in s else f"{s}:delay={d}" for s in SPECS for d in (0, 1)]
 
 
-def _record_collectives(rank):
-    """Wrap torch.distributed's collectives: a random delay, then record and issue."""
-    log, lock, rng = [], threading.Lock(), random.Random(1234 + 7 * rank)
-
-    def wrap(name, fn):
-        def wrapped(*args, group=None, **kw):
-            with lock:
-                pause = rng.uniform(0, 0.003)
-            time.sleep(pause)
-            t = args[0] if torch.is_tensor(args[0]) else args[1]
-            with lock:
-                log.append((getattr(group, "group_name", str(group)), name, t.numel()))
-            return fn(*args, group=group, **kw)
-        return wrapped
-    for name in ("all_reduce", "all_gather", "all_to_all_single", "reduce_scatter_tensor"):
-        setattr(dist, name, wrap(name, getattr(dist, name)))
-    return log
-
-
 def _sequences(rank, world):
-    log = _record_collectives(rank)
+    log = record_collectives(rank)
     out = {}
     for spec in RUNS:
         net = small_net()
@@ -67,7 +46,7 @@ def _sequences(rank, world):
 
 
 @pytest.fixture(scope="module")
-def sequences():
+def sequences(spawn):
     return spawn(_sequences, 2, timeout=600)
 
 

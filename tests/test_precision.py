@@ -6,9 +6,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
-from gradcomp.launch import spawn
-from test_distributed import batch, small_net
-from test_methods import layout, state_for, SHAPES
+from conftest import SHAPES, batch, layout, small_net, state_for
 
 STATEFUL = ["topk:ratio=0.05", "dgc:ratio=0.05,momentum=0.9,warmup_steps=4", "onebit:chunk=64",
             "terngrad:error_feedback=true", "powersgd:rank=1", "threshold:max_ratio=0.05"]
@@ -97,7 +95,7 @@ def _scaled_run(rank, world, spec, mode, steps=8, bad_step=3):
 
 # + an overflow during DGC's uncompressed warm-up, whose velocity moves (guarded too)
 @pytest.mark.parametrize("spec", STATEFUL + ["dgc:ratio=0.05,momentum=0.9,dense_steps=5"])
-def test_grad_scaler_with_changing_scale_and_an_overflow_matches_unscaled_training(spec):
+def test_grad_scaler_with_changing_scale_and_an_overflow_matches_unscaled_training(spec, spawn):
     """Loss scaling by powers of two is exact in fp32, so a job with a GradScaler whose scale
     grows every 2 steps and backs off after an overflow on ONE rank must end bit-identical to
     the same job trained without scaling and without that step. Not passing the scaler to
@@ -113,7 +111,7 @@ def test_grad_scaler_with_changing_scale_and_an_overflow_matches_unscaled_traini
     assert any(not torch.equal(a, b) for a, b in zip(wrong, plain8))
 
 
-def test_scaler_with_delay_is_refused_at_registration():
+def test_scaler_with_delay_is_refused_at_registration(spawn):
     msgs = spawn(_register_scaler_delay, 2)
     assert all("scaler= with delay=1" in m for m in msgs)
 
@@ -151,7 +149,7 @@ def _half_run(rank, world, spec, dtype, autocast):
 @pytest.mark.parametrize("spec", STATEFUL)
 @pytest.mark.parametrize("dtype, autocast", [(torch.bfloat16, False), (torch.float16, False),
                                              (torch.bfloat16, True)])
-def test_half_precision_training_works_with_fp32_memory(spec, dtype, autocast):
+def test_half_precision_training_works_with_fp32_memory(spec, dtype, autocast, spawn):
     (p0, l0, m0), (p1, _, _) = spawn(_half_run, 2, args=(spec, dtype, autocast))
     assert all(torch.equal(a, b) for a, b in zip(p0, p1))  # ranks stay in step
     assert all(torch.isfinite(a).all() for a in p0)
@@ -179,7 +177,7 @@ def _two_rank_bad(rank, world, spec):
 
 
 @pytest.mark.parametrize("spec", STATEFUL)
-def test_non_finite_on_some_ranks_reaches_all_at_allreduce_positions(spec):
+def test_non_finite_on_some_ranks_reaches_all_at_allreduce_positions(spec, spawn):
     got = spawn(_two_rank_bad, 2, args=(spec,))
     for out, before, after in got:
         bad = (~torch.isfinite(out)).nonzero().view(-1).tolist()

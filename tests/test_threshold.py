@@ -10,8 +10,7 @@ import torch.distributed as dist
 
 import gradcomp
 from gradcomp.compressors.base import ParamSlice
-from gradcomp.launch import spawn
-from test_methods import SHAPES, _Scalars, layout, state_for
+from conftest import SHAPES, Scalars, layout, state_for
 
 NAMES = list(SHAPES)
 ADAPTIVE = "threshold:max_ratio=0.05"
@@ -44,7 +43,7 @@ def _two_ranks(rank, world, specs, steps):
     return got
 
 
-def test_two_ranks_conserve_every_gradient_with_their_own_taus():
+def test_two_ranks_conserve_every_gradient_with_their_own_taus(spawn):
     """W x sum of the averages + every rank's residual == sum of every rank's gradients, per
     parameter. The adaptive taus differ between ranks: decoding a message with the
     receiver's tau instead of its sender's breaks the sum."""
@@ -149,7 +148,7 @@ def test_adaptive_tau_sends_about_half_the_cap_and_logs_it():
     n = 20000
     params = [ParamSlice("w", (n,), 0, n)]
     st = state_for("threshold:max_ratio=0.02")  # cap 400, about 200 pass
-    w = _Scalars()
+    w = Scalars()
     st.attach(w)
     g = torch.Generator().manual_seed(5)
     counts = []

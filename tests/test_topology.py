@@ -11,9 +11,7 @@ import gradcomp
 from gradcomp.compressors.base import ParamSlice
 from gradcomp.config import MethodConfig
 from gradcomp.hooks.topology import Shards, node_size
-from gradcomp.launch import spawn
-from test_distributed import small_net, train_capturing
-from test_order import _record_collectives
+from conftest import record_collectives, small_net, train_capturing
 
 HIER = "topology=hierarchical,local_size=2"
 CONSERVE = ["topk:ratio=0.05", "onebit:chunk=64", "powersgd:rank=1", "dgc:ratio=0.02",
@@ -82,7 +80,7 @@ def _job(rank, world):
         gradcomp.register(DDP(small_net()), "topk:topology=hierarchical,local_size=3")
     except ValueError as exc:
         out["bad"] = str(exc)
-    log = _record_collectives(rank)
+    log = record_collectives(rank)
     out["order"] = {}
     for spec in ORDER:
         for d in (0, 1):
@@ -94,7 +92,7 @@ def _job(rank, world):
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(spawn):
     return spawn(_job, 4, timeout=900)
 
 

@@ -1,8 +1,7 @@
 """A short real training run (2 ranks, CIFAR-10 subset, small ResNet) with every method
 lowers the loss. One spawn runs all methods in turn to pay process start-up once."""
 
-from gradcomp.launch import spawn
-from gradcomp.train import train
+from gradcomp_bench.train import train
 
 METHODS = ["allreduce", "topk:ratio=0.01", "dgc:ratio=0.01", "onebit", "terngrad", "powersgd:rank=2"]
 STEPS = 24
@@ -13,7 +12,7 @@ def _run_all(rank, world, methods):
             for m in methods}
 
 
-def test_every_method_lowers_the_loss(cifar):
+def test_every_method_lowers_the_loss(cifar, spawn):
     losses = spawn(_run_all, 2, args=(METHODS,), timeout=600)[0]
     for m, ls in losses.items():
         first, last = sum(ls[:6]) / 6, sum(ls[-6:]) / 6

@@ -13,19 +13,15 @@ compressors call them. With 2 ranks, for every method that uses a kernel:
     rounding (TernGrad draws its uniforms from another generator on this path: Philox).
 """
 import math
-import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import pytest
+import torch
+import torch.distributed as dist
 
 pytest.importorskip("triton")
 
 import gradcomp  # noqa: E402
-from gradcomp.launch import spawn  # noqa: E402
-from test_methods import SHAPES, layout  # noqa: E402
+from conftest import SHAPES, layout  # noqa: E402
 
 SPECS = ["topk:ratio=0.05", "dgc:ratio=0.05", "onebit:chunk=64", "terngrad:error_feedback=true",
          "terngrad:share_scalers=false,error_feedback=true", "threshold:max_ratio=0.05"]
@@ -51,14 +47,14 @@ def _run(rank, world, spec):
     return outs, total, sent, state.state_dict()["memory"]["flat"]
 
 
-def _both_ranks(spec, kernels):
+def _both_ranks(spawn, spec, kernels):
     env = {"GRADCOMP_KERNELS": kernels, "TRITON_INTERPRET": "1"}
     return spawn(_run, 2, args=(spec,), timeout=240, env=env)
 
 
 @pytest.mark.parametrize("spec", SPECS)
-def test_compressors_through_the_triton_kernels_on_two_ranks(spec):
-    got = _both_ranks(spec, "triton")
+def test_compressors_through_the_triton_kernels_on_two_ranks(spec, spawn):
+    got = _both_ranks(spawn, spec, "triton")
     W = len(got)
     for a, b in zip(got[0][0], got[1][0]):
         assert torch.equal(a, b)  # every rank gets the same average
@@ -72,6 +68,6 @@ def test_compressors_through_the_triton_kernels_on_two_ranks(spec):
         torch.testing.assert_close(W * got[0][2][n] + kept, inputs, atol=1e-4, rtol=1e-5)
     if spec.startswith("terngrad"):
         return
-    want = _both_ranks(spec, "reference")
+    want = _both_ranks(spawn, spec, "reference")
     for a, b in zip(got[0][0], want[0][0]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -14,10 +14,38 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import data, models
-from .hooks import build_config, register
+from gradcomp.hooks import build_config, parse_spec, register
 
-# Baselines that are not gradcomp methods: torch's own hooks, and no communication at all.
-BASELINES = ("ddp", "fp16", "torch-powersgd", "noop")
+# Baselines that are not gradcomp methods: torch's own hooks, and no communication at all;
+# each with its options and their defaults (all integers).
+BASELINES = {"ddp": {}, "fp16": {}, "torch-powersgd": {"rank": 2, "start": 2}, "noop": {}}
+
+
+def parse_method(spec: str) -> tuple[str, dict]:
+    """A method spec, ``"name:key=value,..."``, as (name, options): a gradcomp method's by the
+    library's own :func:`gradcomp.parse_spec` (and checked by its config), a baseline's with
+    its defaults filled in. ValueError names what is wrong."""
+    name, _, rest = spec.strip().partition(":")
+    if name not in BASELINES:
+        build_config(spec)  # the option values too, not only their names
+        return parse_spec(spec)
+    opts = dict(BASELINES[name])
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, eq, value = (p.strip() for p in item.partition("="))
+        if not eq or key not in opts:
+            allowed = ", ".join(f"{k}=N" for k in opts) or "none"
+            raise ValueError(f"bad option {item!r} for {name}: allowed {allowed}")
+        try:
+            opts[key] = int(value)
+        except ValueError:
+            raise ValueError(f"bad option {item!r} for {name}: expected an integer") from None
+        if opts[key] < 1:
+            raise ValueError(f"bad option {item!r} for {name}: expected an integer >= 1")
+    return name, opts
+
+
+def is_gradcomp(spec: str) -> bool:
+    return spec.strip().partition(":")[0] not in BASELINES
 
 
 def _noop_hook(state, bucket):
@@ -28,7 +56,9 @@ def _noop_hook(state, bucket):
 
 def attach(model: DDP, spec: str, optimizer, **options):
     """Put ``spec``'s communication on ``model``; returns the gradcomp state or None."""
-    name, _, rest = spec.partition(":")
+    if is_gradcomp(spec):
+        return register(model, spec, optimizer=optimizer, **options)
+    name, opts = parse_method(spec)
     if name == "ddp":
         return None
     if name == "noop":
@@ -40,20 +70,12 @@ def attach(model: DDP, spec: str, optimizer, **options):
         return None
     if name == "torch-powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
-        opts = dict(kv.split("=") for kv in rest.split(",") if kv)
-        state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=int(opts.get("rank", 2)),
-                                 start_powerSGD_iter=int(opts.get("start", 2)), use_error_feedback=True,
+        state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=opts["rank"],
+                                 start_powerSGD_iter=opts["start"], use_error_feedback=True,
                                  warm_start=True)
         model.register_comm_hook(state, ps.powerSGD_hook)
         return None
-    return register(model, spec, optimizer=optimizer, **options)
-
-
-def check_spec(spec: str) -> None:
-    """Raise ValueError for a spec that is neither a baseline nor a valid gradcomp method."""
-    name = spec.partition(":")[0]
-    if name not in BASELINES:
-        build_config(spec)
+    raise AssertionError(f"baseline {name} has no attach")  # BASELINES and attach disagree
 
 
 @dataclass

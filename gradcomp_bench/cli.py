@@ -4,7 +4,7 @@
     gradcomp-bench ddp --model resnet18 --link 100mbit,1gbit --latency 50ms
     gradcomp-bench convergence --epochs 30 --data ~/cifar-10-batches-py
     gradcomp-bench kernels
-    torchrun --nnodes 2 --nproc-per-node 1 ... -m gradcomp.cli ddp   # your real network
+    torchrun --nnodes 2 --nproc-per-node 1 ... -m gradcomp_bench.cli ddp   # your real network
 
 Under torchrun each process is one rank (NCCL on GPUs, gloo on CPUs) and rank 0 prints.
 
@@ -44,11 +44,11 @@ def _check_device(args) -> None:
 
 
 def _methods(text: str) -> list[str]:
-    from .train import check_spec
+    from .train import parse_method
     specs = _split_specs(text)
     for s in specs:
         try:
-            check_spec(s)
+            parse_method(s)
         except ValueError as exc:
             raise UsageError(f"--methods: {exc}") from None
     return specs
@@ -96,12 +96,29 @@ def _data(args):
     return str(found)
 
 
-def _progress(i, n, label):
-    bar = "#" * int(30 * i / n)
-    sys.stderr.write(f"\r[{bar:<30}] {i}/{n} {label[:50]:<50}")
-    sys.stderr.flush()
-    if i == n:
-        sys.stderr.write("\n")
+def _progress(jobs, label, disable=False):
+    """tqdm over ``jobs`` on stderr; ``label(job)`` names the job that is running."""
+    from tqdm import tqdm
+    bar = tqdm(jobs, file=sys.stderr, unit="run", dynamic_ncols=True, disable=disable)
+    for job in bar:
+        bar.set_postfix_str(label(job)[:60])
+        yield job
+
+
+def _write_json(args, out_dir: Path, cmd: str, doc: dict) -> Path:
+    """The run's rows, written before anything is drawn from them: ``--json`` or
+    OUT/<cmd>.json."""
+    path = Path(args.json) if args.json else out_dir / f"{cmd}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"kind": cmd, "argv": sys.argv, **doc}, indent=1, default=str))
+    print(f"json: {path}")
+    return path
+
+
+def _plot(doc_path: Path, out_dir: Path) -> None:
+    from . import plots
+    paths = plots.plot(json.loads(doc_path.read_text()), out_dir)
+    print("plots: " + ", ".join(str(p) for p in paths))
 
 
 # --------------------------------------------------------------------------- ddp
@@ -162,8 +179,9 @@ def cmd_ddp(args) -> int:
     jobs = [(w, r, m) for w in worlds for r in rates for m in methods]
     rows, raw = [], []
     scalars = report.Scalars(args.tensorboard)
-    for i, (w, rate, m) in enumerate(jobs):
-        _progress(i, len(jobs), f"world {w} link {_rate_name(rate)} {m}")
+    quiet = torchrun and int(os.environ["RANK"]) != 0
+    for w, rate, m in _progress(jobs, lambda j: f"world {j[0]} link {_rate_name(j[1])} {j[2]}",
+                                disable=quiet):
         cfg = TrainConfig(method=m, model=args.model, data=data_dir, synthetic=args.synthetic,
                           epochs=0, max_steps=args.steps + args.warmup, batch=args.batch,
                           eval=False, seed=args.seed, options=_delay_opts(m, args),
@@ -172,11 +190,11 @@ def cmd_ddp(args) -> int:
         if torchrun:
             res = _torchrun_ranks(cfg)[0]
         elif rate is None:
-            res = bench.run_ranks(w, cfg, per_node=per_node)[0]
+            res = bench.run_train(w, cfg, per_node=per_node)[0]
         else:
             from .netlink import Link
             with Link(rate, latency, n=w // per_node) as link:
-                res = bench.run_ranks(w, cfg, link=link, per_node=per_node)[0]
+                res = bench.run_train(w, cfg, link=link, per_node=per_node)[0]
         row = bench.summarize(m, res, w, rate, args.warmup, args.model)
         rows.append(row)
         raw.append({"method": m, "world": w, "link_bps": rate, "step_times": res["step_times"]})
@@ -186,18 +204,13 @@ def cmd_ddp(args) -> int:
         for s, h in enumerate(res.get("stats_history") or []):
             scalars.add(f"{tag}/wire_bytes", h["wire_bytes"], s)
             scalars.add(f"{tag}/compression_ratio", h["ratio"], s)
-    _progress(len(jobs), len(jobs), "done")
     scalars.close()
-    if torchrun and int(os.environ["RANK"]) != 0:
+    if quiet:
         return 0
     bench.finish(rows)
+    doc = _write_json(args, out_dir, "ddp", {"rows": rows, "raw": raw})
     print(ddp_table(rows))
-    _plot_ddp(rows, out_dir / "ddp_step_time.png", report, bench)
-    print(f"plot: {out_dir / 'ddp_step_time.png'}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"argv": sys.argv, "rows": rows, "raw": raw},
-                                              indent=1, default=str))
-        print(f"json: {args.json}")
+    _plot(doc, out_dir)
     return 0
 
 
@@ -209,8 +222,8 @@ def _delay_opts(method, args):
 
 
 def _is_gradcomp(method) -> bool:
-    from .train import BASELINES
-    return method.partition(":")[0] not in BASELINES
+    from .train import is_gradcomp
+    return is_gradcomp(method)
 
 
 def _hook_log(method, args):
@@ -256,21 +269,6 @@ def ddp_table(rows) -> str:
     return report.table(view, cols)
 
 
-def _plot_ddp(rows, path, report, bench):
-    bws = [10 ** (7 + i / 8) for i in range(0, 33)]  # 10 Mbit/s .. 100 Gbit/s
-    first_w = rows[0]["world"]
-    series, marks = {}, {}
-    for r in rows:
-        if r["world"] != first_w:
-            continue
-        series.setdefault(r["method"], [(b, bench.project(r, b) * 1e3) for b in bws])
-        if r["link_bps"]:
-            marks.setdefault(r["method"], []).append((r["link_bps"], r["step_s"] * 1e3))
-    report.line_plot(path, series, f"step time vs link bandwidth, {first_w} ranks "
-                     "(lines: projected from measured compute and bytes; circles: measured)",
-                     "link bandwidth (bit/s)", "ms per step", logx=True, markers=marks)
-
-
 # --------------------------------------------------------------------------- convergence
 def cmd_convergence(args) -> int:
     from . import bench, report
@@ -286,13 +284,12 @@ def cmd_convergence(args) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     scalars = report.Scalars(args.tensorboard)
     results = {}
-    for i, m in enumerate(methods):
-        _progress(i, len(methods), m)
+    for m in _progress(methods, str):
         cfg = TrainConfig(method=m, model=args.model, data=data_dir, synthetic=args.synthetic,
                           epochs=args.epochs, batch=args.batch, lr=args.lr, seed=args.seed,
                           eval=True, options={**_delay_opts(m, args), **_hook_log(m, args)},
                           device=args.device)
-        res = bench.run_ranks(worlds[0], cfg, timeout=args.timeout)[0]
+        res = bench.run_train(worlds[0], cfg, timeout=args.timeout)[0]
         results[m] = res
         for c in res["curve"]:
             scalars.add(f"{m}/test_acc", c["test_acc"], c["step"])
@@ -301,27 +298,18 @@ def cmd_convergence(args) -> int:
         for s, h in enumerate(res.get("stats_history") or []):
             scalars.add(f"{m}/compression_ratio", h["ratio"], s)
             scalars.add(f"{m}/wire_bytes", h["wire_bytes"], s)
-    _progress(len(methods), len(methods), "done")
     scalars.close()
     base = results.get("allreduce") or results.get("ddp") or next(iter(results.values()))
     rows = [{"method": m, "test_acc": 100 * r["test_acc"], "test_loss": r["test_loss"],
              "d_acc": 100 * (r["test_acc"] - base["test_acc"]),
              "ratio": (r.get("stats") or {}).get("ratio"),
              "step_ms": 1e3 * statistics.median(r["step_times"])} for m, r in results.items()]
+    doc = _write_json(args, out_dir, "convergence",
+                      {"rows": rows, "curves": {m: r["curve"] for m, r in results.items()}})
     print(report.table(rows, [("method", "method", ""), ("test_acc", "test acc %", ".2f"),
                               ("d_acc", "vs allreduce", "+.2f"), ("test_loss", "test loss", ".3f"),
                               ("ratio", "compression", ".0f"), ("step_ms", "step ms", ".0f")]))
-    report.line_plot(out_dir / "convergence_acc.png",
-                     {m: [(c["step"], 100 * c["test_acc"]) for c in r["curve"]] for m, r in results.items()},
-                     "CIFAR-10 test accuracy", "optimizer step", "%")
-    report.line_plot(out_dir / "convergence_loss.png",
-                     {m: [(c["step"], c["train_loss"]) for c in r["curve"]] for m, r in results.items()},
-                     "CIFAR-10 training loss (epoch mean)", "optimizer step", "loss")
-    print(f"plots: {out_dir / 'convergence_acc.png'}, {out_dir / 'convergence_loss.png'}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"argv": sys.argv, "rows": rows,
-                                               "curves": {m: r["curve"] for m, r in results.items()}},
-                                              indent=1, default=str))
+    _plot(doc, out_dir)
     return 0
 
 
@@ -334,11 +322,9 @@ def cmd_overlap(args) -> int:
     _lanes(args)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for i, m in enumerate(methods):
-        _progress(i, len(methods), m)
-        rows.append(spawn(bench.profile_overlap, 2, args=(m, args.model, args.batch))[0])
-    _progress(len(methods), len(methods), "done")
+    rows = [spawn(bench.profile_overlap, 2, args=(m, args.model, args.batch))[0]
+            for m in _progress(methods, str)]
+    doc = _write_json(args, out_dir, "overlap", {"rows": rows})
     view = [{"method": r["method"], "compute_ms": r["backward_ops_end"],
              "backward_ms": r["backward"][1] - r["backward"][0],
              "exchanges": len(r["exchanges"]), "exchange_ms": 1e3 * r["exchange_s"],
@@ -349,8 +335,7 @@ def cmd_overlap(args) -> int:
                               ("exchanges", "bucket exchanges", "d"),
                               ("exchange_ms", "exchange ms", ".1f"),
                               ("overlap", "share during backward", ".0%")]))
-    report.timeline(out_dir / "overlap_timeline.png", rows)
-    print(f"plot: {out_dir / 'overlap_timeline.png'}")
+    _plot(doc, out_dir)
     return 0
 
 
@@ -383,7 +368,9 @@ def cmd_kernels(args) -> int:
     except ImportError as exc:
         raise UsageError(f"kernel benchmark unavailable: {exc}") from None
     sizes = tuple(int(float(s)) for s in args.sizes.split(","))
-    rows = bench_kernels.run(sizes=sizes, device=args.device, repeats=args.repeats)
+    if not args.max_seconds > 0:
+        raise UsageError(f"--max-seconds {args.max_seconds:g}: expected seconds > 0")
+    rows = bench_kernels.run(sizes=sizes, device=args.device, max_seconds=args.max_seconds)
     print(bench_kernels.format_table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
@@ -405,12 +392,13 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--delay", type=int, default=0, help="delayed averaging steps")
         s.add_argument("--lanes", type=int, default=4,
                        help="buckets whose exchanges may run at once (one process group each)")
-        s.add_argument("--json", default=None)
+        s.add_argument("--json", default=None, metavar="PATH",
+                       help="the run's rows (default OUT/<command>.json), written before plotting")
         s.add_argument("--tensorboard", default=None, metavar="DIR",
                        help="TensorBoard scalars in DIR; convergence also writes each gradcomp "
                             "method's hook diagnostics under DIR/hook/<method> (they cost "
                             "passes over the gradient: step times grow)")
-        s.add_argument("--out", default="bench/out", help="directory for plots")
+        s.add_argument("--out", default="bench/out", help="directory for plots (and the JSON)")
         s.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
                        help="auto: a GPU per rank under NCCL; cuda: GPUs also with gloo ranks")
 
@@ -443,29 +431,25 @@ def parser() -> argparse.ArgumentParser:
     o.add_argument("--methods", default="allreduce,dgc:ratio=0.001,onebit,terngrad,powersgd:rank=2")
     o.add_argument("--model", default="resnet18")
     o.add_argument("--batch", type=int, default=32)
+    o.add_argument("--json", default=None, metavar="PATH",
+                   help="the run's rows (default OUT/overlap.json), written before plotting")
     o.add_argument("--out", default="bench/out")
     k = sub.add_parser("kernels", help="quantize/select kernels against torch and a copy")
     k.add_argument("--sizes", default="1048576,16777216")
     k.add_argument("--device", default=None)
-    k.add_argument("--repeats", type=int, default=20)
+    k.add_argument("--max-seconds", type=float, default=2.0,
+                   help="CPU: time spent on one measurement at most (torch's Timer stops "
+                        "earlier once the spread settles)")
     k.add_argument("--json", default=None)
     k.add_argument("--ops", action="store_true",
                    help="count the aten ops of one bucket exchange per method (ResNet-18, "
                         "GPT-2 small, 16 vs 160 tensors) instead of timing kernels")
-    r = sub.add_parser("_rank", help=argparse.SUPPRESS)
-    r.add_argument("cfg")
-    r.add_argument("out")
-    r.add_argument("addr")
     return p
 
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
-        if args.cmd == "_rank":
-            from .bench import rank_main
-            rank_main(args.cfg, args.out, args.addr)
-            return 0
         return {"ddp": cmd_ddp, "convergence": cmd_convergence, "kernels": cmd_kernels,
                 "overlap": cmd_overlap}[args.cmd](args)
     except UsageError as exc:

@@ -1,7 +1,7 @@
 """Where the GPU time goes (one CUDA device): kernel block/warp sweep, the DGC select broken
 into its steps, and a torch.profiler table of one DDP step per method (NCCL, one rank).
 
-    PYTHONPATH=. python3 bench/gpu_probe.py [sweep] [dgc] [profile]
+    PYTHONPATH=. python3 -m gradcomp_bench.gpu_probe [sweep] [dgc] [profile]
 """
 import math
 import os
@@ -9,9 +9,9 @@ import sys
 
 import torch
 import triton
-from triton.testing import do_bench
 
-from gradcomp import bench_kernels as bk
+from gradcomp_bench import bench_kernels as bk
+from gradcomp_bench.timing import measure
 from gradcomp.compressors.topk import CAPACITY_FACTOR, TARGET_FACTOR, sparse_select
 from gradcomp.kernels import reference
 from gradcomp.kernels import triton_kernels as tk
@@ -21,7 +21,7 @@ N = 25_000_000
 
 
 def ms(fn):
-    return do_bench(fn, warmup=20, rep=100, return_mode="median")
+    return measure(fn, DEV)["median_s"] * 1e3
 
 
 def sweep():
@@ -84,7 +84,7 @@ def profile(methods=("dgc:ratio=0.001", "onebit", "powersgd:rank=2")):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     import gradcomp
-    from gradcomp import models
+    from gradcomp_bench import models
     from gradcomp.hooks import parse_spec
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")

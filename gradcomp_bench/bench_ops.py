@@ -21,9 +21,9 @@ import os
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .compressors.base import ParamSlice
-from .hooks import build_config
-from .hooks.state import GradcompState
+from gradcomp.compressors.base import ParamSlice
+from gradcomp.hooks import build_config
+from gradcomp.hooks.state import GradcompState
 
 SPECS = ("allreduce", "topk", "dgc", "onebit", "terngrad", "powersgd", "threshold")
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb

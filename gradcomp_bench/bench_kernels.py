@@ -13,11 +13,10 @@ against ``torch.topk(x.abs(), k)``.
 Each row holds the median and 20/80 percentile times, the effective bandwidth (bytes the
 operation must move at least, i.e. one read of each input and one write of each output,
 over the median time), ``vs_copy`` (copy time / this time: 1.0 runs at copy speed), the
-torch and triton versions and the git SHA. CUDA timings use events, with the L2 cache flushed
-before each call; CPU timings use ``time.perf_counter``. A measurement stops after
-``repeats`` calls, or after ``MAX_SECONDS`` once it has ``MIN_REPEATS`` (slow CPU paths).
+torch and triton versions and the git SHA. Timings come from :func:`.timing.measure`
+(``triton.testing.do_bench`` on a GPU, ``torch.utils.benchmark.Timer`` on the CPU).
 
-    from gradcomp import bench_kernels as b
+    from gradcomp_bench import bench_kernels as b
     print(b.format_table(b.run(sizes=(1 << 20, 1 << 24))))
 """
 from __future__ import annotations
@@ -25,24 +24,22 @@ from __future__ import annotations
 import math
 import os
 import subprocess
-import time
 
 import torch
 
-from . import kernels
-from .compressors.topk import CAPACITY_FACTOR, TARGET_FACTOR, sparse_select
-from .compressors.onebit import OneBitConfig
-from .kernels import reference
+from gradcomp import kernels
+from gradcomp.compressors.topk import CAPACITY_FACTOR, TARGET_FACTOR, sparse_select
+from gradcomp.compressors.onebit import OneBitConfig
+from gradcomp.kernels import reference
 
-MIN_REPEATS = 3
-MAX_SECONDS = 2.0      # per measurement, once MIN_REPEATS are in
+from . import report, timing
+
 CHUNK = OneBitConfig().chunk  # the default the method runs with (256)
 W = 4                  # messages decoded per decompress / scattered per scatter_add
 TOPK_RATIO = 0.01      # TopKConfig's default
 DGC_RATIO = 0.001      # DGCConfig's default
 DGC_SAMPLE_RATIO = 0.01
 SEGMENT = 1 << 16      # elements per TernGrad segment (one layer's scaler)
-_FLUSH_BYTES = 256 << 20  # > L2 of any current GPU (H100: 50 MB)
 
 
 def _git_sha() -> str:
@@ -60,41 +57,6 @@ def _triton_version() -> str:
         return triton.__version__
     except ImportError:
         return "none"
-
-
-def _percentile(sorted_ts, q: float) -> float:
-    pos = q * (len(sorted_ts) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(sorted_ts) - 1)
-    return sorted_ts[lo] + (sorted_ts[hi] - sorted_ts[lo]) * (pos - lo)
-
-
-def _measure(fn, device: torch.device, repeats: int):
-    """Seconds per call of fn: (median, p20, p80, calls timed). One untimed warm-up call."""
-    fn()
-    ts = []
-    if device.type == "cuda":
-        flush = torch.empty(_FLUSH_BYTES, dtype=torch.uint8, device=device)
-        torch.cuda.synchronize(device)
-        for _ in range(repeats):
-            flush.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            ts.append(start.elapsed_time(end) / 1e3)
-            if len(ts) >= MIN_REPEATS and sum(ts) > MAX_SECONDS:
-                break
-    else:
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-            if len(ts) >= MIN_REPEATS and sum(ts) > MAX_SECONDS:
-                break
-    ts.sort()
-    return _percentile(ts, 0.5), _percentile(ts, 0.2), _percentile(ts, 0.8), len(ts)
 
 
 def _cases(n: int, device: torch.device):
@@ -159,7 +121,8 @@ def _copy_fn(nbytes: int, device: torch.device):
     return lambda: dst.copy_(src)
 
 
-def run(sizes=(1 << 20, 25_000_000), device=None, repeats: int = 20) -> list[dict]:
+def run(sizes=(1 << 20, 25_000_000), device=None,
+        max_seconds: float = timing.MAX_SECONDS) -> list[dict]:
     """Time every kernel at every size; one dict per (kernel, size, path). See the module
     docstring for the fields."""
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -168,11 +131,12 @@ def run(sizes=(1 << 20, 25_000_000), device=None, repeats: int = 20) -> list[dic
     rows = []
 
     def row(kernel, n, path, backend, nbytes, fn, copy_median):
-        med, p20, p80, count = _measure(fn, device, repeats)
+        t = timing.measure(fn, device, max_seconds)
+        med = t["median_s"]
         rows.append({"kernel": kernel, "n": n, "path": path, "backend": backend, "bytes": nbytes,
-                     "median_ms": med * 1e3, "p20_ms": p20 * 1e3, "p80_ms": p80 * 1e3,
+                     "median_ms": med * 1e3, "p20_ms": t["p20_s"] * 1e3, "p80_ms": t["p80_s"] * 1e3,
                      "gbps": nbytes / med / 1e9,
-                     "vs_copy": (copy_median or med) / med, "repeats": count, **meta})
+                     "vs_copy": (copy_median or med) / med, "repeats": t["runs"], **meta})
         return med
 
     for n in sizes:
@@ -195,16 +159,16 @@ def run(sizes=(1 << 20, 25_000_000), device=None, repeats: int = 20) -> list[dic
     return rows
 
 
+COLUMNS = [("kernel", "kernel", ""), ("n", "n", "d"), ("path", "path", ""),
+           ("backend", "backend", ""), ("median_ms", "median ms", ".3f"), ("p20_ms", "p20 ms", ".3f"),
+           ("p80_ms", "p80 ms", ".3f"), ("gbps", "GB/s", ".2f"), ("vs_copy", "vs copy", ".2f"),
+           ("repeats", "runs", "d")]
+
+
 def format_table(rows: list[dict]) -> str:
-    """A fixed-width text table of :func:`run`'s rows, with a header naming the setup."""
+    """:func:`run`'s rows as a text table, under a line naming the setup."""
     if not rows:
         return "(no rows)"
     r0 = rows[0]
-    lines = [f"device {r0['device']}  torch {r0['torch']}  triton {r0['triton']}  git {r0['git']}",
-             f"{'kernel':<19}{'n':>11}  {'path':<11}{'backend':<10}{'median ms':>10}"
-             f"{'p20 ms':>10}{'p80 ms':>10}{'GB/s':>9}{'vs copy':>9}{'runs':>6}"]
-    for r in rows:
-        lines.append(f"{r['kernel']:<19}{r['n']:>11}  {r['path']:<11}{r['backend']:<10}"
-                     f"{r['median_ms']:>10.3f}{r['p20_ms']:>10.3f}{r['p80_ms']:>10.3f}"
-                     f"{r['gbps']:>9.2f}{r['vs_copy']:>9.2f}{r['repeats']:>6}")
-    return "\n".join(lines)
+    return (f"device {r0['device']}  torch {r0['torch']}  triton {r0['triton']}  git {r0['git']}\n"
+            + report.table(rows, COLUMNS))

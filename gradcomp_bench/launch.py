@@ -1,13 +1,19 @@
-"""Run a function on N local ranks (gloo on CPU), with a free port and bounded waits.
+"""Run a function on N local ranks (gloo on CPU), with a free port and bounded waits: the one
+launcher of the tests and the benchmarks.
 
-Used by the tests and the benchmark CLI. A rank that raises, dies or overruns the deadline
-makes ``spawn`` raise in the parent; the other ranks are killed, so nothing hangs.
+Ranks are ``torch.multiprocessing`` processes, or with ``link`` (a :class:`.netlink.Link`)
+processes started inside the link's network namespaces, one namespace per node. A rank that
+raises, dies or overruns the deadline makes ``spawn`` raise in the parent; the other ranks
+are killed, so nothing hangs.
 """
 from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -39,6 +45,7 @@ def free_port() -> int:
 
 
 def _entry(fn, rank, world, addr, port, outdir, args, pg_timeout, threads, env):
+    """One rank: join the gloo group, run ``fn``, save its result (or the traceback)."""
     os.environ.update(env)
     torch.set_num_threads(threads)
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank),
@@ -48,7 +55,7 @@ def _entry(fn, rank, world, addr, port, outdir, args, pg_timeout, threads, env):
                                 timeout=datetime.timedelta(seconds=pg_timeout))
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
-        from .hooks.state import _close_all
+        from gradcomp.hooks.state import _close_all
         _close_all()  # communication threads stop before their process groups go
         # no rank tears its connections down while a peer still finishes its last
         # collective (gloo aborts the peer when a connection closes under it)
@@ -58,6 +65,61 @@ def _entry(fn, rank, world, addr, port, outdir, args, pg_timeout, threads, env):
         with open(os.path.join(outdir, f"rank{rank}.err"), "w") as f:
             f.write(traceback.format_exc())
         os._exit(1)
+
+
+def _link_main(job_path: str, rank: int) -> None:
+    """Entry of one rank inside a link's namespace (``python -m gradcomp_bench.launch``)."""
+    with open(job_path, "rb") as f:
+        job = pickle.load(f)
+    sys.path[:] = job["sys_path"]  # as multiprocessing's spawn does: fn unpickles by name
+    fn, args = pickle.loads(job["call"])
+    env = dict(job["env"][rank])
+    env.setdefault("GLOO_SOCKET_IFNAME", _ifname(job["node_addrs"][rank]))
+    _entry(fn, rank, job["world"], job["addr"], job["port"], job["outdir"], args,
+           job["pg_timeout"], job["threads"], env)
+
+
+def _ifname(addr: str) -> str:
+    out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) > 3 and parts[3].split("/")[0] == addr:
+            return parts[1].split("@")[0]
+    raise RuntimeError(f"no interface holds {addr} in this namespace")
+
+
+class _LinkRank:
+    """A rank started in a namespace, seen through multiprocessing.Process's interface."""
+
+    def __init__(self, argv, log_path):
+        self.log_path = log_path
+        with open(log_path, "w") as log:
+            self.p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log)
+
+    def is_alive(self):
+        return self.p.poll() is None
+
+    @property
+    def exitcode(self):
+        return self.p.poll()
+
+    def kill(self):
+        self.p.kill()
+
+    def join(self):
+        self.p.wait()
+
+
+def _start_in_link(fn, world, args, link, per_node, d, port, pg_timeout, threads, envs):
+    job = os.path.join(d, "job.pkl")
+    with open(job, "wb") as f:
+        pickle.dump({"call": pickle.dumps((fn, args)), "sys_path": list(sys.path),
+                     "world": world, "addr": link.addrs[0], "port": port, "outdir": d,
+                     "pg_timeout": pg_timeout, "threads": threads, "env": envs,
+                     "node_addrs": [link.addrs[r // per_node] for r in range(world)]}, f)
+    return [_LinkRank(link.prefix(r // per_node) + [sys.executable, "-m", __name__, job, str(r)],
+                      os.path.join(d, f"rank{r}.log"))
+            for r in range(world)]
 
 
 def _wait(procs, outdir: str, timeout: float | None, grace: float):
@@ -78,28 +140,50 @@ def _wait(procs, outdir: str, timeout: float | None, grace: float):
                 failed_at, first = now, bad[0]
         if failed_at is not None and now - failed_at >= grace:
             break
-        _wait_any([p.sentinel for p in procs if p.is_alive()], timeout=1.0)
+        alive = [p for p in procs if p.is_alive()]
+        if all(hasattr(p, "sentinel") for p in alive):
+            _wait_any([p.sentinel for p in alive], timeout=1.0)
+        else:
+            time.sleep(0.2)
     return first
 
 
 def spawn(fn, world: int = 2, args: tuple = (), timeout: float | None = 300, pg_timeout: float = 60,
           addr: str = "127.0.0.1", threads: int | None = None, env: dict | None = None,
-          allow_fail: bool = False):
+          allow_fail: bool = False, link=None, per_node: int = 1):
     """Run ``fn(rank, world, *args)`` on ``world`` processes; return their results in rank order.
 
     ``timeout`` bounds the whole run (None: no limit, for long training jobs). Either way a
     rank that fails ends the run: the others get ``pg_timeout`` (their collectives' timeout)
     plus 10 s to finish or fail, then are killed. With ``allow_fail`` a failed rank gives a
-    RankError in its slot instead of raising."""
+    RankError in its slot instead of raising.
+
+    ``link``: an open :class:`.netlink.Link`; rank r runs in node r // ``per_node``'s
+    namespace and the ranks meet at the first node's address (``fn`` and ``args`` must
+    pickle, ``fn`` by name, as for multiprocessing's spawn). ``per_node`` > 1 also sets
+    torchrun's LOCAL_WORLD_SIZE and LOCAL_RANK, so a method's topology=auto goes
+    hierarchical."""
+    if per_node < 1 or world % per_node:
+        raise ValueError(f"per_node={per_node}: expected an integer >= 1 dividing world={world}")
+    if link is not None and link.n != world // per_node:
+        raise ValueError(f"the link joins {link.n} nodes; world={world} with per_node={per_node} "
+                         f"needs {world // per_node}")
     threads = threads or max(1, (os.cpu_count() or 1) // world)
-    ctx = mp.get_context("spawn")
+    envs = [dict(env or {}) for _ in range(world)]
+    if per_node > 1:
+        for r, e in enumerate(envs):
+            e.update(LOCAL_WORLD_SIZE=str(per_node), LOCAL_RANK=str(r % per_node))
     port = free_port()
     with tempfile.TemporaryDirectory() as d:
-        procs = [ctx.Process(target=_entry, daemon=True,
-                             args=(fn, r, world, addr, port, d, args, pg_timeout, threads, env or {}))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
+        if link is None:
+            ctx = mp.get_context("spawn")
+            procs = [ctx.Process(target=_entry, daemon=True,
+                                 args=(fn, r, world, addr, port, d, args, pg_timeout, threads, envs[r]))
+                     for r in range(world)]
+            for p in procs:
+                p.start()
+        else:
+            procs = _start_in_link(fn, world, args, link, per_node, d, port, pg_timeout, threads, envs)
         first_failed = _wait(procs, d, timeout, grace=pg_timeout + 10)
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
         for p in procs:
@@ -118,7 +202,7 @@ def spawn(fn, world: int = 2, args: tuple = (), timeout: float | None = 300, pg_
                     warnings.warn(f"rank {r} exited with code {procs[r].exitcode} after "
                                   f"saving its result", RuntimeWarning)
                 else:
-                    errors[r] = f"rank {r} exited with code {procs[r].exitcode}"
+                    errors[r] = f"rank {r} exited with code {procs[r].exitcode}" + _log_tail(procs[r])
         if hung and not allow_fail:
             why = (f"{pg_timeout + 10:g}s after rank {first_failed} failed" if first_failed is not None
                    else f"after {timeout}s")
@@ -133,3 +217,16 @@ def spawn(fn, world: int = 2, args: tuple = (), timeout: float | None = 300, pg_
             else:
                 out.append(RankError(errors.get(r, f"rank {r} hung"), errors))
         return out
+
+
+def _log_tail(proc, chars: int = 3000) -> str:
+    """The end of a namespace rank's stderr (a crash that left no traceback file)."""
+    path = getattr(proc, "log_path", None)
+    if path is None or not os.path.exists(path):
+        return ""
+    with open(path) as f:
+        return ":\n" + f.read()[-chars:]
+
+
+if __name__ == "__main__":
+    _link_main(sys.argv[1], int(sys.argv[2]))

@@ -3,7 +3,7 @@
 For benchmarks: run each DDP rank inside its own Linux network namespace, joined by a link whose
 bandwidth is shaped with ``tc`` and whose one-way latency is added per packet::
 
-    from gradcomp.netlink import Link
+    from gradcomp_bench.netlink import Link
     with Link("100mbit", latency_s=0.005, n=2) as link:
         procs = [subprocess.Popen(link.prefix(i) + [sys.executable, "bench.py", "--rank", str(i),
                                                     "--master", link.addrs[0]])
@@ -29,7 +29,7 @@ Needs root, ``ip``/``tc`` (iproute2) and permission to create network namespaces
 inside the namespaces created here (they have no default route), so no traffic leaves them.
 
 This module only uses the standard library: its helper processes load this file by path, without
-importing the ``gradcomp`` package (and torch).
+importing the ``gradcomp_bench`` package (and torch).
 """
 from __future__ import annotations
 

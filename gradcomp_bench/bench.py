@@ -2,87 +2,25 @@
 and CIFAR convergence per method. Every number comes from a real run."""
 from __future__ import annotations
 
-import json
 import math
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import asdict
 
 import torch
 
-from .launch import RankError, failures, free_port, spawn
-from .train import TrainConfig, train
+from .launch import spawn
+from .train import TrainConfig, parse_method, train
 
 
-# --------------------------------------------------------------------------- running ranks
-def run_ranks(world: int, cfg: TrainConfig, link=None, timeout: float | None = 1800,
+def run_train(world: int, cfg: TrainConfig, link=None, timeout: float | None = 1800,
               per_node: int = 1) -> list[dict]:
-    """Train ``cfg`` on ``world`` local ranks; inside ``link``'s namespaces when given.
-    ``per_node``: ranks per node (a namespace each node, torchrun's LOCAL_WORLD_SIZE set, so
-    a method's topology=auto goes hierarchical). ``timeout``: wall-clock limit in seconds
-    (None: none)."""
-    node_env = {"LOCAL_WORLD_SIZE": str(per_node)} if per_node > 1 else {}
-    if link is None:
-        return spawn(train, world, args=(asdict(cfg),), timeout=timeout, env=node_env)
-    port = free_port()
-    with tempfile.TemporaryDirectory() as d:
-        spec = os.path.join(d, "cfg.json")
-        with open(spec, "w") as f:
-            json.dump(asdict(cfg), f)
-        procs = []
-        threads = max(1, (os.cpu_count() or 1) // world)
-        for r in range(world):
-            node = r // per_node
-            env = dict(os.environ, MASTER_ADDR=link.addrs[0], MASTER_PORT=str(port), RANK=str(r),
-                       WORLD_SIZE=str(world), OMP_NUM_THREADS=str(threads),
-                       LOCAL_RANK=str(r % per_node), **node_env)
-            argv = link.prefix(node) + [sys.executable, "-m", "gradcomp.cli", "_rank", spec,
-                                        os.path.join(d, f"rank{r}.pt"), link.addrs[node]]
-            procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL,
-                                          stderr=open(os.path.join(d, f"rank{r}.log"), "w")))
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            for p in procs:
-                p.wait(timeout=None if deadline is None else max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        bad = {r: open(os.path.join(d, f"rank{r}.log")).read()[-3000:]
-               for r, p in enumerate(procs) if p.returncode != 0}
-        if bad:
-            raise RankError(failures(bad), bad)
-        return [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(world)]
-
-
-def rank_main(cfg_path: str, out_path: str, addr: str) -> None:
-    """Entry of one rank inside a network namespace (``gradcomp.cli _rank``)."""
-    import torch.distributed as dist
-    import datetime
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", _ifname(addr))
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    res = train(dist.get_rank(), dist.get_world_size(), cfg)
-    torch.save(res, out_path)
-    dist.destroy_process_group()
-
-
-def _ifname(addr: str) -> str:
-    out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True).stdout
-    for line in out.splitlines():
-        parts = line.split()
-        if len(parts) > 3 and parts[3].split("/")[0] == addr:
-            return parts[1].split("@")[0]
-    raise RuntimeError(f"no interface holds {addr} in this namespace")
+    """Train ``cfg`` on ``world`` local ranks (inside ``link``'s namespaces when given, one per
+    node of ``per_node`` ranks). ``timeout``: wall-clock limit in seconds (None: none). On a
+    shaped link a collective may wait 300 s (ResNet-18's 45 MB of gradients take ~36 s to
+    cross at 10 Mbit/s); on loopback 60 s."""
+    return spawn(train, world, args=(asdict(cfg),), timeout=timeout, link=link,
+                 per_node=per_node, pg_timeout=60 if link is None else 300)
 
 
 # --------------------------------------------------------------------------- analysis
@@ -111,14 +49,13 @@ def wire_bytes(method: str, res: dict, world: int, model_name: str) -> tuple[flo
         return statistics.mean(h.get("inter_node_wire_bytes", h["wire_bytes"]) for h in tail), True
     raw, ps = model_bytes(model_name)
     ring = 2 * (world - 1) / world
-    name = method.partition(":")[0]
+    name, opts = parse_method(method)
     if name == "noop":
         return 0.0, False
     if name == "fp16":
         return ring * raw / 2, False
     if name == "torch-powersgd":
-        rank = int(dict(kv.split("=") for kv in method.partition(":")[2].split(",") if kv).get("rank", 2))
-        return ring * ps * rank / 2, False
+        return ring * ps * opts["rank"] / 2, False
     return ring * raw, False
 
 

@@ -1,0 +1,78 @@
+"""The one launcher, gradcomp_bench.launch.spawn: local processes, or processes inside a shaped
+link's network namespaces (root and iproute2), with the same results and failure reports."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gradcomp_bench.launch import RankError, spawn
+from gradcomp_bench.netlink import Link, LinkUnavailable, check_available
+
+
+def _where(rank, world):
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return {"sum": t.item(), "rank": dist.get_rank(), "world": dist.get_world_size(),
+            "local": (os.environ.get("LOCAL_RANK"), os.environ.get("LOCAL_WORLD_SIZE")),
+            "ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
+            "netns": os.readlink("/proc/self/ns/net")}
+
+
+def _fail_on_one(rank, world):
+    if rank == 1:
+        raise ValueError("rank one gives up")
+    return rank
+
+
+def _link_reason():
+    try:
+        check_available()
+    except LinkUnavailable as e:
+        return str(e)
+    return None
+
+
+needs_link = pytest.mark.skipif(_link_reason() is not None, reason=f"no shaped link: {_link_reason()}")
+
+
+def test_local_ranks_with_nodes_get_torchruns_local_variables():
+    out = spawn(_where, 4, per_node=2, timeout=120)
+    assert [o["sum"] for o in out] == [10.0] * 4
+    assert [o["local"] for o in out] == [("0", "2"), ("1", "2"), ("0", "2"), ("1", "2")]
+
+
+def test_bad_node_sizes_are_refused():
+    with pytest.raises(ValueError, match="per_node=3: expected an integer >= 1 dividing world=4"):
+        spawn(_where, 4, per_node=3)
+    with pytest.raises(ValueError, match="per_node=0"):
+        spawn(_where, 2, per_node=0)
+
+
+@needs_link
+def test_ranks_inside_a_link_run_in_their_nodes_namespaces():
+    with Link("1gbit", n=2) as link:
+        out = spawn(_where, 4, per_node=2, link=link, timeout=120)
+    assert [o["sum"] for o in out] == [10.0] * 4
+    assert [(o["rank"], o["world"]) for o in out] == [(r, 4) for r in range(4)]
+    assert [o["local"] for o in out] == [("0", "2"), ("1", "2"), ("0", "2"), ("1", "2")]
+    assert all(o["ifname"] == link.ifname for o in out)
+    mine = os.readlink("/proc/self/ns/net")
+    ns = [o["netns"] for o in out]
+    assert ns[0] == ns[1] != ns[2] == ns[3] and mine not in ns
+
+
+@needs_link
+def test_a_failing_rank_inside_a_link_is_reported_with_its_traceback():
+    with Link("1gbit", n=2) as link:
+        with pytest.raises(RankError, match="rank one gives up") as info:
+            spawn(_fail_on_one, 2, link=link, timeout=120, pg_timeout=10)
+    assert set(info.value.errors) == {1}
+    assert "ValueError" in info.value.errors[1]
+
+
+def test_a_link_for_another_node_count_is_refused():
+    class TwoNodes:
+        n = 2
+    with pytest.raises(ValueError, match="the link joins 2 nodes; world=3 with per_node=1 needs 3"):
+        spawn(_where, 3, link=TwoNodes())
