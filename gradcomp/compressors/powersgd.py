@@ -25,11 +25,13 @@ Bit-exactness. A matrix's result must not depend on the other matrices of its ba
 rebuilds its buckets, and a resumed job sees other buckets at its first step). Batched
 ``torch.linalg.qr`` on the CPU breaks that: LAPACK's result depends on the alignment of
 each matrix in its internal batched copy, hence on the matrix's place in the batch
-(measured with torch 2.13/MKL: a 65 x 2 P gives different bits at odd places). So the
-orthonormalization is the modified Gram-Schmidt of the authors' code (epfml/powersgd,
-``orthogonalize``), written with batched elementwise ops and reductions, whose result per
-matrix is independent of its batch; ``bmm`` is too (tested: a matrix batched with other
-companions, at other places, alone: bit-identical). This changed the numbers from the
+(measured with torch 2.13/MKL: a 65 x 2 P gives different bits at odd places), and so do
+reductions over dim 1 (a batch of one is reduced as one whole tensor: other rounding). So
+the orthonormalization is the modified Gram-Schmidt of the authors' code (epfml/powersgd,
+``orthogonalize``), batched, with its dot products as ``bmm``: bmm computes each matrix of
+a batch on its own (tested: a matrix batched with other companions, at other places, and
+alone: bit-identical), except that a batch of one matrix-vector product takes another
+BLAS path, which :func:`bmm` avoids. This changed the numbers from the
 per-matrix ``torch.linalg.qr`` and ``@`` of earlier versions (within float tolerance, the
 same rank-r span), so a run resumes bit-exactly from checkpoints of this version; older
 checkpoints load and continue (Q and the residual keep their meaning).
@@ -99,22 +101,22 @@ class PowerSGD(Compressor):
                   for p in g.params]
             Ms.append(M)
             Qs.append(qs)
-            Ps.append(torch.bmm(M, torch.stack(qs)))
+            Ps.append(bmm(M, torch.stack(qs)))
         # 1st collective: every P and every uncompressed tensor together
         buf = torch.cat([P.view(-1) for P in Ps] + [lay.take_dense(x)])
         ctx.comm.allreduce(buf)
         Ps = [orthonormalize(buf[a:b].view(P.shape).clone()) for P, (a, b) in zip(Ps, lay.p_spans)]
         # 2nd collective: every Q
-        qbuf = torch.cat([torch.bmm(M.transpose(1, 2), P).view(-1) for M, P in zip(Ms, Ps)])
+        qbuf = torch.cat([bmm(M.transpose(1, 2), P).view(-1) for M, P in zip(Ms, Ps)])
         ctx.comm.allreduce(qbuf)
         out = x.clone() if cfg.error_feedback else x
         for g, P, qs, (a, b) in zip(lay.groups, Ps, Qs, lay.q_spans):
             Q = qbuf[a:b].view(g.B, g.m, g.r)
             torch._foreach_copy_(qs, Q.unbind(0))
-            g.put(out, torch.bmm(P, Q.transpose(1, 2)).div_(W))
+            g.put(out, bmm(P, Q.transpose(1, 2)).div_(W))
         lay.put_dense(out, buf[lay.p_total:].div_(W))
         if ctx.details:  # how much of this rank's matrix the shared rank-r basis P misses
-            err = [torch.linalg.vector_norm(M - torch.bmm(P, torch.bmm(P.transpose(1, 2), M)), dim=(1, 2))
+            err = [torch.linalg.vector_norm(M - bmm(P, bmm(P.transpose(1, 2), M)), dim=(1, 2))
                    / (torch.linalg.vector_norm(M, dim=(1, 2)) + 1e-30) for M, P in zip(Ms, Ps)]
             ctx.log("approx_error", torch.cat(err).mean())
         if cfg.error_feedback:
@@ -199,16 +201,27 @@ class _Layout:
 def orthonormalize(P: torch.Tensor) -> torch.Tensor:
     """Orthonormal columns of each matrix of P (B, n, r), in place: modified Gram-Schmidt as
     in the PowerSGD authors' code (epfml/powersgd, ``orthogonalize``; torch's powerSGD_hook
-    does the same), batched. Each matrix's result depends on it alone (elementwise ops and
-    per-matrix reductions; see the module docstring on batched QR)."""
+    does the same), batched. The dot products are bmm's, not ``sum(dim=1)``: a reduction's
+    order depends on the batch (a batch of one is reduced as a whole tensor, measured to
+    round differently at n = 65), a matrix product's does not (see the module docstring)."""
     r = P.shape[2]
     for i in range(r):
         col = P[:, :, i : i + 1]
-        col.div_(torch.linalg.vector_norm(col, dim=1, keepdim=True).add_(1e-12))
+        col.div_(bmm(col.transpose(1, 2), col).sqrt_().add_(1e-12))
         if i + 1 < r:
             rest = P[:, :, i + 1 :]
-            rest.sub_(col * (col * rest).sum(dim=1, keepdim=True))
+            rest.sub_(col * bmm(col.transpose(1, 2), rest))
     return P
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.bmm(a, b)`` whose result for one matrix does not depend on the batch size: a
+    batch of ONE matrix-vector product takes another BLAS path than a larger batch (other
+    rounding; measured with torch 2.13/MKL, M Q at r = 1 for n m r >= 400), so it runs as a
+    batch of two (the same operands twice, no copy) and keeps the first."""
+    if a.shape[0] == 1 and (a.shape[1] == 1 or b.shape[2] == 1):
+        return torch.bmm(a.expand(2, -1, -1), b.expand(2, -1, -1))[:1]
+    return torch.bmm(a, b)
 
 
 def _init_q(seed: int, name: str, m: int, r: int, device) -> torch.Tensor:
