@@ -91,7 +91,7 @@ class TernGrad(Compressor):
         if not big:
             return self.dense(x, ctx)
         cfg, W = self.config, ctx.comm.world_size
-        lay = self._layout(big, x.device)
+        lay = self._layout(ctx.params, big, dense, x.device)
         y = lay.spread(x)
         e = ctx.memory("residual") if cfg.error_feedback else None
         res = None
@@ -111,6 +111,7 @@ class TernGrad(Compressor):
             if cfg.clip:  # what clipping removed is fed back too
                 res.add_(unclipped).sub_(y)
             lay.gather(res, e)
+            lay.zero_dense(e)  # sent exactly
         tail = dense_values(x, dense).view(torch.uint8)
         # the codes padded to whole words, so the fp32 parts behind them stay aligned
         if cfg.share_scalers:
@@ -127,11 +128,11 @@ class TernGrad(Compressor):
         put_dense(got[:, got.shape[1] - tail.numel() :], dense, out)
         return out
 
-    def _layout(self, params, device):
-        key = (tuple((p.name, p.offset, p.numel) for p in params), str(device))
+    def _layout(self, params, big, dense, device):
+        key = (tuple((p.name, p.offset, p.numel, p.size) for p in params), str(device))
         hit = self._layouts.get(key)
         if hit is None:
-            hit = self._layouts[key] = _Layout(params, device)
+            hit = self._layouts[key] = _Layout(big, dense, sum(p.numel for p in params), device)
         return hit
 
 
@@ -140,11 +141,14 @@ class _Layout:
     elements, zeros), laid end to end: built once per bucket layout and device.
 
     npad: padded length; lengths, starts: (S,) int64 padded length and first element of
-    each layer; seg: (npad,) int64 layer of each element; src, dst: (n,) int64 positions
-    of the layers' elements in x and in the padded layout; fill: the zero bytes that pad the
-    codes (npad/4 bytes) to a multiple of 4."""
+    each layer; seg: (npad,) int32 layer of each element; take: (npad,) int32 position in x
+    of each padded element (padding: any); pad: (k,) int64 the padding positions; back: (n,)
+    int32 padded position of each element of x (dense parameters: any); dense: int64
+    positions of the dense parameters in x; fill: the zero bytes that pad the codes (npad/4
+    bytes) to a multiple of 4. The per-element tables are int32 gathers (12 bytes per
+    element in all; the layout is cached, not rebuilt per step)."""
 
-    def __init__(self, params, device):
+    def __init__(self, params, dense, n, device):
         lengths, starts, at = [], [], 0
         for p in params:
             m = -(-p.numel // 4) * 4
@@ -152,19 +156,34 @@ class _Layout:
             lengths.append(m)
             at += m
         self.npad = at
+        take = torch.zeros(at, dtype=torch.int32)
+        back = torch.zeros(n, dtype=torch.int32)
+        pad = []
+        for p, a, m in zip(params, starts, lengths):
+            take[a : a + p.numel] = torch.arange(p.offset, p.offset + p.numel, dtype=torch.int32)
+            back[p.offset : p.offset + p.numel] = torch.arange(a, a + p.numel, dtype=torch.int32)
+            pad.extend(range(a + p.numel, a + m))
         kw = dict(dtype=torch.int64, device=device)
         self.lengths = torch.tensor(lengths, **kw)
         self.starts = torch.tensor(starts, **kw)
-        self.seg = torch.repeat_interleave(torch.arange(len(params), **kw), self.lengths)
-        self.src = torch.cat([torch.arange(p.offset, p.offset + p.numel, **kw) for p in params])
-        self.dst = torch.cat([torch.arange(a, a + p.numel, **kw) for p, a in zip(params, starts)])
+        self.seg = torch.repeat_interleave(torch.arange(len(params), dtype=torch.int32),
+                                           torch.tensor(lengths)).to(device)
+        self.take, self.back = take.to(device), back.to(device)
+        self.pad = torch.tensor(pad, **kw) if pad else None
+        self.dense = (torch.cat([torch.arange(p.offset, p.offset + p.numel, **kw) for p in dense])
+                      if dense else None)
         self.fill = torch.zeros(-(at // 4) % 4, dtype=torch.uint8, device=device)
 
     def spread(self, src: torch.Tensor) -> torch.Tensor:
         """src (x's layout) in the padded layout, padding zero."""
-        out = torch.zeros(self.npad, dtype=torch.float32, device=src.device)
-        return out.index_copy_(0, self.dst, src.index_select(0, self.src))
+        out = src.index_select(0, self.take)
+        return out if self.pad is None else out.index_fill_(0, self.pad, 0.0)
 
     def gather(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """dst[layers' elements] = src (padded layout)."""
-        dst.index_copy_(0, self.src, src.index_select(0, self.dst))
+        """dst = src (padded layout) in x's layout; the dense parameters' part is left
+        undefined (see :meth:`zero_dense`; the result's is overwritten by put_dense)."""
+        torch.index_select(src, 0, self.back, out=dst)
+
+    def zero_dense(self, t: torch.Tensor) -> None:
+        if self.dense is not None:
+            t.index_fill_(0, self.dense, 0.0)
