@@ -105,7 +105,8 @@ class PowerSGD(Compressor):
         # 1st collective: every P and every uncompressed tensor together
         buf = torch.cat([P.view(-1) for P in Ps] + lay.take_dense(x))
         ctx.comm.allreduce(buf)
-        Ps = [orthonormalize(buf[a:b].view(P.shape).clone()) for P, (a, b) in zip(Ps, lay.p_spans)]
+        # in place in buf (its P part is not read again)
+        Ps = [orthonormalize(buf[a:b].view(P.shape)) for P, (a, b) in zip(Ps, lay.p_spans)]
         # 2nd collective: every Q
         qbuf = torch.cat([bmm(M.transpose(1, 2), P).view(-1) for M, P in zip(Ms, Ps)])
         ctx.comm.allreduce(qbuf)
