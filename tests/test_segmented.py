@@ -261,7 +261,8 @@ def test_powersgd_close_to_the_per_matrix_qr_of_earlier_versions():
         assert torch.allclose(P_gs[0].t() @ P_gs[0], torch.eye(r), atol=1e-5)
 
 
-@pytest.mark.parametrize("n, m, r", [(65, 63, 2), (7, 9, 3), (128, 1152, 1), (3, 5, 2), (63, 33, 4)])
+@pytest.mark.parametrize("n, m, r", [(65, 63, 2), (7, 9, 3), (128, 1152, 1), (3, 5, 2), (63, 33, 4),
+                                     (3072, 20, 2), (2000, 30, 1), (1000, 12, 4)])
 def test_a_matrix_result_does_not_depend_on_its_batch(n, m, r):
     """The same matrix alone, first, and at odd places among other companions: bmm and the
     batched Gram-Schmidt give it the same bits (batched linalg.qr does not, at 65 x 2)."""

@@ -208,15 +208,18 @@ def orthonormalize(P: torch.Tensor) -> torch.Tensor:
     a full-rank 64 x 64 P off by 1e-2 with one pass, 2e-7 with two; Householder QR 6e-7).
     The dot products are bmm's, not ``sum(dim=1)``: a reduction's order depends on the
     batch (a batch of one is reduced as a whole tensor, measured to round differently at
-    n = 65), a matrix product's does not (see the module docstring)."""
+    n = 65), a matrix product's does not (see the module docstring). These products have
+    at most r - 1 in the inner or the outer dimension: plain ``torch.bmm`` (measured: the
+    same bits for a batch of one as for a larger batch, n up to 50257; only the gradient's
+    matrix-vector products need :func:`bmm`)."""
     for i in range(P.shape[2]):
         col = P[:, :, i : i + 1]
         if i:
             done = P[:, :, :i]
             done_t = done.transpose(1, 2)
             for _ in range(2):
-                col.sub_(bmm(done, bmm(done_t, col)))
-        col.div_(bmm(col.transpose(1, 2), col).sqrt_().add_(1e-12))
+                col.sub_(torch.bmm(done, torch.bmm(done_t, col)))
+        col.div_(torch.bmm(col.transpose(1, 2), col).sqrt_().add_(1e-12))
     return P
 
 
@@ -225,7 +228,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     batch of ONE matrix-vector product takes another BLAS path than a larger batch (other
     rounding; measured with torch 2.13/MKL, M Q at r = 1 for n m r >= 400), so it runs as a
     batch of two (the same operands twice, no copy) and keeps the first."""
-    if a.shape[0] == 1 and (a.shape[1] == 1 or b.shape[2] == 1):
+    if a.shape[0] == 1 and b.shape[2] == 1:
         return torch.bmm(a.expand(2, -1, -1), b.expand(2, -1, -1))[:1]
     return torch.bmm(a, b)
 
