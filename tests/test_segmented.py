@@ -240,7 +240,8 @@ def test_powersgd_batch_equals_matrix_by_matrix(spec, W):
         want = powersgd_reference(x, params, method, W, mem_ref)
         got = method.reduce(x.clone(), Ctx(params, step, mem, W))
         for p in params:
-            assert torch.equal(got[p.offset : p.offset + p.numel], want[p.offset : p.offset + p.numel]), p.name
+            span = slice(p.offset, p.offset + p.numel)
+            assert torch.equal(got[span], want[span]), p.name
         for p, *_ in mats:
             assert torch.equal(mem.tensor("q", p.name, None), mem_ref.tensor("q", p.name, None))
 

@@ -28,13 +28,13 @@ each matrix in its internal batched copy, hence on the matrix's place in the bat
 (measured with torch 2.13/MKL: a 65 x 2 P gives different bits at odd places), and so do
 reductions over dim 1 (a batch of one is reduced as one whole tensor: other rounding). So
 the orthonormalization is Gram-Schmidt as in the authors' code (epfml/powersgd,
-``orthogonalize``), batched, reorthogonalized once, with its dot products as ``bmm``: bmm computes each matrix of
-a batch on its own (tested: a matrix batched with other companions, at other places, and
-alone: bit-identical), except that a batch of one matrix-vector product takes another
-BLAS path, which :func:`bmm` avoids. This changed the numbers from the
-per-matrix ``torch.linalg.qr`` and ``@`` of earlier versions (within float tolerance, the
-same rank-r span), so a run resumes bit-exactly from checkpoints of this version; older
-checkpoints load and continue (Q and the residual keep their meaning).
+``orthogonalize``), batched, reorthogonalized once, its dot products as ``bmm``. bmm
+computes each matrix of a batch on its own (tested: a matrix batched with other
+companions, at other places, and alone: bit-identical), except that a batch of ONE
+matrix-vector product takes another BLAS path, which :func:`bmm` avoids. This changed the
+numbers from the per-matrix ``torch.linalg.qr`` and ``@`` of earlier versions (within
+float tolerance, the same rank-r span): a run resumes bit-exactly from checkpoints of this
+version; older checkpoints load and continue (Q and the residual keep their meaning).
 """
 from __future__ import annotations
 
