@@ -101,16 +101,6 @@ def randn(n, seed, dtype=torch.float32):
     return torch.randn(n, generator=g).to(dtype).to(DEV)
 
 
-def ternary_expected(x, residual, scale, seg, u):
-    """The reference formula of ternary_compress, given the uniforms u."""
-    y = x + residual if residual is not None else x
-    s = scale[seg]
-    keep = u * s < y.abs()
-    codes = torch.where(keep, torch.where(y >= 0, 1, 2), 0).to(torch.uint8)
-    new_res = y - torch.where(keep, torch.where(y >= 0, s, -s), 0.0)
-    return ref.pack_2bit(codes), new_res
-
-
 # --------------------------------------------------------------------------- Philox
 @triton.jit
 def _rand_kernel(out_ptr, seed, offset, n, B: tl.constexpr):
@@ -124,9 +114,32 @@ def test_philox_uniform_is_tl_rand_bit_for_bit(seed, offset):
     n = 5000
     got = torch.empty(n, device=DEV)
     _rand_kernel[(triton.cdiv(n, 1024),)](got, seed, offset, n, B=1024)
-    want = tk.philox_uniform(seed, n, DEV, offset=offset)
+    want = ref.philox_uniform(seed, torch.arange(offset, offset + n, device=DEV))
     assert torch.equal(got, want)
     assert 0 <= want.min() and want.max() < 1
+
+
+@triton.jit
+def _rand_table_kernel(out_ptr, seeds_ptr, ctr_ptr, n, B: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
+    m = i < n
+    u = tl.rand(tl.load(seeds_ptr + i, mask=m, other=0), tl.load(ctr_ptr + i, mask=m, other=0))
+    tl.store(out_ptr + i, u, mask=m)
+
+
+def test_philox_uniform_per_element_seeds_is_tl_rand():
+    # a seed and a counter per element, as the segmented kernel draws them; seeds past 2^63
+    # travel as their two's complement
+    g = torch.Generator().manual_seed(5)
+    n = 4000
+    pool = torch.tensor([0, 3, 2**32 + 1, 2**63 - 1, -1, -(2**40)], dtype=torch.int64)
+    seeds = pool[torch.randint(0, len(pool), (n,), generator=g)].to(DEV)
+    ctr = torch.randint(0, 2**34, (n,), generator=g).to(DEV)
+    got = torch.empty(n, device=DEV)
+    _rand_table_kernel[(triton.cdiv(n, 1024),)](got, seeds, ctr, n, B=1024)
+    assert torch.equal(got, ref.philox_uniform(seeds, ctr))
+    one = ref.philox_uniform(2**64 - 1, ctr[:10])  # int seed == its two's complement tensor
+    assert torch.equal(one, ref.philox_uniform(torch.full((10,), -1, device=DEV), ctr[:10]))
 
 
 # --------------------------------------------------------------------------- 1-bit
@@ -233,26 +246,57 @@ def ternary_case(n, seed, dtype=torch.float32, nseg=3):
     return x, res, scale, seg
 
 
-def check_ternary(g, n, seed, dtype=torch.float32, with_residual=True, seg_dtype=torch.int64):
+def check_ternary(g, n, seed, dtype=torch.float32, with_residual=True, seg_dtype=torch.int64,
+                  per_seg=False):
+    """The kernel against the reference ternary_compress, bit for bit (codes and residual).
+    per_seg: a seed per segment, each segment's stream counted from its first element."""
     x, res, scale, seg = ternary_case(n, seed, dtype)
     seg = seg.to(seg_dtype)
     if not with_residual:
         res = None
-    u = tk.philox_uniform(seed, n, DEV)
-    want_packed, want_res = ternary_expected(x.float(), res, scale, seg, u)
+    starts = None
+    if per_seg:
+        nseg = scale.numel()
+        starts = torch.searchsorted(seg.long(), torch.arange(nseg, device=DEV))
+        seed = torch.tensor([seed * 7919 + k for k in range(nseg)], dtype=torch.int64, device=DEV)
+    want_res = res.clone() if with_residual else None
+    want_packed = ref.ternary_compress(x.float(), want_res, scale, seg, seed, starts)
     got_res = g.embed(res, 1234.5) if with_residual else None
-    packed = tk.ternary_compress(poisoned(g, x), got_res, g.embed(scale, float("nan")),
-                                 poisoned(g, seg), seed)
+    packed = tk.ternary_compress(
+        poisoned(g, x), got_res, g.embed(scale, float("nan")), poisoned(g, seg),
+        poisoned(g, seed) if per_seg else seed, poisoned(g, starts) if per_seg else None)
     assert torch.equal(packed, want_packed)
     if with_residual:
         assert torch.equal(got_res, want_res)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_ternary_compress_matches_reference_formula(guards, block, dtype):
+def test_ternary_compress_matches_reference(guards, block, dtype):
     for i, n in enumerate(sizes(block, 4)):
         check_ternary(guards, n, 100 + i, dtype)
     check_ternary(guards, 4 * 33, 7, dtype, with_residual=False, seg_dtype=torch.int32)
+
+
+def test_ternary_compress_per_segment_seeds_matches_reference(guards, block):
+    for i, n in enumerate(sizes(block, 4, zero=False)):
+        check_ternary(guards, n, 300 + i, per_seg=True)
+    check_ternary(guards, 4 * 257, 9, with_residual=False, seg_dtype=torch.int32, per_seg=True)
+
+
+def test_ternary_segment_stream_does_not_depend_on_its_place(guards):
+    # a segment's codes are those of the same values compressed alone with its seed
+    g = torch.Generator().manual_seed(0)
+    lens = [12, 4, 400, 8]
+    x = torch.randn(sum(lens), generator=g).to(DEV)
+    seg = torch.repeat_interleave(torch.arange(4), torch.tensor(lens)).to(DEV)
+    scale = torch.zeros(4, device=DEV).scatter_reduce_(0, seg, x.abs(), "amax")
+    seeds = torch.tensor([11, 2**62 + 3, 5, 7], dtype=torch.int64, device=DEV)
+    starts = torch.tensor([0, 12, 16, 416], dtype=torch.int64, device=DEV)
+    codes = ref.unpack_2bit(tk.ternary_compress(x, None, scale, seg, seeds, starts))
+    for k, (a, m) in enumerate(zip(starts.tolist(), lens)):
+        alone = tk.ternary_compress(x[a:a + m].contiguous(), None, scale[k:k + 1],
+                                    torch.zeros(m, dtype=torch.long, device=DEV), int(seeds[k]))
+        assert torch.equal(codes[a:a + m], ref.unpack_2bit(alone))
 
 
 def test_ternary_compress_large(guards):
@@ -406,8 +450,10 @@ specs = [
     (tk._onebit_compress_rows, [P, P, "*u8", P, "i32", "i32"], dict(HAS_RES=False, ROWS=512, BYTES=1)),
     (tk._onebit_compress_long, ["*fp16", P, "*u8", P, "i32", "i32"], dict(HAS_RES=True, BYTES=512)),
     (tk._onebit_decompress_kernel, ["*u8", P, P, "i32", "i32", "i32", "i32", "fp32"], dict(BYTES=512)),
-    (tk._ternary_compress_kernel, [P, P, P, "*i64", "*u8", "i64", "i32"], dict(HAS_RES=True, BYTES=1024)),
-    (tk._ternary_compress_kernel, ["*bf16", P, P, "*i32", "*u8", "u64", "i32"], dict(HAS_RES=False, BYTES=1024)),
+    (tk._ternary_compress_kernel, [P, P, P, "*i64", "*i64", "*i64", "*u8", "i64", "i32"],
+     dict(HAS_RES=True, PER_SEG=False, BYTES=1024)),
+    (tk._ternary_compress_kernel, ["*bf16", P, P, "*i32", "*i64", "*i64", "*u8", "u64", "i32"],
+     dict(HAS_RES=False, PER_SEG=True, BYTES=1024)),
     (tk._ternary_decompress_kernel, ["*u8", P, "*i64", P, "i32", "i32", "i32", "i32", "fp32"], dict(BYTES=1024)),
     (tk._count_kernel, [P, P, "*i32", "i32"], dict(BLOCK_=4096)),
     (tk._compact_kernel, ["*fp16", P, "*i64", P, "*i32", "i32", "i32"], dict(BLOCK_=4096)),

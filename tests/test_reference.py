@@ -97,3 +97,48 @@ def test_select_topk_too_few_pads_with_zero_and_too_many_is_bounded():
     assert torch.equal(out, torch.where(x >= 96, x, 0.0))
     vals, idx = ref.select_topk(x, torch.tensor(0.0), 10, capacity=20)  # all pass: first 20 kept
     assert sorted(vals.tolist()) == list(range(11, 21))
+
+
+def test_philox_matches_the_random123_known_answer():
+    # Philox4x32-10, counter 0 and key 0: first output word 0x6627e8d5 (Random123's
+    # kat_vectors); tl.rand takes it as int32 and scales it by 4.6566127342e-10 in fp32
+    u = ref.philox_uniform(0, torch.tensor([0]))
+    want = torch.tensor([0x6627E8D5], dtype=torch.int64).float() * torch.tensor(4.6566127342e-10)
+    assert torch.equal(u, want)
+
+
+def test_philox_stream_is_uniform_and_seeded():
+    n = 200_000
+    u = ref.uniform(123, n, "cpu")
+    assert 0 <= u.min() and u.max() < 1
+    hist = torch.histc(u, bins=10, min=0, max=1)
+    assert ((hist - n / 10).abs() < 5 * math.sqrt(n / 10)).all()  # 5 sigma per bin
+    assert not torch.equal(u[:100], ref.uniform(124, 100, "cpu"))
+    # seeds per element: each element draws from its own seed's stream
+    seeds = torch.tensor([5, 2**40 + 9]).repeat_interleave(50)
+    ctr = torch.arange(100) % 50
+    got = ref.philox_uniform(seeds, ctr)
+    assert torch.equal(got[:50], ref.uniform(5, 50, "cpu"))
+    assert torch.equal(got[50:], ref.uniform(2**40 + 9, 50, "cpu"))
+
+
+def test_ternary_per_segment_streams_start_at_each_segment():
+    # per-segment seeds: a segment draws tl.rand(seed[k], i - start[k]), so its codes are
+    # those of the segment compressed alone with that seed (with one seed over the whole
+    # tensor they would depend on the segment's place)
+    g = torch.Generator().manual_seed(2)
+    lens = [8, 4, 100]
+    x = torch.randn(sum(lens), generator=g)
+    seg = torch.repeat_interleave(torch.arange(3), torch.tensor(lens))
+    scale = torch.zeros(3).scatter_reduce_(0, seg, x.abs(), "amax")
+    seeds = torch.tensor([3, 4, 5])
+    starts = torch.tensor([0, 8, 12])
+    codes = ref.unpack_2bit(ref.ternary_compress(x, None, scale, seg, seeds, starts))
+    for k, (a, m) in enumerate(zip(starts.tolist(), lens)):
+        alone = ref.ternary_compress(x[a : a + m], None, scale[k : k + 1],
+                                     torch.zeros(m, dtype=torch.long), int(seeds[k]))
+        assert torch.equal(codes[a : a + m], ref.unpack_2bit(alone))
+    whole = ref.unpack_2bit(ref.ternary_compress(x, None, scale, seg, 3))
+    assert not torch.equal(whole[12:], codes[12:])
+    with pytest.raises(ValueError, match="starts"):
+        ref.ternary_compress(x, None, scale, seg, seeds)

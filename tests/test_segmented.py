@@ -154,7 +154,7 @@ def test_op_count_does_not_grow_with_the_tensor_count(spec):
     costs at most 1.5x the aten ops of the same bucket cut into 16 (it was ~9x with a loop
     over parameters), and on the GPU's path (the Triton kernels, interpreted here) at most
     its budget of launches either way."""
-    from gradcomp import bench_ops
+    from gradcomp_bench import bench_ops
     few = bench_ops.buckets(bench_ops.even_shapes(2**20, 16), 2**40)[0]
     many = bench_ops.buckets(bench_ops.even_shapes(2**20, 160), 2**40)[0]
     assert bench_ops.count(spec, many) <= 1.5 * bench_ops.count(spec, few)

@@ -9,10 +9,32 @@ Algorithm, per bucket and step (one power iteration, warm-started):
   1. M = G + E (error feedback, fp32).
   2. P = M Q  (Q from the previous step; at the first step random, the same on all ranks).
   3. Allreduce [P for every matrix, uncompressed tensors] as ONE buffer.
-  4. P = orthonormal basis of P (QR).
+  4. P = orthonormal basis of P (Gram-Schmidt, twice: see :func:`orthonormalize`).
   5. Q = M^T P; allreduce Q.
   6. Approximation M' = P Q^T / W;  E = M - M'. Q is kept for the next step.
 Sends (n + m) r floats per matrix instead of n m.
+
+Per-parameter semantics, per-bucket execution: a bucket's matrices are grouped by shape
+(n, m, r) once per bucket layout (cached), and every step runs on a group as a batch:
+one gather of its matrices out of the bucket, ``torch.bmm`` for M Q, M^T P and P Q^T, a
+batched Gram-Schmidt, one scatter back. So the op count grows with the number of distinct
+shapes in a bucket, not with the number of matrices (a transformer's blocks repeat a
+handful of shapes; a CNN has a few dozen).
+
+Bit-exactness. A matrix's result must not depend on the other matrices of its batch (DDP
+rebuilds its buckets, and a resumed job sees other buckets at its first step). Batched
+``torch.linalg.qr`` on the CPU breaks that: LAPACK's result depends on the alignment of
+each matrix in its internal batched copy, hence on the matrix's place in the batch
+(measured with torch 2.13/MKL: a 65 x 2 P gives different bits at odd places), and so do
+reductions over dim 1 (a batch of one is reduced as one whole tensor: other rounding). So
+the orthonormalization is Gram-Schmidt as in the authors' code (epfml/powersgd,
+``orthogonalize``), batched, reorthogonalized once, its dot products as ``bmm``. bmm
+computes each matrix of a batch on its own (tested: a matrix batched with other
+companions, at other places, and alone: bit-identical), except that a batch of ONE
+matrix-vector product takes another BLAS path, which :func:`bmm` avoids. This changed the
+numbers from the per-matrix ``torch.linalg.qr`` and ``@`` of earlier versions (within
+float tolerance, the same rank-r span): a run resumes bit-exactly from checkpoints of this
+version; older checkpoints load and continue (Q and the residual keep their meaning).
 """
 from __future__ import annotations
 
@@ -21,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import MethodConfig, check
-from .base import Compressor, dense_values, name_seed, register_method
+from .base import Compressor, name_seed, register_method
 
 
 @dataclass(frozen=True)
@@ -46,6 +68,10 @@ class PowerSGD(Compressor):
     # rank's deviation from the average, which is never sent; approx_error is its own measure
     description = "PowerSGD: rank-r power iteration with warm start and error feedback"
 
+    def __init__(self, config):
+        super().__init__(config)
+        self._layouts = {}
+
     def plan(self, params):
         """Split a bucket's parameters into compressed matrices (p, n, m, r) and dense ones."""
         cfg = self.config
@@ -62,44 +88,149 @@ class PowerSGD(Compressor):
 
     def reduce(self, x, ctx):
         cfg, W = self.config, ctx.comm.world_size
-        mats, dense = self.plan(ctx.params)
-        if not mats:
+        lay = self._layout(ctx.params, x.device)
+        if not lay.groups:
             return self.dense(x, ctx)
         if cfg.error_feedback:
             e = ctx.memory("residual")
             x.add_(e)
-        # Matrices are copied out of the bucket: BLAS results can depend on a buffer's
-        # alignment, and a view's alignment depends on the bucket layout (see base.py).
-        Ms, Qs = [], []
-        for p, n, m, r in mats:
-            Ms.append(x[p.offset : p.offset + p.numel].view(n, m).clone())
-            Qs.append(ctx.tensor("q", p.name, lambda p=p, m=m, r=r: _init_q(cfg.seed, p.name, m, r, x.device)))
+        Ms, Qs, Ps = [], [], []
+        for g in lay.groups:
+            M = g.take(x)  # a copy: the batch's matrices end to end
+            qs = [ctx.tensor("q", p.name, lambda p=p, g=g: _init_q(cfg.seed, p.name, g.m, g.r, x.device))
+                  for p in g.params]
+            Ms.append(M)
+            Qs.append(qs)
+            Ps.append(bmm(M, torch.stack(qs)))
         # 1st collective: every P and every uncompressed tensor together
-        Ps = [M @ Q for M, Q in zip(Ms, Qs)]
-        buf = torch.cat([P.reshape(-1) for P in Ps] + [dense_values(x, dense)])
+        buf = torch.cat([P.view(-1) for P in Ps] + lay.take_dense(x))
         ctx.comm.allreduce(buf)
-        sizes = [P.numel() for P in Ps]
-        Ps = [_orthonormal(c.view(P.shape).clone()) for P, c in zip(Ps, buf[: sum(sizes)].split(sizes))]
+        # in place in buf (its P part is not read again)
+        Ps = [orthonormalize(buf[a:b].view(P.shape)) for P, (a, b) in zip(Ps, lay.p_spans)]
         # 2nd collective: every Q
-        qbuf = torch.cat([(M.t() @ P).reshape(-1) for M, P in zip(Ms, Ps)])
+        qbuf = torch.cat([bmm(M.transpose(1, 2), P).view(-1) for M, P in zip(Ms, Ps)])
         ctx.comm.allreduce(qbuf)
         out = x.clone() if cfg.error_feedback else x
-        for (p, n, m, r), P, Qnew, Q in zip(mats, Ps, qbuf.split([m * r for _, _, m, r in mats]), Qs):
-            Q.copy_(Qnew.view(m, r))
-            out[p.offset : p.offset + p.numel] = (P @ Q.t()).div_(W).view(-1)
-        dense_sum = buf[sum(sizes):]
-        off = 0
-        for p in dense:
-            out[p.offset : p.offset + p.numel] = dense_sum[off : off + p.numel] / W
-            off += p.numel
+        for g, P, qs, (a, b) in zip(lay.groups, Ps, Qs, lay.q_spans):
+            Q = qbuf[a:b].view(g.B, g.m, g.r)
+            torch._foreach_copy_(qs, Q.unbind(0))
+            g.put(out, bmm(P, Q.transpose(1, 2)).div_(W))
+        lay.put_dense(out, buf, W)
         if ctx.details:  # how much of this rank's matrix the shared rank-r basis P misses
-            err = [(M - P @ (P.t() @ M)).norm() / (M.norm() + 1e-30) for M, P in zip(Ms, Ps)]
-            ctx.log("approx_error", torch.stack(err).mean())
+            err = [torch.linalg.vector_norm(M - bmm(P, bmm(P.transpose(1, 2), M)), dim=(1, 2))
+                   / (torch.linalg.vector_norm(M, dim=(1, 2)) + 1e-30) for M, P in zip(Ms, Ps)]
+            ctx.log("approx_error", torch.cat(err).mean())
         if cfg.error_feedback:
             torch.sub(x, out, out=e)
-            for p in dense:  # sent exactly: no error
-                e[p.offset : p.offset + p.numel].zero_()
+            lay.zero_dense(e)  # sent exactly: no error
         return out
+
+    def _layout(self, params, device):
+        key = (tuple((p.name, p.offset, p.numel, p.size) for p in params), str(device))
+        hit = self._layouts.get(key)
+        if hit is None:
+            mats, dense = self.plan(params)
+            hit = self._layouts[key] = _Layout(mats, dense, device)
+        return hit
+
+
+class _Group:
+    """The B matrices of one shape (n, m, r) in a bucket, in bucket order: where they lie in x
+    (one slice when they lie end to end, else an element index, built once)."""
+
+    def __init__(self, mats, device):
+        self.params = [p for p, *_ in mats]
+        _, self.n, self.m, self.r = mats[0]
+        self.B = len(mats)
+        first = self.params[0].offset
+        size = self.n * self.m
+        if all(p.offset == first + i * size for i, p in enumerate(self.params)):
+            self.span, self.idx = (first, first + self.B * size), None
+        else:
+            self.span = None
+            self.idx = torch.cat([torch.arange(p.offset, p.offset + p.numel, device=device)
+                                  for p in self.params])
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, n, m): the group's matrices, copied out of x."""
+        if self.idx is None:
+            flat = x[self.span[0] : self.span[1]].clone()
+        else:
+            flat = x.index_select(0, self.idx)
+        return flat.view(self.B, self.n, self.m)
+
+    def put(self, out: torch.Tensor, values: torch.Tensor) -> None:
+        """out[the group's elements] = values (B, n, m)."""
+        if self.idx is None:
+            out[self.span[0] : self.span[1]].copy_(values.view(-1))
+        else:
+            out.index_copy_(0, self.idx, values.view(-1))
+
+
+class _Layout:
+    """A bucket's compressed matrices grouped by shape, its dense parameters, and where each
+    group's P and Q lie in the two messages."""
+
+    def __init__(self, mats, dense, device):
+        by_shape: dict = {}
+        for mat in mats:
+            by_shape.setdefault(mat[1:], []).append(mat)
+        self.groups = [_Group(g, device) for g in by_shape.values()]
+        self.p_spans, self.q_spans, pa, qa = [], [], 0, 0
+        for g in self.groups:
+            self.p_spans.append((pa, pa + g.B * g.n * g.r))
+            self.q_spans.append((qa, qa + g.B * g.m * g.r))
+            pa, qa = pa + g.B * g.n * g.r, qa + g.B * g.m * g.r
+        self.p_total = pa
+        self.dense_idx = (torch.cat([torch.arange(p.offset, p.offset + p.numel, device=device)
+                                     for p in dense]) if dense else None)
+
+    def take_dense(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The dense parameters' values end to end (to ride behind the P's), as a list."""
+        return [] if self.dense_idx is None else [x.index_select(0, self.dense_idx)]
+
+    def put_dense(self, out: torch.Tensor, buf: torch.Tensor, W: int) -> None:
+        """out[dense parameters] = their sum over ranks (behind the P's in buf) / W."""
+        if self.dense_idx is not None:
+            out.index_copy_(0, self.dense_idx, buf[self.p_total :].div_(W))
+
+    def zero_dense(self, t: torch.Tensor) -> None:
+        if self.dense_idx is not None:
+            t.index_fill_(0, self.dense_idx, 0.0)
+
+
+def orthonormalize(P: torch.Tensor) -> torch.Tensor:
+    """Orthonormal columns of each matrix of P (B, n, r), in place: Gram-Schmidt, as in the
+    PowerSGD authors' code (epfml/powersgd, ``orthogonalize``) and torch's powerSGD_hook, but
+    each column's projection on the columns before it is taken twice (classical
+    Gram-Schmidt with reorthogonalization, "twice is enough": Giraud, Langou, Rozloznik
+    2005), which keeps P orthonormal to float precision where one pass loses it (measured:
+    a full-rank 64 x 64 P off by 1e-2 with one pass, 2e-7 with two; Householder QR 6e-7).
+    The dot products are bmm's, not ``sum(dim=1)``: a reduction's order depends on the
+    batch (a batch of one is reduced as a whole tensor, measured to round differently at
+    n = 65), a matrix product's does not (see the module docstring). These products have
+    at most r - 1 in the inner or the outer dimension: plain ``torch.bmm`` (measured: the
+    same bits for a batch of one as for a larger batch, n up to 50257; only the gradient's
+    matrix-vector products need :func:`bmm`)."""
+    for i in range(P.shape[2]):
+        col = P[:, :, i : i + 1]
+        if i:
+            done = P[:, :, :i]
+            done_t = done.transpose(1, 2)
+            for _ in range(2):
+                col.sub_(torch.bmm(done, torch.bmm(done_t, col)))
+        col.div_(torch.bmm(col.transpose(1, 2), col).sqrt_().add_(1e-12))
+    return P
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.bmm(a, b)`` whose result for one matrix does not depend on the batch size: a
+    batch of ONE matrix-vector product takes another BLAS path than a larger batch (other
+    rounding; measured with torch 2.13/MKL, M Q at r = 1 for n m r >= 400), so it runs as a
+    batch of two (the same operands twice, no copy) and keeps the first."""
+    if a.shape[0] == 1 and b.shape[2] == 1:
+        return torch.bmm(a.expand(2, -1, -1), b.expand(2, -1, -1))[:1]
+    return torch.bmm(a, b)
 
 
 def _init_q(seed: int, name: str, m: int, r: int, device) -> torch.Tensor:
@@ -109,7 +240,8 @@ def _init_q(seed: int, name: str, m: int, r: int, device) -> torch.Tensor:
 
 
 def _orthonormal(a: torch.Tensor) -> torch.Tensor:
-    """Orthonormal basis of a's columns (reduced QR), written back into a."""
+    """Orthonormal basis of a's columns (reduced QR), written back into a: the first Q, once
+    per parameter (unchanged, so a run's start does not change across versions)."""
     if a.shape[1] == 1:
         return a.div_(a.norm() + 1e-12)
     q, _ = torch.linalg.qr(a)

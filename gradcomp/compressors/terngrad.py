@@ -15,11 +15,24 @@ ones go dense):
   3. Scaler s_l = max |y_l|; with ``share_scalers`` every rank uses the maximum over ranks
      (one small allreduce), as in the paper's scaler sharing.
   4. q = sign(y) * Bernoulli(|y| / s): E[s q] = y (unbiased). Two bits per element; each
-     layer draws its own random stream, so its codes do not depend on its bucket.
+     layer draws its own random stream (Philox4x32-10, ``tl.rand``: key = the layer's seed
+     for this step, counter = the element's index in the layer), so its codes do not depend
+     on its bucket, and the CPU reference and the GPU kernel draw the same numbers.
   5. Allgather the packed codes (and scalers when not shared, and the dense layers' values);
      decode s * q; average.
 Each rank sends n/4 bytes (+4 bytes per layer): 16x less than fp32, but allgather means
 every rank receives (W-1) * n/4 bytes, so the saving shrinks as W grows past 8 or so.
+
+Per-layer semantics, per-bucket execution: a bucket's layers are described once per layout
+(index tensors between x and the padded layout, segment ids and starts, cached), so a
+bucket costs the same number of ops whatever its layer count: one gather in, one
+segmented statistics pass, ONE ternary_compress over the whole bucket (a seed per layer),
+one allgather, ONE ternary_decompress, one scatter out.
+
+Since the segmented rewrite the random stream is Philox (before: one ``torch.Generator``
+per layer), so codes differ from those of earlier versions for the same seed; checkpoints
+still load (TernGrad's default keeps no residual; with ``error_feedback=True`` the residual
+carries over as it is).
 """
 from __future__ import annotations
 
@@ -46,22 +59,19 @@ class TernGradConfig(MethodConfig):
         check(self.clip >= 0, "clip", self.clip, "a number >= 0 (0 = off)")
 
 
-def layer_stats(y: torch.Tensor, lengths: torch.Tensor, clip: float, pieces=None) -> torch.Tensor:
+def layer_stats(y: torch.Tensor, lengths: torch.Tensor, clip: float,
+                seg: torch.Tensor | None = None) -> torch.Tensor:
     """Clip y in place at clip * sigma per segment (consecutive runs of ``lengths``); return
-    the per-segment max |y|. ``pieces`` [(.., .., start, length)] clips segment by segment
-    (bounds stay on the device) instead of spreading the bound over every element."""
+    the per-segment max |y|. ``seg``: each element's segment id (else built here)."""
     if clip:
         mean = torch.segment_reduce(y, "mean", lengths=lengths)
         meansq = torch.segment_reduce(y * y, "mean", lengths=lengths)
-        bound = (meansq - mean * mean).clamp_min(0).sqrt().mul_(clip)
-        if pieces is None:
+        bound = (meansq - mean * mean).clamp_min_(0).sqrt_().mul_(clip)
+        if seg is None:
             full = torch.repeat_interleave(bound, lengths, output_size=y.numel())
-            torch.minimum(y, full, out=y)
-            torch.maximum(y, -full, out=y)
         else:
-            for i, (*_, at, m) in enumerate(pieces):
-                seg = y[at : at + m]
-                torch.clamp(seg, min=-bound[i : i + 1], max=bound[i : i + 1], out=seg)
+            full = bound.index_select(0, seg)
+        torch.clamp(y, min=full.neg(), max=full, out=y)
     return torch.segment_reduce(y.abs(), "max", lengths=lengths)
 
 
@@ -81,70 +91,99 @@ class TernGrad(Compressor):
         if not big:
             return self.dense(x, ctx)
         cfg, W = self.config, ctx.comm.world_size
-        pieces, npad, lengths = self._layout(big, x.device)
-        y = _spread(x, pieces, npad)
+        lay = self._layout(ctx.params, big, dense, x.device)
+        y = lay.spread(x)
         e = ctx.memory("residual") if cfg.error_feedback else None
         res = None
         if e is not None:
-            res = _spread(e, pieces, npad)
+            res = lay.spread(e)
             y.add_(res)
             unclipped = y.clone() if cfg.clip else None
-        scale = layer_stats(y, lengths, cfg.clip, pieces)
+        scale = layer_stats(y, lay.lengths, cfg.clip, lay.seg)
         if cfg.share_scalers:
             ctx.comm.allreduce(scale, op="max")
-        packed = torch.empty(npad // 4, dtype=torch.uint8, device=x.device)
-        zeros = lengths.new_zeros(max(m for *_, m in pieces))  # segment ids of one layer
-        for i, ((off, n, at, m), p) in enumerate(zip(pieces, big)):
-            r = res[at : at + m].zero_() if res is not None else None
-            packed[at // 4 : (at + m) // 4] = kernels.ternary_compress(
-                y[at : at + m], r, scale[i : i + 1], zeros[:m], ctx.seed(0, p.name))
+        seeds = torch.tensor([ctx.seed(0, p.name) for p in big], dtype=torch.int64,
+                             device=x.device)
+        if res is not None:
+            res.zero_()  # the kernel adds it to y (already in y) and leaves y - s q there
+        packed = kernels.ternary_compress(y, res, scale, lay.seg, seeds, lay.starts)
         if res is not None:
             if cfg.clip:  # what clipping removed is fed back too
                 res.add_(unclipped).sub_(y)
-            _gather(res, e, pieces)
+            lay.gather(res, e)
+            lay.zero_dense(e)  # sent exactly
         tail = dense_values(x, dense).view(torch.uint8)
+        # the codes padded to whole words, so the fp32 parts behind them stay aligned
         if cfg.share_scalers:
-            got = ctx.comm.allgather(torch.cat([packed, tail]))
-            scales = scale.expand(W, len(big))
+            got = ctx.comm.allgather(torch.cat([packed, lay.fill, tail]))
+            scales = scale.expand(W, len(big)).contiguous()
         else:
-            got = ctx.comm.allgather(torch.cat([packed, scale.view(torch.uint8), tail]))
-            scales = got[:, packed.numel() : packed.numel() + 4 * len(big)].contiguous()
-            scales = scales.view(torch.float32)
-        full = torch.zeros(npad, dtype=torch.float32, device=x.device)
-        scales = scales.t().contiguous()  # (layers, W): each layer's W scales contiguous
-        for i, (_, _, at, m) in enumerate(pieces):  # one layer at a time: one scale each
-            kernels.ternary_decompress(got[:, at // 4 : (at + m) // 4].contiguous(),
-                                       scales[i].view(W, 1), zeros[:m], full[at : at + m], 1.0 / W)
+            got = ctx.comm.allgather(torch.cat([packed, lay.fill, scale.view(torch.uint8), tail]))
+            at = packed.numel() + lay.fill.numel()
+            scales = got[:, at : at + 4 * len(big)].contiguous().view(torch.float32)
+        full = torch.zeros(lay.npad, dtype=torch.float32, device=x.device)
+        kernels.ternary_decompress(got, scales, lay.seg, full, 1.0 / W)
         out = torch.empty_like(x)
-        _gather(full, out, pieces)
+        lay.gather(full, out)
         put_dense(got[:, got.shape[1] - tail.numel() :], dense, out)
         return out
 
-    def _layout(self, params, device):
-        """Each layer padded to whole bytes of codes (a multiple of 4 elements): pieces
-        [(offset in x, numel, offset padded, padded numel)], padded length and the padded
-        lengths."""
-        key = (tuple((p.name, p.offset, p.numel) for p in params), str(device))
+    def _layout(self, params, big, dense, device):
+        key = (tuple((p.name, p.offset, p.numel, p.size) for p in params), str(device))
         hit = self._layouts.get(key)
         if hit is None:
-            pieces, at = [], 0
-            for p in params:
-                m = -(-p.numel // 4) * 4
-                pieces.append((p.offset, p.numel, at, m))
-                at += m
-            lengths = torch.tensor([m for *_, m in pieces], device=device)
-            hit = self._layouts[key] = (pieces, at, lengths)
+            hit = self._layouts[key] = _Layout(big, dense, sum(p.numel for p in params), device)
         return hit
 
 
-def _spread(src, pieces, npad):
-    dst = torch.empty(npad, dtype=torch.float32, device=src.device)
-    for off, n, at, m in pieces:
-        dst[at : at + n] = src[off : off + n]
-        dst[at + n : at + m].zero_()  # the padding (up to 3 elements)
-    return dst
+class _Layout:
+    """A bucket's compressed layers, each padded to whole bytes of codes (a multiple of 4
+    elements, zeros), laid end to end: built once per bucket layout and device.
 
+    npad: padded length; lengths, starts: (S,) int64 padded length and first element of
+    each layer; seg: (npad,) int32 layer of each element; take: (npad,) int32 position in x
+    of each padded element (padding: any); pad: (k,) int64 the padding positions; back: (n,)
+    int32 padded position of each element of x (dense parameters: any); dense: int64
+    positions of the dense parameters in x; fill: the zero bytes that pad the codes (npad/4
+    bytes) to a multiple of 4. The per-element tables are int32 gathers (12 bytes per
+    element in all; the layout is cached, not rebuilt per step)."""
 
-def _gather(src, dst, pieces):
-    for off, n, at, _ in pieces:
-        dst[off : off + n] = src[at : at + n]
+    def __init__(self, params, dense, n, device):
+        lengths, starts, at = [], [], 0
+        for p in params:
+            m = -(-p.numel // 4) * 4
+            starts.append(at)
+            lengths.append(m)
+            at += m
+        self.npad = at
+        take = torch.zeros(at, dtype=torch.int32)
+        back = torch.zeros(n, dtype=torch.int32)
+        pad = []
+        for p, a, m in zip(params, starts, lengths):
+            take[a : a + p.numel] = torch.arange(p.offset, p.offset + p.numel, dtype=torch.int32)
+            back[p.offset : p.offset + p.numel] = torch.arange(a, a + p.numel, dtype=torch.int32)
+            pad.extend(range(a + p.numel, a + m))
+        kw = dict(dtype=torch.int64, device=device)
+        self.lengths = torch.tensor(lengths, **kw)
+        self.starts = torch.tensor(starts, **kw)
+        self.seg = torch.repeat_interleave(torch.arange(len(params), dtype=torch.int32),
+                                           torch.tensor(lengths)).to(device)
+        self.take, self.back = take.to(device), back.to(device)
+        self.pad = torch.tensor(pad, **kw) if pad else None
+        self.dense = (torch.cat([torch.arange(p.offset, p.offset + p.numel, **kw) for p in dense])
+                      if dense else None)
+        self.fill = torch.zeros(-(at // 4) % 4, dtype=torch.uint8, device=device)
+
+    def spread(self, src: torch.Tensor) -> torch.Tensor:
+        """src (x's layout) in the padded layout, padding zero."""
+        out = src.index_select(0, self.take)
+        return out if self.pad is None else out.index_fill_(0, self.pad, 0.0)
+
+    def gather(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """dst = src (padded layout) in x's layout; the dense parameters' part is left
+        undefined (see :meth:`zero_dense`; the result's is overwritten by put_dense)."""
+        torch.index_select(src, 0, self.back, out=dst)
+
+    def zero_dense(self, t: torch.Tensor) -> None:
+        if self.dense is not None:
+            t.index_fill_(0, self.dense, 0.0)

@@ -16,7 +16,8 @@ import torch
 
 from . import cpu, reference
 from .reference import (  # noqa: F401  (re-exported helpers with no kernel of their own)
-    check_flat, pack_2bit, pack_bits, sample_threshold, unpack_2bit, unpack_bits, uniform,
+    check_flat, pack_2bit, pack_bits, philox_uniform, sample_threshold, unpack_2bit, unpack_bits,
+    uniform,
 )
 
 _triton = None
@@ -57,8 +58,8 @@ def onebit_decompress(bits, scales, chunk, out, alpha=1.0):
     return _impl("onebit_decompress", out)(bits, scales, chunk, out, alpha)
 
 
-def ternary_compress(x, residual, scale, seg, seed):
-    return _impl("ternary_compress", x)(x, residual, scale, seg, seed)
+def ternary_compress(x, residual, scale, seg, seed, starts=None):
+    return _impl("ternary_compress", x)(x, residual, scale, seg, seed, starts)
 
 
 def ternary_decompress(packed, scale, seg, out, alpha=1.0):

@@ -14,9 +14,9 @@ run resumes exactly whichever path wrote its state.
 Still pure torch (no native code), which bounds the gain: every op is a pass over a block,
 and unpacking bits costs a table lookup per byte. Below ``MIN_NUMEL`` elements the
 reference is as fast (its temporaries fit the caches) and runs instead. TernGrad's encoder
-has no blocked version: its time goes to drawing one uniform per element from torch's
-generator, which blocking does not change (measured: no gain at layer sizes). See
-bench/RESULTS.md, section 6.
+has no blocked version: its time goes to drawing one uniform per element (the Philox
+stream, :func:`reference.philox_uniform`), which blocking does not change. See
+bench/RESULTS.md, section 6 (measured with the earlier ``torch.Generator`` stream).
 """
 from __future__ import annotations
 

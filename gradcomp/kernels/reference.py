@@ -131,26 +131,102 @@ def onebit_decompress(bits: torch.Tensor, scales: torch.Tensor, chunk: int, out:
 
 
 # --------------------------------------------------------------------------- TernGrad
+# Philox4x32-10 (Salmon et al., "Parallel Random Numbers: As Easy as 1, 2, 3", SC 2011), as
+# Triton's tl.rand draws it (triton/language/random.py): the reference and the kernel draw
+# the same uniforms, so a CPU run and a GPU run with the same seeds agree.
+_U32 = (1 << 32) - 1
+_U64 = (1 << 64) - 1
+_PHILOX_KEY_A, _PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85
+_PHILOX_ROUND_A, _PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57
+_PHILOX: dict = {}
+
+
+def _philox_consts(device):
+    """(round multipliers (2, 1), key increments (2, 1)) as int64 on ``device``, cached."""
+    key = str(device)
+    hit = _PHILOX.get(key)
+    if hit is None:
+        hit = _PHILOX[key] = (
+            torch.tensor([[_PHILOX_ROUND_A], [_PHILOX_ROUND_B]], dtype=torch.int64, device=device),
+            torch.tensor([[_PHILOX_KEY_B], [_PHILOX_KEY_A]], dtype=torch.int64, device=device))
+    return hit
+
+
+def philox_uniform(seed, counter: torch.Tensor) -> torch.Tensor:
+    """``tl.rand(seed, counter)`` for every element of ``counter``, bit for bit.
+
+    seed: a python int, or an int64 tensor broadcastable to ``counter`` (a seed per element;
+    seeds of 2^63 and above as their two's complement); counter: int64 tensor >= 0.
+    Philox4x32-10 with counter words (c mod 2^32, c >> 32, 0, 0) and key (seed mod 2^32,
+    seed >> 32); the first output word taken as int32, folded to [0, 2^31) (x < 0 -> ~x) and
+    scaled by 4.6566127342e-10 in fp32, as ``randint`` then ``uint_to_uniform_float``.
+
+    Vectorized over the elements (a fixed number of ops: 7 per round). The 32-bit halves of
+    the products come from int64 products that wrap mod 2^64 (two's complement, as the
+    packing above relies on too): the low half is exact, the high half is (p >> 32) masked.
+    State: X = (c0, c2), the words the round multiplies; Y the full products of the round
+    before, whose low halves are (c3, c1), the words each row of X is xored with.
+    """
+    counter = counter.to(torch.int64)
+    device = counter.device
+    mul, key_step = _philox_consts(device)
+    if isinstance(seed, torch.Tensor):
+        seed = seed.to(torch.int64)
+        K = torch.stack([(seed >> 32) & _U32, seed & _U32])  # (k1, k0)
+    else:
+        seed = int(seed) & _U64
+        K = torch.tensor([[seed >> 32], [seed & _U32]], dtype=torch.int64, device=device)
+    zero = torch.zeros_like(counter)
+    X = torch.stack([counter & _U32, zero])              # (c0, c2)
+    Y = torch.stack([zero, counter >> 32])               # (c3, c1)
+    for i in range(10):
+        P = X * mul                                      # (A c0, B c2), mod 2^64
+        Z = P >> 32                                      # its high halves (and sign bits)
+        Z ^= Y                                           # ^ (c3, c1): low halves of the last products
+        Z ^= K                                           # ^ (k1, k0)
+        Z &= _U32                                        # (c2', c0')
+        X, Y = Z.flip(0), P                              # (c0', c2'); (c3', c1') in P's low halves
+        if i < 9:
+            K = K + key_step                             # keys mod 2^32 (high bits masked above)
+    x = X[0].to(torch.int32)                             # bitcast of the uint32 word
+    x = x ^ (x >> 31)                                    # x < 0 -> ~x
+    return x.to(torch.float32).mul_(4.6566127342e-10)
+
+
 def uniform(seed: int, n: int, device) -> torch.Tensor:
-    """n uniforms in [0, 1) from a generator seeded with ``seed`` (reproducible)."""
-    g = torch.Generator(device=device)
-    g.manual_seed(seed)
-    return torch.rand(n, generator=g, device=device)
+    """n uniforms in [0, 1): ``tl.rand(seed, i)`` for i = 0 .. n-1 (:func:`philox_uniform`)."""
+    return philox_uniform(seed, torch.arange(n, dtype=torch.int64, device=device))
+
+
+def ternary_uniforms(seed, starts: torch.Tensor | None, seg: torch.Tensor, n: int,
+                     device) -> torch.Tensor:
+    """The uniform each element of :func:`ternary_compress` draws: ``tl.rand(seed, i)`` for
+    element i when ``seed`` is an int; ``tl.rand(seed[k], i - starts[k])`` for an element i
+    of segment k when ``seed`` is a tensor of per-segment seeds (each segment its own stream,
+    counted from its first element, so a segment's draws do not depend on where it lies)."""
+    i = torch.arange(n, dtype=torch.int64, device=device)
+    if not isinstance(seed, torch.Tensor):
+        return philox_uniform(seed, i)
+    if starts is None:
+        raise ValueError("per-segment seeds need the segments' starts")
+    return philox_uniform(seed[seg], i - starts[seg])
 
 
 def ternary_compress(x: torch.Tensor, residual: torch.Tensor | None, scale: torch.Tensor,
-                     seg: torch.Tensor, seed: int) -> torch.Tensor:
+                     seg: torch.Tensor, seed, starts: torch.Tensor | None = None) -> torch.Tensor:
     """Stochastic ternarization (Wen et al. 2017) with error feedback.
 
     x: (n,) fp32, n % 4 == 0; scale: (S,) fp32 per-segment scaler s >= max|y| of the segment;
-    seg: (n,) int segment id of each element; seed: random stream.
+    seg: (n,) int segment id of each element; seed: an int (one random stream over x), or
+    an (S,) int64 tensor of per-segment seeds with ``starts`` (S,) int64, the index of each
+    segment's first element (see :func:`ternary_uniforms`).
     q = sign(y) * Bernoulli(|y| / s) so that E[s q] = y. Codes 0 -> 0, 1 -> +1, 2 -> -1.
     residual (if given) becomes y - s q. Returns packed codes (n/4,) uint8.
     """
     check_flat(x)
     y = x + residual if residual is not None else x
     s = scale if scale.numel() == 1 else scale[seg]  # one layer: no gather
-    keep = uniform(seed, y.numel(), y.device).mul_(s) < y.abs()
+    keep = ternary_uniforms(seed, starts, seg, y.numel(), y.device).mul_(s) < y.abs()
     neg = y < 0
     codes = neg.to(torch.uint8).add_(1).mul_(keep)  # 0 -> 0, +1 -> 1, -1 -> 2
     if residual is not None:

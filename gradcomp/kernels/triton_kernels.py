@@ -20,13 +20,11 @@ Passes over memory (n elements, fp32 x):
     after reading one offset. No host synchronization.
   * scatter_add: one kernel of atomic adds.
 
-Randomness. The reference draws its uniforms with ``torch.rand`` from a seeded
-``torch.Generator``; a kernel cannot reproduce that stream. ``ternary_compress`` here draws
-``tl.rand(seed, i)`` for element i (Philox4x32-10, counter = element index, key = seed).
-So for the same seed the GPU path and the CPU (reference) path draw DIFFERENT random streams,
-with the same distribution (uniform on [0, 1) with 2^-31 resolution); each is reproducible for
-a given seed, and each is unbiased. :func:`philox_uniform` reproduces ``tl.rand`` bit for bit
-in pure torch, which lets the tests compare this kernel with the reference formula exactly.
+Randomness. ``ternary_compress`` draws ``tl.rand`` (Philox4x32-10): per element i, key = the
+seed and counter = i, or with per-segment seeds key = seeds[k] and counter = i - starts[k] for
+an element of segment k. The reference computes the same stream in pure torch
+(:func:`gradcomp.kernels.reference.philox_uniform`), so the kernel and the reference agree bit
+for bit and a CPU run and a GPU run with the same seeds draw the same numbers.
 
 Inputs: ``x`` may be fp32, fp16 or bf16 (loaded and upcast to fp32 in the kernel); the
 residual, scales and accumulators are fp32. Flat inputs must be contiguous (``ValueError``
@@ -55,7 +53,6 @@ BLOCK = 65536 if _INTERPRET else 2048
 NUM_WARPS = 4
 
 _U64 = (1 << 64) - 1
-_U32 = (1 << 32) - 1
 
 
 def _alloc(shape, dtype, device) -> torch.Tensor:
@@ -244,54 +241,18 @@ def onebit_decompress(bits: torch.Tensor, scales: torch.Tensor, chunk: int, out:
 
 
 # --------------------------------------------------------------------------- TernGrad
-_PHILOX_KEY_A, _PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85
-_PHILOX_ROUND_A, _PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57
-
-
-def _mul32(a: int, t: torch.Tensor):
-    """(hi, lo) 32-bit halves of a * t for a python int a < 2^32 and int64 t in [0, 2^32);
-    split into 16-bit halves so no int64 product overflows."""
-    ah, al = a >> 16, a & 0xFFFF
-    th, tl_ = t * ah, t * al                  # each < 2^48
-    hi = (th + (tl_ >> 16)) >> 16
-    lo = (((th & 0xFFFF) << 16) + tl_) & _U32
-    return hi, lo
-
-
-def philox_uniform(seed: int, n: int, device=None, offset: int = 0) -> torch.Tensor:
-    """The n uniforms ``tl.rand(seed, i)`` draws for i = offset .. offset+n-1, bit for bit.
-
-    Pure torch (int64 arithmetic, CPU or GPU): Philox4x32-10 with counter (i mod 2^32,
-    i >> 32, 0, 0) and key (seed mod 2^32, seed >> 32), first output word taken as int32,
-    folded to [0, 2^31) (x < 0 -> ~x) and scaled by 4.6566127342e-10 in fp32, exactly as
-    triton/language/random.py (``randint`` then ``uint_to_uniform_float``).
-    """
-    seed = int(seed) & _U64
-    k0, k1 = seed & _U32, seed >> 32
-    off = torch.arange(offset, offset + n, dtype=torch.int64, device=device)
-    c0, c1 = off & _U32, off >> 32
-    c2 = torch.zeros_like(off)
-    c3 = torch.zeros_like(off)
-    for _ in range(10):
-        hb, lb = _mul32(_PHILOX_ROUND_B, c2)
-        ha, la = _mul32(_PHILOX_ROUND_A, c0)
-        c0, c1, c2, c3 = hb ^ c1 ^ k0, lb, ha ^ c3 ^ k1, la
-        k0 = (k0 + _PHILOX_KEY_A) & _U32
-        k1 = (k1 + _PHILOX_KEY_B) & _U32
-    x = torch.where(c0 >= (1 << 31), c0 - (1 << 32), c0)  # bitcast to int32
-    x = torch.where(x < 0, ~x, x)
-    return x.to(torch.float32) * torch.tensor(4.6566127342e-10, dtype=torch.float32, device=device)
-
-
 @triton.jit
 def _ternary_compress_kernel(
     x_ptr,      # (n,) x, fp32/fp16/bf16                          reads 4n
     res_ptr,    # (n,) fp32 residual, in place (if HAS_RES)        reads 4n, writes 4n
     scale_ptr,  # (S,) fp32 per-segment scaler                     gathered (cached)
     seg_ptr,    # (n,) int32/int64 segment id per element          reads 8n (int64)
+    seeds_ptr,  # (S,) int64 per-segment seed (if PER_SEG)         gathered (cached)
+    starts_ptr, # (S,) int64 first element of each segment (if PER_SEG)
     out_ptr,    # (n/4,) uint8 codes, 4 per byte, LSB first        writes n/4
     seed, nbytes,
     HAS_RES: tl.constexpr,
+    PER_SEG: tl.constexpr,  # a stream per segment (else one stream, ``seed``, over x)
     BYTES: tl.constexpr,  # bytes per program (4 * BYTES elements)
 ):
     byte = tl.program_id(0).to(tl.int64) * BYTES + tl.arange(0, BYTES)
@@ -302,8 +263,16 @@ def _ternary_compress_kernel(
     y = tl.load(x_ptr + eoff, mask=emask, other=0.0).to(tl.float32)
     if HAS_RES:
         y += tl.load(res_ptr + eoff, mask=emask, other=0.0)
-    s = tl.load(scale_ptr + tl.load(seg_ptr + eoff, mask=emask, other=0), mask=emask, other=0.0)
-    u = tl.rand(seed, eoff)  # counter = element index: same stream whatever the block size
+    sid = tl.load(seg_ptr + eoff, mask=emask, other=0)
+    s = tl.load(scale_ptr + sid, mask=emask, other=0.0)
+    if PER_SEG:
+        # the segment's own stream, counted from its first element: the reference's
+        # tl.rand(seeds[k], i - starts[k]), whatever the block size or the segment's place
+        sd = tl.load(seeds_ptr + sid, mask=emask, other=0)
+        ctr = eoff - tl.load(starts_ptr + sid, mask=emask, other=0)
+        u = tl.rand(sd, ctr)
+    else:
+        u = tl.rand(seed, eoff)  # counter = element index: same stream whatever the block size
     keep = u * s < tl.abs(y)
     nonneg = y >= 0
     code = tl.where(keep, tl.where(nonneg, 1, 2), 0)
@@ -315,9 +284,10 @@ def _ternary_compress_kernel(
 
 
 def ternary_compress(x: torch.Tensor, residual: torch.Tensor | None, scale: torch.Tensor,
-                     seg: torch.Tensor, seed: int) -> torch.Tensor:
-    """See :func:`gradcomp.kernels.reference.ternary_compress`; uniforms from ``tl.rand`` (see
-    the module docstring). Reads 4n + 4n + 8n (int64 seg), writes 4n + n/4."""
+                     seg: torch.Tensor, seed, starts: torch.Tensor | None = None) -> torch.Tensor:
+    """See :func:`gradcomp.kernels.reference.ternary_compress` (the same uniforms: ``tl.rand``
+    is the reference's :func:`~gradcomp.kernels.reference.philox_uniform`). Reads 4n + 4n +
+    8n (int64 seg), writes 4n + n/4."""
     check_flat(x)
     n = x.numel()
     if n % 4:
@@ -328,14 +298,24 @@ def ternary_compress(x: torch.Tensor, residual: torch.Tensor | None, scale: torc
         raise ValueError(f"seg has {seg.numel()} elements, x has {n}")
     if residual is not None:
         _check_fp32(residual, "residual", n)
+    per_seg = isinstance(seed, torch.Tensor)
+    if per_seg:
+        if starts is None:
+            raise ValueError("per-segment seeds need the segments' starts")
+        for t, what in ((seed, "seed"), (starts, "starts")):
+            check_flat(t, what)
+            if t.dtype != torch.int64 or t.numel() != scale.numel():
+                raise ValueError(f"{what} must be int64 with one entry per segment "
+                                 f"({scale.numel()}), got {t.dtype} with {t.numel()}")
     out = _alloc((n // 4,), torch.uint8, x.device)
     if n == 0:
         return out
     width = BLOCK // 4
     res = residual if residual is not None else x
+    seeds, first = (seed, starts) if per_seg else (seg, seg)  # unread without PER_SEG
     _ternary_compress_kernel[(triton.cdiv(n // 4, width),)](
-        x, res, scale, seg, out, int(seed) & _U64, n // 4,
-        HAS_RES=residual is not None, BYTES=width, num_warps=NUM_WARPS)
+        x, res, scale, seg, seeds, first, out, 0 if per_seg else int(seed) & _U64, n // 4,
+        HAS_RES=residual is not None, PER_SEG=per_seg, BYTES=width, num_warps=NUM_WARPS)
     return out
 
 

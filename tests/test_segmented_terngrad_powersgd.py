@@ -1,0 +1,303 @@
+"""The segmented codec (issue 18) for TernGrad and PowerSGD: one bucket in a fixed number of
+ops, every result still a function of its parameter alone.
+
+Each method runs on a whole bucket through a small BucketContext of our own (world size 1,
+or W mirrored ranks that all hold this rank's tensors) and is compared, parameter by
+parameter and bit for bit, with a per-parameter reference written here from the reference
+kernels: many tiny parameters, 1-3 element ones, one large one, and parameters below
+``min_numel`` mixed in. A relayout between steps (other order, other buckets) must not
+change a bit. The op count of a 160-tensor bucket is at most 1.5x that of a 16-tensor one.
+"""
+import math
+import zlib
+
+import pytest
+import torch
+
+from gradcomp_bench import bench_ops
+from gradcomp.compressors.base import METHODS, ParamSlice
+from gradcomp.compressors.powersgd import _init_q, bmm, orthonormalize
+from gradcomp.compressors.terngrad import layer_stats
+from gradcomp.hooks import build_config
+from gradcomp.hooks.guard import Guard
+from gradcomp.kernels import reference as ref
+from gradcomp.memory import ParamMemory
+
+
+class MirrorComm:
+    """W ranks that all hold this rank's tensors (W = 1: the identity)."""
+
+    def __init__(self, W):
+        self.world_size, self.rank = W, 0
+
+    def allreduce(self, t, op="sum"):
+        if op == "sum" and self.world_size > 1:
+            t.mul_(self.world_size)
+        return t
+
+    def allgather(self, t):
+        return t.unsqueeze(0).expand(self.world_size, *t.shape).contiguous()
+
+
+class Ctx:
+    """A BucketContext over a ParamMemory shared across steps and layouts."""
+
+    def __init__(self, params, step, mem, W=1, bucket=0):
+        self.comm, self.step, self.params, self.mem, self.bucket = MirrorComm(W), step, params, mem, bucket
+        self.device, self.live, self.logging, self.details = torch.device("cpu"), None, False, False
+
+    def memory(self, slot):
+        return self.mem.flat(slot, self.bucket, [p.name for p in self.params],
+                             [p.numel for p in self.params], self.device)
+
+    def tensor(self, slot, name, init):
+        return self.mem.tensor(slot, name, init)
+
+    def seed(self, stream, name):
+        return seed_of(self.step, name)
+
+
+def seed_of(step, name):
+    return (step * 1_000_003 + zlib.crc32(name.encode()) * 7919) % 2**63
+
+
+def lay_out(shapes):
+    out, off = [], 0
+    for name, shape in shapes:
+        n = math.prod(shape)
+        out.append(ParamSlice(name, shape, off, n))
+        off += n
+    return out
+
+
+def by_name(out, params):
+    return {p.name: out[p.offset : p.offset + p.numel].clone() for p in params}
+
+
+def compressor(spec, **kw):
+    name, cfg = build_config(spec, **kw)
+    return METHODS[name].compressor(cfg)
+
+
+# Many tiny parameters (1-7 elements), one large one, middling ones; with min_numel=6 the
+# ones below 6 elements go dense. Sizes not multiples of 4 exercise the padding.
+MIXED = ([(f"tiny{i}", (1 + i % 7,)) for i in range(40)] + [("huge", (70001,))]
+         + [(f"mid{i}", (3 + i, 5 + 2 * i)) for i in range(12)] + [("one", (1, 1)), ("b", (3,))])
+
+
+# --------------------------------------------------------------------------- TernGrad
+def terngrad_reference(x, params, cfg, step, W, e=None):
+    """TernGrad parameter by parameter with the reference kernels: each parameter padded to a
+    multiple of 4 alone, its statistics alone, its codes drawn with its seed as an int (one
+    stream counted from its first element). Returns (average, new residuals by name)."""
+    out, res = torch.empty_like(x), {}
+    for p in params:
+        v = x[p.offset : p.offset + p.numel]
+        if p.size < cfg.min_numel:  # dense: the W rows summed in order, then / W
+            total = v.clone()
+            for _ in range(W - 1):
+                total += v
+            out[p.offset : p.offset + p.numel] = total / W
+            continue
+        m = -(-p.numel // 4) * 4
+        y = torch.zeros(m)
+        y[: p.numel] = v
+        if e is not None:
+            y[: p.numel] += e[p.name]
+        unclipped = y.clone()
+        s = layer_stats(y, torch.tensor([m]), cfg.clip)
+        r = torch.zeros(m) if e is not None else None
+        codes = ref.ternary_compress(y, r, s, torch.zeros(m, dtype=torch.long), seed_of(step, p.name))
+        if e is not None:
+            if cfg.clip:
+                r.add_(unclipped).sub_(y)
+            res[p.name] = r[: p.numel]
+        acc = torch.zeros(m)
+        ref.ternary_decompress(codes.expand(W, -1).contiguous(), s.expand(W, 1).contiguous(),
+                               torch.zeros(m, dtype=torch.long), acc, 1.0 / W)
+        out[p.offset : p.offset + p.numel] = acc[: p.numel]
+    return out, res
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference", "triton"])
+@pytest.mark.parametrize("spec, W", [("terngrad", 1), ("terngrad:share_scalers=false", 2),
+                                     ("terngrad:error_feedback=true,clip=0", 1),
+                                     ("terngrad:error_feedback=true", 2)])
+def test_terngrad_bucket_equals_per_parameter_reference(spec, W, backend, monkeypatch):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    monkeypatch.setenv("GRADCOMP_KERNELS", backend)
+    method = compressor(spec, min_numel=6)
+    cfg = method.config
+    params = lay_out(MIXED)
+    n = sum(p.numel for p in params)
+    g = torch.Generator().manual_seed(3)
+    mem = ParamMemory()
+    e = {p.name: torch.zeros(p.numel) for p in params} if cfg.error_feedback else None
+    for step in range(2):  # the second step starts from the first one's residual
+        x = torch.randn(n, generator=g) * torch.rand(n, generator=g)
+        want, res = terngrad_reference(x, params, cfg, step, W, e)
+        got = method.reduce(x.clone(), Ctx(params, step, mem, W))
+        assert torch.equal(got, want)
+        if e is not None:
+            flat = mem.flat("residual", 0, [p.name for p in params], [p.numel for p in params], "cpu")
+            for p in params:
+                want_r = res.get(p.name, torch.zeros(p.numel))
+                assert torch.equal(flat[p.offset : p.offset + p.numel], want_r), p.name
+                e[p.name] = want_r.clone()
+
+
+def test_terngrad_reference_above_is_not_blind():
+    # the per-parameter reference tells the parameters' streams apart: one stream over the
+    # whole bucket (the seed of the first parameter) gives other codes
+    params = lay_out([("a", (64,)), ("b", (64,))])
+    x = torch.randn(128, generator=torch.Generator().manual_seed(0))
+    cfg = compressor("terngrad", min_numel=0).config
+    want, _ = terngrad_reference(x, params, cfg, 0, 1)
+    s = torch.stack([x[:64].abs().max(), x[64:].abs().max()])
+    seg = torch.arange(128) // 64
+    y = x.clone()
+    layer_stats(y, torch.tensor([64, 64]), cfg.clip, seg)
+    s = layer_stats(y.clone(), torch.tensor([64, 64]), 0)
+    acc = torch.zeros(128)
+    ref.ternary_decompress(ref.ternary_compress(y, None, s, seg, seed_of(0, "a")).unsqueeze(0),
+                           s.unsqueeze(0), seg, acc)
+    assert torch.equal(acc[:64], want[:64]) and not torch.equal(acc[64:], want[64:])
+
+
+# --------------------------------------------------------------------------- relayout
+RELAYOUT_SHAPES = ([(f"w{i}", (24, 20)) for i in range(6)] + [(f"v{i}", (10, 3, 3, 3)) for i in range(4)]
+                   + [(f"bias{i}", (24,)) for i in range(5)] + [("odd", (13, 7))])
+
+
+@pytest.mark.parametrize("spec", ["terngrad:min_numel=0", "terngrad:error_feedback=true,min_numel=32",
+                                  "powersgd:rank=2,min_numel=0", "powersgd:rank=1,min_numel=100",
+                                  "powersgd:rank=3,min_compression_rate=0,min_numel=0"])
+def test_relayout_between_steps_changes_no_bit(spec):
+    """Steps 0-3 in one bucket against step 0 in it, then steps 1-3 with the parameters
+    shuffled into two buckets: every parameter's output identical at every step."""
+    g = torch.Generator().manual_seed(7)
+    grads = [{nm: torch.randn(math.prod(s), generator=g) for nm, s in RELAYOUT_SHAPES} for _ in range(4)]
+    shuffled = [RELAYOUT_SHAPES[i] for i in torch.randperm(len(RELAYOUT_SHAPES), generator=g)]
+    layouts = [[lay_out(RELAYOUT_SHAPES)], [lay_out(shuffled[:7]), lay_out(shuffled[7:])]]
+    runs = []
+    for relayout in (False, True):
+        method, mem, got = compressor(spec), ParamMemory(), []
+        for step in range(4):
+            buckets = layouts[1 if relayout and step else 0]
+            res = {}
+            for b, params in enumerate(buckets):
+                x = torch.cat([grads[step][p.name] for p in params])
+                res.update(by_name(method.reduce(x, Ctx(params, step, mem, bucket=b)), params))
+            got.append(res)
+        runs.append(got)
+    for a, b in zip(*runs):
+        for nm in a:
+            assert torch.equal(a[nm], b[nm]), nm
+
+
+# --------------------------------------------------------------------------- PowerSGD
+def powersgd_reference(x, params, method, W, mem):
+    """PowerSGD matrix by matrix (a batch of one), dense parameters as a plain average."""
+    cfg = method.config
+    mats, dense = method.plan(params)
+    if not mats:
+        return x.clone()
+    out = x.clone()
+    for p, n, m, r in mats:
+        M = x[p.offset : p.offset + p.numel].view(1, n, m).clone()
+        Q = mem.tensor("q", p.name, lambda: _init_q(cfg.seed, p.name, m, r, "cpu"))
+        P = bmm(M, Q.unsqueeze(0)).mul_(W) if W > 1 else bmm(M, Q.unsqueeze(0))
+        P = orthonormalize(P.clone())
+        Qn = bmm(M.transpose(1, 2), P)
+        if W > 1:
+            Qn.mul_(W)
+        Q.copy_(Qn[0])
+        out[p.offset : p.offset + p.numel] = bmm(P, Qn.transpose(1, 2)).div_(W).view(-1)
+    for p in dense:
+        v = x[p.offset : p.offset + p.numel]
+        out[p.offset : p.offset + p.numel] = (v * W if W > 1 else v) / W
+    return out
+
+
+PSGD_SHAPES = ([(f"same{i}", (16, 12)) for i in range(9)] + [("tall", (65, 63)), ("r1", (128, 9)),
+               ("conv", (8, 3, 3, 3)), ("bias", (16,)), ("small", (2, 2)), ("big", (300, 200))]
+               + [(f"t{i}", (4 + i, 6)) for i in range(5)] + [("tall2", (65, 63))])
+
+
+@pytest.mark.parametrize("spec, W", [("powersgd:rank=2,error_feedback=false", 1),
+                                     ("powersgd:rank=1,error_feedback=false", 2),
+                                     ("powersgd:rank=4,error_feedback=false,min_compression_rate=0", 1)])
+def test_powersgd_batch_equals_matrix_by_matrix(spec, W):
+    method, mem, mem_ref = compressor(spec, min_numel=10), ParamMemory(), ParamMemory()
+    params = lay_out(PSGD_SHAPES)
+    n = sum(p.numel for p in params)
+    mats, _ = method.plan(params)
+    assert len(mats) > len({(nn, m, r) for _, nn, m, r in mats})  # some batches of several
+    g = torch.Generator().manual_seed(0)
+    for step in range(3):  # warm starts: Q carried over
+        x = torch.randn(n, generator=g)
+        want = powersgd_reference(x, params, method, W, mem_ref)
+        got = method.reduce(x.clone(), Ctx(params, step, mem, W))
+        for p in params:
+            span = slice(p.offset, p.offset + p.numel)
+            assert torch.equal(got[span], want[span]), p.name
+        for p, *_ in mats:
+            assert torch.equal(mem.tensor("q", p.name, None), mem_ref.tensor("q", p.name, None))
+
+
+def test_powersgd_close_to_the_per_matrix_qr_of_earlier_versions():
+    # Householder QR (linalg.qr) and Gram-Schmidt span the same columns: the rank-r
+    # approximation P Q^T agrees to float tolerance (their bits differ; see powersgd.py)
+    g = torch.Generator().manual_seed(1)
+    for n, m, r in [(65, 63, 2), (128, 1152, 1), (40, 30, 4)]:
+        M = torch.randn(n, m, generator=g)
+        Q0 = _init_q(0, "w", m, r, "cpu")
+        P = M @ Q0
+        P_qr = torch.linalg.qr(P)[0] if r > 1 else P / (P.norm() + 1e-12)
+        old = P_qr @ (M.t() @ P_qr).t()
+        P_gs = orthonormalize(P.clone().unsqueeze(0))
+        new = bmm(P_gs, bmm(M.t().unsqueeze(0), P_gs).transpose(1, 2))[0]
+        torch.testing.assert_close(new, old, rtol=1e-4, atol=1e-4)
+        assert torch.allclose(P_gs[0].t() @ P_gs[0], torch.eye(r), atol=1e-5)
+
+
+@pytest.mark.parametrize("n, m, r", [(65, 63, 2), (7, 9, 3), (128, 1152, 1), (3, 5, 2), (63, 33, 4),
+                                     (3072, 20, 2), (2000, 30, 1), (1000, 12, 4)])
+def test_a_matrix_result_does_not_depend_on_its_batch(n, m, r):
+    """The same matrix alone, first, and at odd places among other companions: bmm and the
+    batched Gram-Schmidt give it the same bits (batched linalg.qr does not, at 65 x 2)."""
+    g = torch.Generator().manual_seed(n * m * r)
+    M, Q = torch.randn(n, m, generator=g), torch.randn(m, r, generator=g)
+
+    def run(B, at):
+        Ms, Qs = torch.randn(B, n, m, generator=g), torch.randn(B, m, r, generator=g)
+        Ms[at], Qs[at] = M, Q
+        P = orthonormalize(bmm(Ms, Qs))
+        Qn = bmm(Ms.transpose(1, 2), P)
+        return P[at], Qn[at], bmm(P, Qn.transpose(1, 2))[at]
+
+    alone = run(1, 0)
+    for B, at in [(2, 0), (2, 1), (5, 3), (7, 6), (13, 5)]:
+        for a, b in zip(alone, run(B, at)):
+            assert torch.equal(a, b), (B, at)
+
+
+# --------------------------------------------------------------------------- op counts
+def _layout(count):
+    return bench_ops.buckets(bench_ops.even_shapes(2**16, count), 2**40)[0]
+
+
+@pytest.mark.parametrize("spec", ["terngrad", "terngrad:error_feedback=true,share_scalers=false"])
+def test_terngrad_op_count_does_not_grow_with_the_tensor_count(spec):
+    few, many = bench_ops.count(spec, _layout(16)), bench_ops.count(spec, _layout(160))
+    assert many <= 1.5 * few, (few, many)
+
+
+@pytest.mark.parametrize("spec", ["powersgd", "powersgd:rank=1,error_feedback=false"])
+def test_powersgd_op_count_does_not_grow_with_the_tensor_count(spec, monkeypatch):
+    # the compressor's own ops: the inf/NaN guard's snapshot clones each parameter's Q (one op
+    # per parameter, in hooks/guard.py and memory.py), which is not the codec's
+    monkeypatch.setattr(Guard, "_guarded", lambda self, x, ctx, flat, run: run(x))
+    few, many = bench_ops.count(spec, _layout(16)), bench_ops.count(spec, _layout(160))
+    assert many <= 1.5 * few and few <= 60, (few, many)
