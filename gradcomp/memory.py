@@ -89,11 +89,11 @@ class ParamMemory:
                     whole[s] = (buf, buf.clone())
                 else:
                     flat.update({(s, n): v.clone() for n, v in d.items() if n in names})
-            return {
-                "bucket": bucket, "whole": whole, "flat": flat,
-                "tensors": {(s, n): t.clone() for s, d in self._tensors.items()
-                            for n, t in d.items() if n in names},
-            }
+            keys = [(s, n) for s, d in self._tensors.items() for n in d if n in names]
+            # one multi-tensor copy for all of them (x * 1 is x, bit for bit)
+            copies = torch._foreach_mul([self._tensors[s][n] for s, n in keys], 1.0) if keys else []
+            return {"bucket": bucket, "whole": whole, "flat": flat,
+                    "tensors": dict(zip(keys, copies))}
 
     def _whole(self, slot, bucket, layout):
         """The flat buffer of (slot, bucket) if every view of ``layout`` lies in it, in order."""
@@ -127,13 +127,16 @@ class ParamMemory:
                         old = snap["flat"].get((s, n))
                         v.copy_(old) if old is not None else v.zero_()
                     off += v.numel()
+            dst, src = [], []
             for s, d in self._tensors.items():
                 for n in [n for n in d if n in names]:
                     old = snap["tensors"].get((s, n))
                     if old is None:
                         del d[n]
                     else:
-                        d[n].copy_(old)
+                        dst.append(d[n]), src.append(old)
+            if dst:
+                torch._foreach_copy_(dst, src)
 
     def state_dict(self) -> dict:
         with self._lock:
