@@ -103,6 +103,8 @@ class Compressor(ABC):
     # the memory slot holding this rank's own compression error (x's layout), if any: with
     # diagnostics on, the state logs how much of each step's input (gradient + it) it keeps
     residual_slot: str | None = None
+    # memory slots holding one value per parameter (ctx.scalars), not one per element
+    scalar_slots: tuple = ()
 
     def __init__(self, config: MethodConfig):
         self.config = config

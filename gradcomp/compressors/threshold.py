@@ -154,6 +154,7 @@ class Threshold(Compressor):
     Config = ThresholdConfig
     name = "threshold"
     residual_slot = "residual"
+    scalar_slots = ("tau",)
     description = "threshold quantization (Strom 2015): elements above tau sent as sign + index"
 
     def reduce(self, x, ctx):

@@ -54,8 +54,10 @@ class Checkpoint:
             raise ValueError(f"checkpoint holds state for parameters this model lacks: "
                              f"{', '.join(sorted(unknown)[:5])}")
         for slot, d in sd["memory"]["flat"].items():
+            scalar = slot in self.compressor.scalar_slots  # one value per parameter
             for name, v in d.items():
                 want = self._param_numels.get(name)  # (a shard's piece: checked above)
+                want = 1 if scalar and want is not None else want
                 if want is not None and v.numel() != want:
                     raise ValueError(f"checkpoint slot {slot!r} holds {v.numel()} elements for "
                                      f"parameter {name!r}; this model's has {want}")
