@@ -160,6 +160,10 @@ def cmd_ddp(args) -> int:
         raise UsageError(f"--world {bad[0]} is not a whole number of nodes of "
                          f"--ranks-per-node {per_node}")
     rates = [None]
+    if args.link == "auto":  # a real slow link where this machine can make one
+        args.link = None if torchrun or args.latency else _auto_link()
+    elif args.link == "none":
+        args.link = None
     if args.link:
         from . import netlink
         try:
@@ -233,6 +237,22 @@ def _hook_log(method, args):
         return {}
     return {"log_dir": str(Path(args.tensorboard) / "hook" / re.sub(r"[^\w.=-]+", "_", method)),
             "log_details": True}
+
+
+def _auto_link():
+    """``--link auto``: a shaped 100 Mbit/s link where the machine allows one (root,
+    iproute2), else loopback; says which."""
+    from . import netlink
+    try:
+        netlink.check_available()
+    except netlink.LinkUnavailable as exc:
+        print(f"link: loopback (no shaped link here: {exc}). Every message crosses memory, so "
+              f"compression only adds its codec's cost; it pays on links slower than ~10 "
+              f"Gbit/s: run as root with --link 100mbit to see it.", file=sys.stderr)
+        return None
+    print("link: a real 100 Mbit/s link between the ranks (network namespaces + tc tbf); read "
+          "the 'x compute' column and the figure ddp_step_time.png", file=sys.stderr)
+    return "100mbit"
 
 
 def _rate_name(rate):
@@ -405,7 +425,10 @@ def parser() -> argparse.ArgumentParser:
     d = sub.add_parser("ddp", help="end-to-end step time per method and link")
     common(d, DEFAULT_METHODS, "resnet_small", 32)
     d.add_argument("--world", default="2")
-    d.add_argument("--link", default=None, help="rate(s) of a real shaped link, e.g. 100mbit,1gbit")
+    d.add_argument("--link", default="auto",
+                   help="rate(s) of a real shaped link, e.g. 100mbit,1gbit; auto (default): "
+                        "100mbit where the machine allows it (root, iproute2), else none "
+                        "(loopback)")
     d.add_argument("--latency", default=None, help="one-way delay added on the link, e.g. 50ms")
     d.add_argument("--broadcast-buffers", action="store_true",
                    help="DDP's default: broadcast BatchNorm buffers before every forward (a "

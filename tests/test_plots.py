@@ -14,7 +14,7 @@ def test_a_run_that_fails_while_plotting_still_leaves_its_json(tmp_path, monkeyp
         raise RuntimeError("plotting broke")
     monkeypatch.setattr(plots, "plot", broken)
     out = tmp_path / "run.json"
-    argv = ["ddp", "--synthetic", "--world", "2", "--methods", "noop,topk:ratio=0.01",
+    argv = ["ddp", "--synthetic", "--link", "none", "--world", "2", "--methods", "noop,topk:ratio=0.01",
             "--steps", "2", "--warmup", "1", "--batch", "8", "--json", str(out),
             "--out", str(tmp_path)]
     with pytest.raises(RuntimeError, match="plotting broke"):
