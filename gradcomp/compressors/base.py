@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import zlib
-from abc import ABC, abstractmethod
+from abc import ABC
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -134,12 +134,22 @@ class Compressor(ABC):
         races with the optimizer): ``ctx.live`` in :meth:`reduce`. None: nothing."""
         return None
 
-    @abstractmethod
     def reduce(self, x: torch.Tensor, ctx: BucketContext) -> torch.Tensor:
         """Return the average over ranks of the (compressed) gradient x (fp32, flat).
 
         May overwrite x. Must issue the same collectives, in the same order and with the same
-        sizes, on every rank."""
+        sizes, on every rank. By default: the parameters below ``min_numel`` (``split``) ride
+        along dense, a bucket with nothing larger is one plain allreduce, and the rest is
+        :meth:`exchange`'s."""
+        big, dense = self.split(ctx.params)
+        if not big:
+            return self.dense(x, ctx)
+        return self.exchange(x, ctx, big, dense)
+
+    def exchange(self, x: torch.Tensor, ctx: BucketContext, big: list, dense: list) -> torch.Tensor:
+        """:meth:`reduce` for a bucket holding compressed parameters ``big`` and parameters sent
+        dense ``dense``: a method implements this, or :meth:`reduce` itself."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither reduce nor exchange")
 
     def dense(self, x: torch.Tensor, ctx: BucketContext) -> torch.Tensor:
         """Plain fp32 allreduce average: small buckets and degenerate settings."""

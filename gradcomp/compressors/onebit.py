@@ -61,10 +61,7 @@ class OneBit(Compressor):
     residual_slot = "residual"
     description = "1-bit SGD: sign bits + 2 scales per chunk, error feedback, two-phase reduce"
 
-    def reduce(self, x, ctx):
-        big, dense = self.split(ctx.params)
-        if not big:
-            return self.dense(x, ctx)
+    def exchange(self, x, ctx, big, dense):
         cfg, W, r = self.config, ctx.comm.world_size, ctx.comm.rank
         chunk = cfg.chunk
         lay = _parts(tuple((p.offset, p.numel) for p in big), x.numel(), W, r, chunk, x.device)

@@ -86,10 +86,7 @@ class TernGrad(Compressor):
         super().__init__(config)
         self._layouts = {}
 
-    def reduce(self, x, ctx):
-        big, dense = self.split(ctx.params)
-        if not big:
-            return self.dense(x, ctx)
+    def exchange(self, x, ctx, big, dense):
         cfg, W = self.config, ctx.comm.world_size
         lay = self._layout(ctx.params, big, dense, x.device)
         y = lay.spread(x)

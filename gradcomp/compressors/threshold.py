@@ -157,10 +157,7 @@ class Threshold(Compressor):
     scalar_slots = ("tau",)
     description = "threshold quantization (Strom 2015): elements above tau sent as sign + index"
 
-    def reduce(self, x, ctx):
-        big, dense = self.split(ctx.params)
-        if not big:
-            return self.dense(x, ctx)
+    def exchange(self, x, ctx, big, dense):
         cfg = self.config
         e = self.add_residual(x, ctx)
         tb = _tables(tuple((p.offset, p.numel, p.size) for p in ctx.params), x.numel(), cfg,

@@ -123,10 +123,7 @@ class TopK(Compressor):
     residual_slot = "residual"
     description = "top-k sparsification with error feedback (no momentum correction)"
 
-    def reduce(self, x, ctx):
-        big, dense = self.split(ctx.params)
-        if not big:
-            return self.dense(x, ctx)
+    def exchange(self, x, ctx, big, dense):
         cfg = self.config
         e = self.add_residual(x, ctx)
         vals, idx = select(x, big, ctx, cfg.ratio, cfg.sample_ratio)
