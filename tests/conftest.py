@@ -11,6 +11,10 @@ import pytest
 # Triton kernels run on CPU tensors through the interpreter unless asked otherwise (set
 # before any test module imports triton)
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# the CPU steps run the pure-torch path, bit-identical to the reference, unless a test asks for
+# another: the compiled path's compile (tens of seconds per process) would dominate hundreds
+# of short multi-process tests; tests/test_compiled.py opts in
+os.environ.setdefault("GRADCOMP_KERNELS", "cpu")
 
 
 @pytest.fixture(scope="session")
