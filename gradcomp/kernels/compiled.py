@@ -36,39 +36,43 @@ _failed: str | None = None  # why compiling failed, once it has
 
 
 def _encode(x: torch.Tensor, residual: torch.Tensor | None, chunk: int):
-    """reference.onebit_compress, written to fuse: one pass computes y, the two sums and the
-    positive count per chunk; a second the bits and the new residual."""
+    """reference.onebit_compress on (C, chunk) views, written to fuse: one pass computes y, the
+    two sums and the positive count per chunk; a second the bits and the new residual."""
     y = x + residual if residual is not None else x
-    yc = y.view(-1, chunk)
-    pos = yc >= 0
+    pos = y >= 0
     npos = pos.sum(dim=1, dtype=torch.int32)
-    psum = yc.clamp_min(0.0).sum(dim=1)
-    nsum = yc.sum(dim=1) - psum
+    psum = y.clamp_min(0.0).sum(dim=1)
+    nsum = y.sum(dim=1) - psum
     hi = psum / npos.clamp_min(1)
     lo = nsum / (chunk - npos).clamp_min(1)
-    shifts = torch.arange(8, dtype=torch.int32, device=x.device)
-    bits = (pos.view(-1, 8).to(torch.int32) << shifts).sum(dim=1).to(torch.uint8)  # LSB first
+    weights = 1 << torch.arange(8, dtype=torch.int32, device=x.device)  # LSB first
+    bits = (pos.view(-1, 8).to(torch.int32) * weights).sum(dim=1).to(torch.uint8)
     if residual is not None:
-        residual.copy_((yc - torch.where(pos, hi.unsqueeze(1), lo.unsqueeze(1))).view(-1))
+        residual.copy_(y - torch.where(pos, hi.unsqueeze(1), lo.unsqueeze(1)))
     return bits, torch.stack([hi, lo])
 
 
 def _decode(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, alpha: torch.Tensor,
             chunk: int) -> torch.Tensor:
-    """reference.onebit_decompress, written to fuse: unpack, select and sum the W messages
-    and accumulate into out in one loop."""
-    W = bits.shape[0]
+    """reference.onebit_decompress on (W, C, chunk / 8) bits and a (C, chunk) out, written to
+    fuse: unpack, select and sum the W messages and accumulate into out in one loop."""
     shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
-    pos = ((bits.unsqueeze(-1) >> shifts) & 1).bool().view(W, -1, chunk)
+    pos = ((bits.unsqueeze(-1) >> shifts) & 1).bool().view(bits.shape[0], -1, chunk)
     total = torch.where(pos, scales[:, 0].unsqueeze(-1), scales[:, 1].unsqueeze(-1)).sum(dim=0)
-    return out.add_((total * alpha).view(-1))
+    return out.add_(total * alpha)
 
 
 @functools.cache
 def _compiled(step: str, chunk: int):
-    """``step`` compiled for one chunk size (a config constant, baked into the code)."""
-    fn = _encode if step == "encode" else _decode
-    return torch.compile(functools.partial(fn, chunk=chunk), dynamic=True, fullgraph=True)
+    """``step`` compiled for one chunk size: a closure constant, so a constant of the generated
+    code (the chunk loop vectorizes); the sizes marked dynamic at each call are symbolic."""
+    if step == "encode":
+        def fn(x, residual):
+            return _encode(x, residual, chunk)
+    else:
+        def fn(bits, scales, out, alpha):
+            return _decode(bits, scales, out, alpha, chunk)
+    return torch.compile(fn, fullgraph=True)
 
 
 def _fail(reason: str) -> None:
@@ -101,8 +105,15 @@ def takes(t: torch.Tensor) -> bool:
 
 
 def _run(step: str, chunk: int, *args):
-    """The compiled step's result, or None (after one warning) if it cannot be compiled."""
+    """The compiled step's result, or None (after one warning) if it cannot be compiled. The
+    tensors' leading dims (chunks, messages) are marked dynamic: one compile serves all sizes."""
     if compiler_missing() is None:
+        for t in args:
+            if t is not None and t.dim() > 1:  # (C, chunk), (W, C, chunk/8), (W, 2, C)
+                dims = (0,) if t.dim() == 2 else (0, 2 if t.dtype == torch.float32 else 1)
+                for d in dims:
+                    if t.shape[d] > 1:  # sizes 0 and 1 are always specialized
+                        torch._dynamo.mark_dynamic(t, d)
         try:
             return _compiled(step, chunk)(*args)
         except Exception as e:  # noqa: BLE001  (a compile failure of any kind: fall back)
@@ -117,7 +128,9 @@ def onebit_compress(x: torch.Tensor, residual: torch.Tensor | None, chunk: int):
     n = x.numel()
     if (takes(x) and n % chunk == 0 and chunk % 8 == 0
             and (residual is None or (takes(residual) and residual.numel() == n))):
-        got = _run("encode", chunk, x, residual)
+        C = n // chunk
+        got = _run("encode", chunk, x.view(C, chunk),
+                   None if residual is None else residual.view(C, chunk))
         if got is not None:
             return got
     return cpu.onebit_compress(x, residual, chunk)
@@ -132,6 +145,8 @@ def onebit_decompress(bits: torch.Tensor, scales: torch.Tensor, chunk: int, out:
             and bits.dtype == torch.uint8 and bits.is_contiguous()
             and scales.dtype == torch.float32 and scales.is_contiguous()):
         a = torch.tensor(alpha, dtype=torch.float32)
-        if _run("decode", chunk, bits, scales, out, a) is not None:
+        W, C = bits.shape[0], n // chunk
+        if _run("decode", chunk, bits.view(W, C, chunk // 8), scales, out.view(C, chunk),
+                a) is not None:
             return out
     return cpu.onebit_decompress(bits, scales, chunk, out, alpha)
