@@ -97,7 +97,7 @@ def test_dispatch(monkeypatch):
     big, small = torch.randn(compiled.MIN_NUMEL), torch.randn(compiled.MIN_NUMEL - CHUNK)
     monkeypatch.setenv("GRADCOMP_KERNELS", "auto")
     assert kernels.backend("onebit_compress", big) == "compiled"
-    assert kernels.backend("onebit_decompress", big) == "compiled"
+    assert kernels.backend("onebit_decompress", big) == "cpu"  # measured no faster compiled
     assert kernels.backend("onebit_compress", small) == "cpu"
     assert kernels.backend("onebit_compress", big.double()) == "cpu"  # which hands it on
     assert kernels.backend("select_topk", big) == "reference"
@@ -120,6 +120,7 @@ def test_fallback_warns_once_and_runs_the_cpu_path(monkeypatch, how):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = [kernels.onebit_compress(x, None, CHUNK) for _ in range(3)]
+        # the decoder is not dispatched here, but falls back the same way
         dec = compiled.onebit_decompress(got[0][0].unsqueeze(0), got[0][1].unsqueeze(0), CHUNK,
                                          torch.zeros(n))
         assert kernels.backend("onebit_compress", x) == "cpu"
@@ -150,7 +151,7 @@ def test_reduce_on_the_compiled_path_matches_the_cpu_path(monkeypatch):
         g = torch.Generator().manual_seed(0)
         outs[mode] = [state.reduce(torch.randn(off, generator=g), params) for _ in range(3)]
         outs[mode].append(state.state_dict()["memory"]["flat"]["residual"])
-    assert "encode" in calls and "decode" in calls
+    assert "encode" in calls
     for a, b in zip(outs["cpu"][:-1], outs["auto"][:-1]):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     for n in shapes:
