@@ -20,6 +20,10 @@ import time
 # (TRITON_INTERPRET=0 on a GPU machine). Set first, before anything imports triton;
 # spawned ranks inherit it.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# the CPU steps run the pure-torch path, bit-identical to the reference, unless a test asks for
+# another: the compiled path's compile (tens of seconds per process) would dominate hundreds
+# of short multi-process tests; tests/test_compiled.py opts in
+os.environ.setdefault("GRADCOMP_KERNELS", "cpu")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

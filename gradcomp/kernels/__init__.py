@@ -2,11 +2,17 @@
 
 CPU tensors run pure torch: the 1-bit steps and TernGrad's decoder through :mod:`.cpu` (the
 reference's arithmetic block by block, bit-identical to it), everything else through the
-reference (:mod:`.reference`), which is the specification. CUDA tensors run the Triton
-kernels when Triton is importable; Triton is imported lazily so the package imports without
-it. Set ``GRADCOMP_KERNELS=reference`` to force the reference, or ``GRADCOMP_KERNELS=triton``
-(with ``TRITON_INTERPRET=1`` for CPU tensors) to run the kernels on every tensor: that is how
-the tests drive the compressors' GPU path on a CPU.
+reference (:mod:`.reference`), which is the specification. The 1-bit encoder on large fp32
+tensors runs :mod:`.compiled` instead (fused by ``torch.compile``; bits equal, scales and
+residual within an ulp or two of the reference, deterministic) where a C++ compiler is
+present; without one it warns once and runs :mod:`.cpu`. CUDA tensors run the Triton kernels when Triton is importable;
+Triton is imported lazily so the package imports without it.
+
+``GRADCOMP_KERNELS`` picks: ``auto`` (the default, as above), ``cpu`` (the bit-identical
+pure-torch CPU path, never compiling: what the test suite runs unless a test asks),
+``reference`` (the reference everywhere), or ``triton`` (with ``TRITON_INTERPRET=1`` for CPU
+tensors, the kernels on every tensor: how the tests drive the compressors' GPU path on a CPU).
+A run resumes bit-exactly from a checkpoint when it resumes on the same path.
 """
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ import os
 
 import torch
 
-from . import cpu, reference
+from . import compiled, cpu, reference
 from .reference import (  # noqa: F401  (re-exported helpers with no kernel of their own)
     check_flat, pack_2bit, pack_bits, philox_uniform, sample_threshold, unpack_2bit, unpack_bits,
     uniform,
@@ -36,18 +42,21 @@ def _triton_module():
 
 
 def backend(name: str, t: torch.Tensor) -> str:
-    """Which implementation of step ``name`` runs for tensors like ``t``: "triton", "cpu" or
-    "reference"."""
+    """Which implementation of step ``name`` runs for tensors like ``t``: "triton",
+    "compiled", "cpu" or "reference"."""
     mode = os.environ.get("GRADCOMP_KERNELS", "auto")
     if mode != "reference" and (t.device.type == "cuda" or mode == "triton") and _triton_module():
         return "triton"
-    blocked = t.device.type == "cpu" and mode == "auto" and hasattr(cpu, name)
+    if mode == "auto" and name in compiled.STEPS and compiled.takes(t):
+        return "compiled"
+    blocked = t.device.type == "cpu" and mode in ("auto", "cpu") and hasattr(cpu, name)
     return "cpu" if blocked else "reference"
 
 
 def _impl(name: str, t: torch.Tensor):
     which = backend(name, t)
-    return getattr(_triton if which == "triton" else cpu if which == "cpu" else reference, name)
+    module = {"triton": _triton, "compiled": compiled, "cpu": cpu}.get(which, reference)
+    return getattr(module, name)
 
 
 def onebit_compress(x, residual, chunk):

@@ -1,0 +1,158 @@
+"""The torch.compile'd 1-bit steps (gradcomp.kernels.compiled) against the reference.
+
+Not bit-identical (Inductor reorders the per-chunk sums), so: bits exactly equal (signs come
+from y = x + residual, one add, the same in both), scales, residuals and decoded values
+within a couple of ulps; and deterministic, so a run on this path resumes exactly.
+
+Compiling costs tens of seconds per graph; the suite compiles chunk 256 once per process
+(encode with and without a residual, decode with one message and with several) and every
+size reuses those graphs (dynamic sizes).
+"""
+import math
+import warnings
+
+import pytest
+import torch
+
+import gradcomp
+from gradcomp import kernels
+from gradcomp.compressors.base import ParamSlice
+from gradcomp.kernels import compiled, cpu
+from gradcomp.kernels import reference as ref
+
+CHUNK = 256
+# chunk counts: a power of two, odd, prime, and one past MIN_NUMEL's
+SIZES = [CHUNK * c for c in (512, 515, 1031, 4099)]
+TOL = dict(rtol=1e-6, atol=1e-6)  # a couple of ulps of values of order 1
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiler():
+    if compiled.compiler_missing():
+        pytest.skip(compiled.compiler_missing())
+
+
+@pytest.fixture(autouse=True)
+def no_fallback():
+    """A test that silently fell back to the cpu path would compare the cpu path."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        yield
+    assert compiled.compiler_missing() is None
+
+
+def values(n, seed):
+    """Gaussian values with exact zeros, negative zeros and whole chunks of one sign."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g)
+    x[::7] = 0.0
+    x[3::11] = -0.0
+    x[:CHUNK] = x[:CHUNK].abs()
+    x[CHUNK : 2 * CHUNK] = -x[CHUNK : 2 * CHUNK].abs()
+    return x
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_onebit_compress_matches_the_reference(with_residual):
+    for i, n in enumerate(SIZES):
+        assert n >= compiled.MIN_NUMEL
+        x = values(n, i)
+        r = values(n, 100 + i) * 0.1 if with_residual else None
+        r_ref = None if r is None else r.clone()
+        bits, scales = compiled.onebit_compress(x, r, CHUNK)
+        want_bits, want_scales = ref.onebit_compress(x, r_ref, CHUNK)
+        assert torch.equal(bits, want_bits), n
+        torch.testing.assert_close(scales, want_scales, **TOL)
+        if with_residual:
+            torch.testing.assert_close(r, r_ref, **TOL)
+
+
+@pytest.mark.parametrize("W", [1, 2, 3])
+def test_onebit_decompress_matches_the_reference(W):
+    for i, n in enumerate(SIZES):
+        g = torch.Generator().manual_seed(i)
+        bits = torch.randint(0, 256, (W, n // 8), generator=g, dtype=torch.uint8)
+        scales = torch.randn(W, 2, n // CHUNK, generator=g)
+        out = torch.randn(n, generator=g)
+        want = ref.onebit_decompress(bits, scales, CHUNK, out.clone(), 1 / W)
+        got = compiled.onebit_decompress(bits, scales, CHUNK, out, 1 / W)
+        assert got is out
+        torch.testing.assert_close(got, want, **TOL)
+
+
+def test_deterministic():
+    n = SIZES[1]
+    x, r = values(n, 1), values(n, 2)
+    a_r, b_r = r.clone(), r.clone()
+    a = compiled.onebit_compress(x, a_r, CHUNK)
+    b = compiled.onebit_compress(x, b_r, CHUNK)
+    assert all(torch.equal(u, v) for u, v in zip(a, b)) and torch.equal(a_r, b_r)
+    bits = torch.stack([a[0], a[0].flip(0)])
+    scales = torch.stack([a[1], -a[1]])
+    out = [compiled.onebit_decompress(bits, scales, CHUNK, x.clone(), 0.5) for _ in range(2)]
+    assert torch.equal(out[0], out[1])
+
+
+def test_dispatch(monkeypatch):
+    big, small = torch.randn(compiled.MIN_NUMEL), torch.randn(compiled.MIN_NUMEL - CHUNK)
+    monkeypatch.setenv("GRADCOMP_KERNELS", "auto")
+    assert kernels.backend("onebit_compress", big) == "compiled"
+    assert kernels.backend("onebit_decompress", big) == "cpu"  # measured no faster compiled
+    assert kernels.backend("onebit_compress", small) == "cpu"
+    assert kernels.backend("onebit_compress", big.double()) == "cpu"  # which hands it on
+    assert kernels.backend("select_topk", big) == "reference"
+    monkeypatch.setenv("GRADCOMP_KERNELS", "cpu")  # what conftest sets for the other tests
+    assert kernels.backend("onebit_compress", big) == "cpu"
+
+
+@pytest.mark.parametrize("how", ["no compiler", "compile fails"])
+def test_fallback_warns_once_and_runs_the_cpu_path(monkeypatch, how):
+    monkeypatch.setattr(compiled, "_failed", None)
+    if how == "no compiler":
+        monkeypatch.setattr(compiled.shutil, "which", lambda name: None)
+    else:
+        def broken(step, chunk):
+            raise RuntimeError("simulated: no C++ compiler")
+        monkeypatch.setattr(compiled, "_compiled", broken)
+    monkeypatch.setenv("GRADCOMP_KERNELS", "auto")
+    n = SIZES[0]
+    x = values(n, 3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = [kernels.onebit_compress(x, None, CHUNK) for _ in range(3)]
+        # the decoder is not dispatched here, but falls back the same way
+        dec = compiled.onebit_decompress(got[0][0].unsqueeze(0), got[0][1].unsqueeze(0), CHUNK,
+                                         torch.zeros(n))
+        assert kernels.backend("onebit_compress", x) == "cpu"
+    assert len([w for w in caught if "compiled 1-bit path is off" in str(w.message)]) == 1
+    want = ref.onebit_compress(x, None, CHUNK)
+    for bits, scales in got:  # the cpu path: bit-identical to the reference
+        assert torch.equal(bits, want[0]) and torch.equal(scales, want[1])
+    assert torch.equal(dec, ref.onebit_decompress(want[0].unsqueeze(0), want[1].unsqueeze(0),
+                                                  CHUNK, torch.zeros(n)))
+    monkeypatch.undo()  # the module's real state back before no_fallback checks it
+
+
+def test_reduce_on_the_compiled_path_matches_the_cpu_path(monkeypatch):
+    """GradcompState.reduce with onebit, world size 1, through the dispatcher."""
+    shapes = {"a": (384, 512), "b": (1000,), "c": (64, 64, 3, 3)}
+    params, off = [], 0
+    for name, s in shapes.items():
+        params.append(ParamSlice(name, s, off, math.prod(s)))
+        off += math.prod(s)
+    calls = []
+    real = compiled._run
+    monkeypatch.setattr(compiled, "_run", lambda *a: calls.append(a[0]) or real(*a))
+    outs = {}
+    for mode in ("cpu", "auto"):
+        monkeypatch.setenv("GRADCOMP_KERNELS", mode)
+        name, cfg = gradcomp.build_config(f"onebit:chunk={CHUNK}", min_numel=0)
+        state = gradcomp.GradcompState(name, cfg)
+        g = torch.Generator().manual_seed(0)
+        outs[mode] = [state.reduce(torch.randn(off, generator=g), params) for _ in range(3)]
+        outs[mode].append(state.state_dict()["memory"]["flat"]["residual"])
+    assert "encode" in calls
+    for a, b in zip(outs["cpu"][:-1], outs["auto"][:-1]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    for n in shapes:
+        torch.testing.assert_close(outs["auto"][-1][n], outs["cpu"][-1][n], rtol=1e-5, atol=1e-5)
