@@ -43,7 +43,8 @@ def _expected_switch(world, threshold=0.5):
     prev = None
     for k in range(7):
         steps = range(k * WINDOW, (k + 1) * WINDOW)
-        sq = [_grad(r, s, _levels(r, s)).double().square().sum() for r in range(world) for s in steps]
+        sq = [_grad(r, s, _levels(r, s)).double().square().sum()
+              for r in range(world) for s in steps]
         norm = math.sqrt(float(sum(sq)) / len(sq))
         if prev is not None and abs(norm - prev) / prev < threshold:
             return (k + 1) * WINDOW
