@@ -224,7 +224,7 @@ class Local:
     def _outer_job(self, bucket, x, slices, tensors, last, plain) -> torch.futures.Future:
         step = self._begin(bucket) if plain is None else max(self._step, 0)
         if plain is None:
-            self._warmup_observe(step, x)
+            self._warmup_observe(step, x, slices)
         live = self.compressor.live([s.name for s in slices]) if plain is None else None
         lane = self._lanes[bucket % len(self._lanes)]
         fut = torch.futures.Future(devices=[x.device] if x.is_cuda else None)

@@ -214,7 +214,7 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
         """Synchronously reduce one flat bucket (any float dtype); returns the average in
         x's dtype. The DDP hook runs exactly this, on the communication thread."""
         step = self._begin(bucket)
-        self._warmup_observe(step, x)
+        self._warmup_observe(step, x, params)
         live = self.compressor.live([p.name for p in params])
         return self._reduce(self._lanes[0], x, list(params), bucket, param_tensors, step,
                             live=live)
@@ -330,7 +330,7 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
             return fut
         step = self._begin(bucket)
         scale = self._scale()
-        self._warmup_observe(step, buf, scale)
+        self._warmup_observe(step, buf, slices, scale)
         live = self.compressor.live(names)
         lane = self._lanes[bucket % len(self._lanes)]
         D = self.config.delay

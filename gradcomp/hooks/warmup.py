@@ -7,9 +7,10 @@ norm between epochs.
 The rule (``warmup="adaptive"``, the default of every compressing method; ``dense_steps=N``
 replaces it with exactly N dense steps, ``warmup="none"`` compresses from the first step):
 
-  1. Every step, each rank adds ||g||^2 of its own gradient to the current window's slot
-     of that step (g: the hook's input, every bucket, before compression and unscaled; one
-     norm per bucket, on the device, on the caller's thread: no host sync).
+  1. Every step, each rank records ||g_p||^2 of its own gradient g for each parameter p
+     (g: the hook's input, every bucket, before compression and unscaled; one fused norm
+     per bucket, on the device, on the caller's thread: no host sync). A step's value is
+     their sum, taken in name order (independent of DDP's bucket layout).
   2. At the first bucket of step t = k * warmup_window (on the caller's thread, before any
      bucket of step t is queued) the window that just ended is finalized: the exchanges
      still in flight are waited for, then ONE allreduce (SUM) of its per-step values over
@@ -34,6 +35,7 @@ With ``local_steps`` > 1 the steps are outer rounds and g the pseudo-gradient.
 """
 from __future__ import annotations
 
+import collections
 import math
 
 import torch
@@ -46,7 +48,7 @@ class Warmup:
     """Mixin of GradcompState: when a compressing method's steps start to compress."""
 
     def _warmup_init(self) -> None:
-        self._wu_acc: torch.Tensor | None = None  # (window,) float64: this rank's sum of ||g||^2
+        self._wu_entries: list = []  # (step, parameter names, their ||g_p||^2) of this window
         self._wu_next = self.config.warmup_window  # the step at which the current window ends
         self._wu_prev: float | None = None   # N of the last finalized window
         self._wu_ratio: float | None = None  # r of the last finalized window
@@ -77,24 +79,23 @@ class Warmup:
             return c.dense_steps
         return 0 if c.warmup == "none" else self._wu_switch
 
-    def _warmup_observe(self, step: int, x: torch.Tensor, scale=None) -> None:
-        """Add ||x||^2 (x: a bucket of this rank's gradient at ``step``) to the window."""
-        if not self._wu_watching:
+    def _warmup_observe(self, step: int, x: torch.Tensor, params, scale=None) -> None:
+        """Record ||x_p||^2 of each parameter p in ``params`` (x: a bucket of this rank's
+        gradient at ``step``). Kept per parameter, not per bucket, and summed in name order
+        at the window's end: the statistic does not depend on DDP's bucket layout (which
+        differs between a job and its resumption), so a resumed job decides bit-exactly
+        alike."""
+        if not self._wu_watching or not params:
             return
-        W = self.config.warmup_window
-        if self._wu_acc is None:
-            self._wu_acc = torch.zeros(W, dtype=torch.float64, device=x.device)
-        elif self._wu_acc.device != x.device:
-            self._wu_acc = self._wu_acc.to(x.device)
-        sq = torch.linalg.vector_norm(x, dtype=torch.float32).double().square()
+        views = [x[p.offset : p.offset + p.numel] for p in params]
+        sq = torch.stack(torch._foreach_norm(views, 2, dtype=torch.float32)).double().square()
         if scale is not None:
             sq = sq / scale.double().square()
-        self._wu_acc[step % W] += sq
+        self._wu_entries.append((step, [p.name for p in params], sq))
 
     def _warmup_redo(self, step: int) -> None:
         """Step ``step`` runs again (its gradients were not finite): forget what it added."""
-        if self._wu_watching and self._wu_acc is not None:
-            self._wu_acc[step % self.config.warmup_window] = 0
+        self._wu_entries = [e for e in self._wu_entries if e[0] != step]
 
     def _warmup_begin(self, step: int) -> None:
         """At step ``step``'s first bucket: finalize a window that just ended, decide."""
@@ -108,10 +109,19 @@ class Warmup:
             self._wu_switch = step
 
     def _warmup_finalize(self, step: int) -> None:
-        acc = self._wu_acc
-        if acc is None:  # no gradient in the window (cannot happen with DDP; stay dense)
-            acc = torch.zeros(self.config.warmup_window, dtype=torch.float64)
-        self._wu_acc = None
+        entries, self._wu_entries = self._wu_entries, []
+        W = self.config.warmup_window
+        device = entries[-1][2].device if entries else torch.device("cpu")
+        acc = torch.zeros(W, dtype=torch.float64, device=device)
+        if entries:  # per step, the sum over parameters in name order
+            keys = [(s, n) for s, names, _ in entries for n in names]
+            order = sorted(range(len(keys)), key=keys.__getitem__)
+            vals = torch.cat([sq.to(device) for _, _, sq in entries])
+            vals = vals[torch.tensor(order, device=device)]
+            count = collections.Counter(s for s, _ in keys)
+            steps = sorted(count)
+            for s, part in zip(steps, torch.split(vals, [count[s] for s in steps])):
+                acc[s % W] = part.sum()
         self.drain()  # no exchange in flight: this collective is the only one issued now
         world = 1
         if self.group is not None and dist.is_initialized():
@@ -140,7 +150,7 @@ class Warmup:
             self._wu_switch = step
 
     def warmup_state_dict(self) -> dict:
-        return {"acc": None if self._wu_acc is None else self._wu_acc.cpu().clone(),
+        return {"entries": [(s, list(names), sq.cpu().clone()) for s, names, sq in self._wu_entries],
                 "next": self._wu_next, "prev": self._wu_prev, "ratio": self._wu_ratio,
                 "switch": self._wu_switch}
 
@@ -148,6 +158,6 @@ class Warmup:
         self._warmup_init()
         if sd is None:  # a checkpoint from before the adaptive warm-up
             return
-        self._wu_acc = None if sd["acc"] is None else sd["acc"].clone()
+        self._wu_entries = [(s, list(names), sq.clone()) for s, names, sq in sd["entries"]]
         self._wu_next, self._wu_prev = sd["next"], sd["prev"]
         self._wu_ratio, self._wu_switch = sd["ratio"], sd["switch"]
