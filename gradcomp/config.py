@@ -10,6 +10,7 @@ from dataclasses import dataclass
 # 1 Gbit/s.
 DEFAULT_MIN_NUMEL = 4096
 TOPOLOGIES = ("auto", "flat", "hierarchical")
+WARMUPS = ("adaptive", "none")
 
 
 def check(ok: bool, name: str, value, allowed: str) -> None:
@@ -23,9 +24,19 @@ class MethodConfig:
 
     min_numel: tensors smaller than this many elements are sent uncompressed.
     error_feedback: keep what compression dropped and add it to the next step's gradient.
-    dense_steps: the first dense_steps optimizer steps go as a plain fp32 allreduce, as in
-        1-bit Adam's warm-up (Tang et al. 2021) and torch's start_powerSGD_iter: the first
-        steps' large, fast-changing gradients are where compression error hurts most.
+    warmup: how a compressing method starts. "adaptive" (the default): steps go as a plain
+        fp32 allreduce until the gradients leave the early critical regime, then compressed
+        for good (Accordion, Agarwal et al., MLSys 2021; the rule: hooks/warmup.py); "none":
+        compressed from the first step. The first steps' large, fast-changing gradients are
+        where compression error hurts most.
+    warmup_window: steps per window of the adaptive rule (the root-mean-square gradient norm
+        of consecutive windows is compared; compression starts at a window boundary).
+    warmup_threshold: the adaptive rule's eta: compression starts once the norm of a window
+        differs from the previous one's by less than this fraction of it.
+    warmup_max_steps: compression starts at the latest at this step (0: no cap).
+    dense_steps: the explicit override: exactly the first dense_steps optimizer steps go as a
+        plain fp32 allreduce (as in 1-bit Adam's warm-up, Tang et al. 2021, and torch's
+        start_powerSGD_iter), whatever ``warmup`` says; None: ``warmup`` decides.
     seed: seeds every random stream of the method (same on all ranks).
     delay: delayed gradient averaging (Zhu et al., NeurIPS 2021): apply the local gradient at
         once and the average ``delay`` steps later; 0 = synchronous.
@@ -42,15 +53,19 @@ class MethodConfig:
     outer_lr, outer_momentum: the outer optimizer's learning rate and Nesterov momentum.
     local_delay: 1 overlaps a round's outer exchange with the next round's inner steps and
         applies it one round late (Streaming DiLoCo, Douillard et al. 2025); 0 = at once.
-    With local_steps > 1 the method's step counter (``dense_steps``, warm-ups, random
-    streams) counts outer rounds.
+    With local_steps > 1 the method's step counter (``dense_steps``, the adaptive warm-up
+    and its windows, random streams) counts outer rounds.
     """
 
     min_numel: int = DEFAULT_MIN_NUMEL
     error_feedback: bool = True
     seed: int = 0
     delay: int = 0
-    dense_steps: int = 0
+    warmup: str = "adaptive"
+    warmup_window: int = 50
+    warmup_threshold: float = 0.5
+    warmup_max_steps: int = 0
+    dense_steps: int | None = None
     topology: str = "auto"
     local_size: int = 0
     local_steps: int = 1
@@ -68,7 +83,15 @@ class MethodConfig:
                 raise TypeError(f"invalid {f.name}={v!r}: expected {_type_name(t)}")
         check(self.min_numel >= 0, "min_numel", self.min_numel, "an integer >= 0")
         check(self.delay >= 0, "delay", self.delay, "an integer >= 0 (0 = synchronous)")
-        check(self.dense_steps >= 0, "dense_steps", self.dense_steps, "an integer >= 0")
+        check(self.dense_steps is None or self.dense_steps >= 0, "dense_steps", self.dense_steps,
+              "an integer >= 0, or None (the warm-up rule decides)")
+        check(self.warmup in WARMUPS, "warmup", self.warmup,
+              "adaptive (dense until the gradient norm settles) or none")
+        check(self.warmup_window >= 1, "warmup_window", self.warmup_window, "an integer >= 1")
+        check(0 < self.warmup_threshold < float("inf"), "warmup_threshold",
+              self.warmup_threshold, "a finite number > 0")
+        check(self.warmup_max_steps >= 0, "warmup_max_steps", self.warmup_max_steps,
+              "an integer >= 0 (0: no cap)")
         check(self.topology in TOPOLOGIES, "topology", self.topology, ", ".join(TOPOLOGIES))
         check(self.local_size >= 0, "local_size", self.local_size,
               "an integer >= 0 (0: LOCAL_WORLD_SIZE)")

@@ -123,7 +123,8 @@ def count(spec: str, layout: list[ParamSlice], seed: int = 0, kernels: bool = Fa
     ``kernels``, only those that do work (no views); with ``launches``, the GPU's launches
     (Triton kernels and the aten ops around them; needs Triton, and ``TRITON_INTERPRET=1``
     set before Triton is imported where there is no GPU)."""
-    name, cfg = build_config(spec)
+    # the compressed exchange (the adaptive warm-up would make the first steps dense)
+    name, cfg = build_config(spec, **({} if "warmup=" in spec else {"warmup": "none"}))
     state = GradcompState(name, cfg)
     n = sum(p.numel for p in layout)
     g = torch.Generator().manual_seed(seed)

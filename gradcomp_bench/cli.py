@@ -188,7 +188,7 @@ def cmd_ddp(args) -> int:
                                 disable=quiet):
         cfg = TrainConfig(method=m, model=args.model, data=data_dir, synthetic=args.synthetic,
                           epochs=0, max_steps=args.steps + args.warmup, batch=args.batch,
-                          eval=False, seed=args.seed, options=_delay_opts(m, args),
+                          eval=False, seed=args.seed, options={**_delay_opts(m, args), **_steady(m)},
                           device=args.device, broadcast_buffers=args.broadcast_buffers,
                           barrier=args.barrier)
         if torchrun:
@@ -223,6 +223,14 @@ def _delay_opts(method, args):
     if not _is_gradcomp(method):
         return {}
     return {"lanes": args.lanes, **({"delay": args.delay} if args.delay else {})}
+
+
+def _steady(method) -> dict:
+    """A step-time run measures the compressed exchange: the adaptive warm-up (dense for at
+    least its first two windows) is off unless the spec sets a warm-up itself."""
+    if not _is_gradcomp(method) or "warmup=" in method or "dense_steps=" in method:
+        return {}
+    return {"warmup": "none"}
 
 
 def _is_gradcomp(method) -> bool:

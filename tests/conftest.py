@@ -71,7 +71,10 @@ def layout(names):
 
 
 def state_for(spec, **kw):
-    """A one-process state for ``spec``, compressing every tensor (min_numel=0)."""
+    """A one-process state for ``spec``, compressing every tensor (min_numel=0) from its
+    first step (the adaptive warm-up would start dense)."""
+    if "warmup=" not in spec:
+        kw.setdefault("warmup", "none")
     name, cfg = gradcomp.build_config(spec, min_numel=0, **kw)
     return gradcomp.GradcompState(name, cfg)
 
@@ -108,7 +111,8 @@ def train_pair(rank, world, spec, sgd, steps, baseline=None):
         model = DDP(net, bucket_cap_mb=0.004)
         opt = torch.optim.SGD(model.parameters(), **sgd)
         if use:
-            gradcomp.register(model, use, optimizer=opt, min_numel=0)
+            gradcomp.register(model, use, optimizer=opt, min_numel=0,
+                              **({} if "warmup=" in use else {"warmup": "none"}))
         for step in range(steps):
             x, y = batch(rank, step)
             opt.zero_grad()

@@ -4,7 +4,11 @@ processes, train k more; the model must equal that of 2k uninterrupted steps, bi
 The resumed job meets DDP's *initial* bucket layout at its first step, where the
 uninterrupted job already runs on the rebuilt one: the buckets below are tiny so the two
 layouts differ, and exactness holds only because every method's result for a parameter
-depends on that parameter alone."""
+depends on that parameter alone.
+
+The methods' specs compress from the first step (``warmup=none``); the adaptive warm-up has
+specs of its own whose switch comes before the checkpoint, at the resumed job's first step,
+and after it (the checkpoint then holds half a window)."""
 import pytest
 import torch
 from torch import nn
@@ -15,10 +19,19 @@ from conftest import batch, small_net
 
 K = 4
 SGD = {"lr": 0.05, "momentum": 0.9}
-SPECS = ["allreduce", "topk:ratio=0.05", "dgc:ratio=0.02,warmup_steps=6",
-         "onebit:chunk=64", "terngrad", "terngrad:error_feedback=true", "powersgd:rank=1",
-         "onebit:chunk=64,delay=2",
-         "dgc:ratio=0.05,delay=1", "threshold:max_ratio=0.05"]
+METHODS = ["allreduce", "topk:ratio=0.05", "dgc:ratio=0.02,warmup_steps=6",
+           "onebit:chunk=64", "terngrad", "terngrad:error_feedback=true", "powersgd:rank=1",
+           "onebit:chunk=64,delay=2",
+           "dgc:ratio=0.05,delay=1", "threshold:max_ratio=0.05"]
+# adaptive warm-up: spec -> its first compressed step (threshold 100: at the second window's
+# end; the default 0.5 where the data decide, the same in both runs)
+WARMUPS = {"onebit:chunk=64,warmup_window=1,warmup_threshold=100": 2,
+           "onebit:chunk=64,warmup_window=2,warmup_threshold=100": K,
+           "powersgd:rank=1,warmup_window=3,warmup_threshold=100": 6,
+           "dgc:ratio=0.05,delay=1,warmup_window=3,warmup_threshold=100": 6,
+           "topk:ratio=0.05,warmup_window=1": None}
+SPECS = [f"{s},warmup=none" if ":" in s else f"{s}:warmup=none" for s in METHODS] + list(WARMUPS)
+SCHEDULE = ("compressing", "warmup_switch_step", "warmup_ratio")
 
 
 def _job(spec):
@@ -38,9 +51,9 @@ def _steps(model, opt, rank, steps):
 
 
 def _uninterrupted(rank, world, spec):
-    net, model, opt, _ = _job(spec)
+    net, model, opt, state = _job(spec)
     _steps(model, opt, rank, range(2 * K))
-    return [p.detach().clone() for p in net.parameters()]
+    return [p.detach().clone() for p in net.parameters()], [state.stats()[k] for k in SCHEDULE]
 
 
 def _first_half(rank, world, spec, path):
@@ -57,15 +70,21 @@ def _second_half(rank, world, spec, path):
     opt.load_state_dict(ck["opt"])
     state.load_state_dict(ck["gradcomp"])
     _steps(model, opt, rank, range(K, 2 * K))
-    return [p.detach().clone() for p in net.parameters()], state.step
+    return ([p.detach().clone() for p in net.parameters()], state.step,
+            [state.stats()[k] for k in SCHEDULE])
 
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_resume_in_fresh_processes_is_bit_exact(spec, tmp_path, spawn):
-    ref = spawn(_uninterrupted, 2, args=(spec,))[0]
+    ref, schedule = spawn(_uninterrupted, 2, args=(spec,))[0]
     spawn(_first_half, 2, args=(spec, str(tmp_path)))
-    got, step = spawn(_second_half, 2, args=(spec, str(tmp_path)))[0]
+    got, step, resumed = spawn(_second_half, 2, args=(spec, str(tmp_path)))[0]
     assert step == 2 * K
+    assert resumed == schedule  # the window ratio too, bit for bit
+    if spec in WARMUPS:
+        assert schedule[1] is not None, f"{spec}: no switch in {2 * K} steps ({schedule})"
+        if WARMUPS[spec] is not None:
+            assert schedule[1] == WARMUPS[spec]
     for a, b in zip(ref, got):
         assert torch.equal(a, b), f"{spec}: max diff {(a - b).abs().max():.3g}"
 

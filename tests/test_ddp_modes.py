@@ -32,7 +32,7 @@ def _run(rank, world, spec, mode, steps):
             kw["static_graph"] = True
         model = DDP(net, bucket_cap_mb=0.002, **kw)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        state = gradcomp.register(model, use, optimizer=opt, min_numel=0) if use else None
+        state = gradcomp.register(model, use, optimizer=opt, min_numel=0, warmup="none") if use else None
         for step in range(steps):
             opt.zero_grad()
             if mode == "accumulate":
@@ -61,7 +61,7 @@ def _logged(rank, world, log_dir, spec="dgc:ratio=0.1,warmup_steps=3", details=F
     net = Branchy()
     model = DDP(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    state = gradcomp.register(model, spec, optimizer=opt, min_numel=0,
+    state = gradcomp.register(model, spec, optimizer=opt, min_numel=0, warmup="none",
                               log_dir=log_dir, log_details=details)
     for step in range(5):
         x, y = batch(rank, step)

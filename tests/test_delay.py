@@ -17,7 +17,7 @@ def _delayed_run(rank, world, spec, steps):
     p0 = [p.detach().clone() for p in net.parameters()]
     model = DDP(net, bucket_cap_mb=0.004)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    state = gradcomp.register(model, spec, optimizer=opt, min_numel=0)
+    state = gradcomp.register(model, spec, optimizer=opt, min_numel=0, warmup="none")
     local = [torch.zeros_like(p, dtype=torch.float64) for p in net.parameters()]
     hooks = []
     for i, p in enumerate(net.parameters()):
@@ -74,7 +74,7 @@ def _lanes_run(rank, world, spec, lanes):
     net = small_net()
     model = DDP(net, bucket_cap_mb=0.004)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    state = gradcomp.register(model, spec, optimizer=opt, min_numel=0, lanes=lanes)
+    state = gradcomp.register(model, spec, optimizer=opt, min_numel=0, warmup="none", lanes=lanes)
     for step in range(6):
         x, y = batch(rank, step)
         opt.zero_grad()

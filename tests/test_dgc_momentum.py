@@ -40,7 +40,7 @@ def _run(rank, scenario, spec):
         if scenario == "scaler":
             scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
             kw["scaler"] = scaler
-        gradcomp.register(model, spec, optimizer=opt, min_numel=0, **kw)
+        gradcomp.register(model, spec, optimizer=opt, min_numel=0, warmup="none", **kw)
     elif scenario == "scaler":
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
     sched = None

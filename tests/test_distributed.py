@@ -38,7 +38,7 @@ def _conservation(rank, world, spec, steps):
     net = small_net()
     model = DDP(net, bucket_cap_mb=0.004)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    state = gradcomp.register(model, spec, optimizer=opt, min_numel=0)
+    state = gradcomp.register(model, spec, optimizer=opt, min_numel=0, warmup="none")
     local, avg = train_capturing(rank, model, net, opt, steps)
     mem = state.state_dict()["memory"]["flat"]
     weights = {"residual": 1.0, "accumulation": 1.0, "server_residual": float(world)}
@@ -63,7 +63,7 @@ def test_error_feedback_conserves_mass_through_ddp(spec, spawn):
 def _mismatch(rank, world, specs):
     model = DDP(small_net())
     try:
-        gradcomp.register(model, specs[rank], min_numel=0)
+        gradcomp.register(model, specs[rank], min_numel=0, warmup="none")
     except ValueError as exc:
         return str(exc)
     return None
@@ -113,7 +113,7 @@ def _dies_mid_training(rank, world, spec):
     net = small_net()
     model = DDP(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    gradcomp.register(model, spec, optimizer=opt, min_numel=0)
+    gradcomp.register(model, spec, optimizer=opt, min_numel=0, warmup="none")
     t0 = None
     try:
         for step in range(50):

@@ -33,7 +33,7 @@ def _job(spec, net_fn=small_net, sgd=None, **kw):
     net = net_fn()
     model = DDP(net, bucket_cap_mb=0.004)
     opt = torch.optim.SGD(model.parameters(), **(sgd or {"lr": LR, "momentum": 0.9}))
-    state = gradcomp.register(model, spec, optimizer=opt, min_numel=0, **kw)
+    state = gradcomp.register(model, spec, optimizer=opt, min_numel=0, warmup="none", **kw)
     return net, model, opt, state
 
 
@@ -247,7 +247,7 @@ def _bf16(rank, world):
     model = DDP(net, bucket_cap_mb=0.004)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     state = gradcomp.register(model, f"allreduce:local_steps={H},outer_momentum=0",
-                              optimizer=opt, min_numel=0)
+                              optimizer=opt, min_numel=0, warmup="none")
     traj, glob = [], []
     for step in range(3 * H):
         if step == 2 * H:
@@ -294,7 +294,7 @@ def _conservation(rank, world, spec, rounds):
             total.add_(start[0] - now)
 
     opt.register_step_post_hook(capture)
-    state = gradcomp.register(model, spec, optimizer=opt, min_numel=0)
+    state = gradcomp.register(model, spec, optimizer=opt, min_numel=0, warmup="none")
     g0 = _flat(net).double()
     for step in range(rounds * H):
         _step(model, opt, rank, step)

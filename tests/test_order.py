@@ -6,6 +6,8 @@ on each rank) and records each rank's global sequence of (process group, op, siz
 method, 4 lanes, delay 0 and 1, tiny buckets (several per step, and DDP's bucket rebuild
 after the first iteration): the sequences must be identical across ranks. Before the engine
 issued collectives by ticket, powersgd's sequences differed from about the 5th collective.
+The methods compress from the first step (``warmup=none``); the adaptive warm-up's runs
+(window 1: a window's allreduce every step until the switch) add its collective.
 """
 import random
 import threading
@@ -22,7 +24,10 @@ from conftest import batch, record_collectives, small_net
 
 SPECS = ["allreduce", "topk:ratio=0.05", "dgc:ratio=0.05", "onebit:chunk=64", "terngrad",
          "powersgd:rank=1", "threshold"]
-RUNS = [f"{s},delay={d}" if ":" in s else f"{s}:delay={d}" for s in SPECS for d in (0, 1)]
+RUNS = [f"{s},delay={d},warmup=none" if ":" in s else f"{s}:delay={d},warmup=none"
+        for s in SPECS for d in (0, 1)]
+RUNS += [f"{s},delay={d},warmup_window=1,warmup_threshold=100"
+         for s in ("onebit:chunk=64", "powersgd:rank=1", "dgc:ratio=0.05") for d in (0, 1)]
 
 
 def _sequences(rank, world):

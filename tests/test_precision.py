@@ -75,7 +75,7 @@ def _scaled_run(rank, world, spec, mode, steps=8, bad_step=3):
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2,
                                   enabled=mode != "plain")
-    state = gradcomp.register(model, spec, optimizer=opt, min_numel=0,
+    state = gradcomp.register(model, spec, optimizer=opt, min_numel=0, warmup="none",
                               scaler=scaler if mode == "scaler" else None)
     scales = []
     for step in range(steps):
@@ -131,7 +131,7 @@ def _half_run(rank, world, spec, dtype, autocast):
         net = net.to(dtype)
     model = DDP(net, bucket_cap_mb=0.004)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    state = gradcomp.register(model, spec, optimizer=opt, min_numel=0)
+    state = gradcomp.register(model, spec, optimizer=opt, min_numel=0, warmup="none")
     losses = []
     for step in range(10):
         x, y = batch(rank, step % 2)
@@ -159,7 +159,7 @@ def test_half_precision_training_works_with_fp32_memory(spec, dtype, autocast, s
 
 def _two_rank_bad(rank, world, spec):
     import torch.distributed as dist
-    name, cfg = gradcomp.build_config(spec, min_numel=0)
+    name, cfg = gradcomp.build_config(spec, min_numel=0, warmup="none")
     st = gradcomp.GradcompState(name, cfg, group=dist.new_group([0, 1]))
     params = layout(list(SHAPES))
     n = sum(p.numel for p in params)

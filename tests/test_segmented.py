@@ -101,7 +101,7 @@ def test_a_relayout_between_steps_changes_no_parameter_result(spec):
              for _ in range(6)]
 
     def run(layouts_per_step):
-        name, cfg = build_config(spec)
+        name, cfg = build_config(spec, warmup="none")
         state = GradcompState(name, cfg)
         outs = []
         for step, layouts in enumerate(layouts_per_step):
@@ -132,7 +132,7 @@ def test_dgc_clips_each_parameter_by_its_own_norm():
     """Local gradient clipping (DGC's section 3.2) per parameter: at ratio 1 without momentum
     the average at W=1 is each parameter's gradient scaled to at most ``clip`` in L2 norm;
     a bucket's gaps (none here) and the small parameter's own scale stay its own."""
-    name, cfg = build_config("dgc:ratio=1,clip=1.0,min_numel=1")
+    name, cfg = build_config("dgc:ratio=1,clip=1.0,min_numel=1", warmup="none")
     state = GradcompState(name, cfg)
     g = torch.Generator().manual_seed(0)
     big, small = torch.randn(500, generator=g) * 3, torch.randn(20, generator=g) * 0.01
@@ -172,7 +172,7 @@ def test_sparse_values_travel_in_two_bytes_and_memory_keeps_the_rounding(spec, g
     instead of 8, counted in stats; the result is the rounded values, and the memory holds
     exactly what rounding took (gradient == result + memory, element for element). Values
     beyond fp16's range are clamped, never sent as inf."""
-    name, cfg = build_config(spec, value_dtype=option)
+    name, cfg = build_config(spec, value_dtype=option, warmup="none")
     state = GradcompState(name, cfg)
     g = torch.Generator().manual_seed(3)
     n = 4000

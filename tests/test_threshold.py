@@ -24,7 +24,7 @@ def _numel(params):
 def _two_ranks(rank, world, specs, steps):
     got = {}
     for spec in specs:
-        name, cfg = gradcomp.build_config(spec, min_numel=0)
+        name, cfg = gradcomp.build_config(spec, min_numel=0, warmup="none")
         st = gradcomp.GradcompState(name, cfg, group=dist.group.WORLD)
         g = torch.Generator().manual_seed(10 + rank)
         total = {n: torch.zeros(math.prod(s), dtype=torch.float64) for n, s in SHAPES.items()}
@@ -94,12 +94,12 @@ def test_a_huge_tau_sends_nothing_and_keeps_everything():
 def test_min_numel_above_every_tensor_is_plain_allreduce():
     params = layout(NAMES)
     x = torch.randn(_numel(params))
-    name, cfg = gradcomp.build_config("threshold", min_numel=10**6)
+    name, cfg = gradcomp.build_config("threshold", min_numel=10**6, warmup="none")
     st = gradcomp.GradcompState(name, cfg)
     assert torch.equal(st.reduce(x.clone(), params), x)
     assert st.memory.names() == set()
     # only the bias (48 elements) below min_numel: it rides in the message, exactly
-    name, cfg = gradcomp.build_config("threshold:max_ratio=0.05", min_numel=100)
+    name, cfg = gradcomp.build_config("threshold:max_ratio=0.05", min_numel=100, warmup="none")
     st = gradcomp.GradcompState(name, cfg)
     out = st.reduce(x.clone(), params)
     b = params[1]
@@ -133,7 +133,7 @@ def test_stats_count_the_fixed_size_message(spec):
     """4 bytes per code slot (cap of them per compressed parameter), 4 per tau, 4 per dense
     element (+4: the non-finite flag); the same every step, however many elements passed."""
     params = layout(NAMES)
-    name, cfg = gradcomp.build_config(spec, min_numel=100)  # fc.bias goes dense
+    name, cfg = gradcomp.build_config(spec, min_numel=100, warmup="none")  # fc.bias goes dense
     st = gradcomp.GradcompState(name, cfg)
     big = [p for p in params if p.numel >= 100]
     caps = sum(math.ceil(cfg.max_ratio * p.numel) for p in big)

@@ -50,7 +50,7 @@ def _train(rank, spec, steps=STEPS, capture=False, sgd=None, net_fn=small_net):
     net = net_fn()
     model = DDP(net, bucket_cap_mb=0.004)
     opt = torch.optim.SGD(model.parameters(), **(sgd or {"lr": 0.05}))
-    state = gradcomp.register(model, spec, optimizer=opt, min_numel=0) if spec else None
+    state = gradcomp.register(model, spec, optimizer=opt, min_numel=0, warmup="none") if spec else None
     local, avg = train_capturing(rank, model, net, opt, steps, capture)
     params = [p.detach().clone() for p in net.parameters()]
     return state, params, local, avg

@@ -20,13 +20,13 @@ class Checkpoint:
     def state_dict(self) -> dict:
         """Everything needed to resume exactly: memory by parameter name, the step counter,
         the delayed exchanges still to be applied (waited for first) and, with local_steps,
-        the rounds' state (hooks/local.py)."""
+        the rounds' state (hooks/local.py) and the adaptive warm-up's (hooks/warmup.py)."""
         pending = [{"step": e.step, "corrections": {n: c.clone() for n, c in e.owed()}}
                    for e in self._pending]
         return {"method": self.method, "config": self.config.to_dict(), "world_size": self.world_size,
                 "ranks_per_node": self.local_size,
                 "step": self.step, "memory": self.memory.state_dict(), "pending": pending,
-                "local": self.local_state_dict()}
+                "local": self.local_state_dict(), "warmup": self.warmup_state_dict()}
 
     def load_state_dict(self, sd: dict) -> None:
         # options added since a checkpoint was written take their defaults; the topology is
@@ -66,6 +66,7 @@ class Checkpoint:
         self._written = max(self._written, self._step)
         self._pending = [_Pending.done(p["step"], p["corrections"]) for p in sd.get("pending", [])]
         self.load_local_state_dict(sd.get("local"))
+        self.load_warmup_state_dict(sd.get("warmup"))
 
     @staticmethod
     def memory_names(sd: dict) -> set:

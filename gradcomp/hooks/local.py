@@ -40,7 +40,8 @@ the end of round t replaced by the average. At the end of
 training call ``state.flush()`` at a round's end: it waits for the exchange in flight and
 applies it (no ``optimizer.step()`` after it); every rank then holds G.
 
-Options ``dense_steps``, warm-ups and random streams count outer rounds (``state.step``).
+Options ``dense_steps``, warm-ups and random streams count outer rounds (``state.step``);
+the adaptive warm-up (hooks/warmup.py) measures the pseudo-gradients D.
 The method is not bound to the optimizer: the inner steps are the optimizer's own, with its
 momentum and weight decay (DGC then sparsifies the pseudo-gradient with its warm-up,
 clipping and accumulation, and no momentum correction: the outer Nesterov momentum is the
@@ -222,6 +223,8 @@ class Local:
 
     def _outer_job(self, bucket, x, slices, tensors, last, plain) -> torch.futures.Future:
         step = self._begin(bucket) if plain is None else max(self._step, 0)
+        if plain is None:
+            self._warmup_observe(step, x, slices)
         live = self.compressor.live([s.name for s in slices]) if plain is None else None
         lane = self._lanes[bucket % len(self._lanes)]
         fut = torch.futures.Future(devices=[x.device] if x.is_cuda else None)

@@ -8,6 +8,7 @@ counter, and the lanes that run the exchanges. What it owns, one module each:
   telemetry.py   ``stats()`` and TensorBoard scalars
   checkpoint.py  ``state_dict`` / ``load_state_dict``
   local.py       ``local_steps``: inner steps without exchange, the outer step every H
+  warmup.py      the adaptive warm-up: dense until the gradient norm settles
 
 This module ties them together: ``submit`` (DDP's thread: step counter, a ticket in the
 order, the lane) and ``_reduce`` (a lane: the method's exchange of one bucket). The hook
@@ -37,6 +38,7 @@ from .guard import Guard
 from .local import Local, _node_average
 from .telemetry import Telemetry, _sq_norm
 from .topology import Shards
+from .warmup import Warmup
 
 # A collective waiting longer than this for its turn raises instead of hanging (its turn
 # waits for buckets DDP has not submitted yet, or for earlier exchanges to issue theirs).
@@ -105,7 +107,7 @@ class _Ctx:
             logs[key] = (total + value, n + 1)
 
 
-class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint):
+class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
     """Everything one registered hook owns. Build it with :func:`gradcomp.register`, or
     directly to call ``register_comm_hook(state, gradcomp.hook)`` yourself."""
 
@@ -140,6 +142,7 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint):
         self._params: dict[str, torch.Tensor] = {}
         self.local_size = 0  # ranks per node of a hierarchical topology (0: flat)
         self._local_init()
+        self._warmup_init()
         self._setup_runtime()
 
     # ------------------------------------------------------------------ runtime
@@ -192,15 +195,18 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint):
         """Book-keeping on the caller's thread: the step counter. A step whose gradients held
         inf/NaN on some rank is not an optimizer step (a GradScaler skips it): without delay,
         the next step reuses its index, so schedules and random streams go on as if it
-        never happened."""
+        never happened. Here, before any bucket of a step is queued, the adaptive warm-up
+        decides whether the step is compressed (warmup.py)."""
         if bucket == 0:
             if self._skipped is not None and self._skipped == self._step and not self.config.delay:
                 self._skipped = None
                 with self._lock:
                     self._records.pop(self._step, None)
                     self._logs.pop(self._step, None)
+                self._warmup_redo(self._step)
             else:
                 self._step += 1
+            self._warmup_begin(max(self._step, 0))
         return max(self._step, 0)
 
     def reduce(self, x: torch.Tensor, params: Sequence[ParamSlice], bucket: int = 0,
@@ -208,6 +214,7 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint):
         """Synchronously reduce one flat bucket (any float dtype); returns the average in
         x's dtype. The DDP hook runs exactly this, on the communication thread."""
         step = self._begin(bucket)
+        self._warmup_observe(step, x, params)
         live = self.compressor.live([p.name for p in params])
         return self._reduce(self._lanes[0], x, list(params), bucket, param_tensors, step,
                             live=live)
@@ -251,7 +258,7 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint):
         elif self.compressor.stateless:
             out = run(x, self.compressor.reduce)
         else:
-            dense = step < self.config.dense_steps
+            dense = self._dense(step)
             # the residual diagnostic: compressed steps, flat topology (not measured per shard)
             slot = (self.compressor.residual_slot if ctx.details and self.config.error_feedback
                     and not dense and lane.inter is None else None)
@@ -323,6 +330,7 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint):
             return fut
         step = self._begin(bucket)
         scale = self._scale()
+        self._warmup_observe(step, buf, slices, scale)
         live = self.compressor.live(names)
         lane = self._lanes[bucket % len(self._lanes)]
         D = self.config.delay

@@ -56,6 +56,8 @@ class Telemetry:
         w.add_scalar("gradcomp/compression_ratio", raw / t.sent if t.sent else 0.0, step)
         w.add_scalar("gradcomp/wire_bytes", t.wire, step)
         w.add_scalar("gradcomp/sent_bytes", t.sent, step)
+        if not self.compressor.stateless:  # the warm-up's schedule: 1 from the switch on
+            w.add_scalar("gradcomp/compressing", 0.0 if self._dense(step) else 1.0, step)
         for slot in self.memory.slots():
             w.add_scalar(f"gradcomp/{slot}_norm", float(self.memory.norm(slot)), step)
         with self._lock:
@@ -75,7 +77,10 @@ class Telemetry:
         ``collectives``, and the seconds
         spent inside collectives (``comm_s``) and compressing/decompressing (``codec_s``),
         summed over the step's buckets. With ``delay=D`` the latest step whose exchanges
-        have all finished is D steps back."""
+        have all finished is D steps back. The warm-up's schedule: ``compressing`` (whether
+        the step in flight is compressed; False for plain allreduce), ``warmup_switch_step``
+        (the first compressed step; None while the adaptive rule has not decided) and
+        ``warmup_ratio`` (the adaptive rule's last window ratio r, None before two windows)."""
         t, raw = self._record(self._step - self.config.delay)
         W = self.world_size
         raw_wire = raw * 2 * (W - 1) / W
@@ -86,4 +91,6 @@ class Telemetry:
             "ratio": raw / t.sent if t.sent else float("inf"),
             "collectives": t.collectives,
             "comm_s": t.comm_s, "codec_s": t.total_s - t.comm_s,
+            "compressing": not self.compressor.stateless and not self._dense(max(self._step, 0)),
+            "warmup_switch_step": self._switch_step(), "warmup_ratio": self._wu_ratio,
         }

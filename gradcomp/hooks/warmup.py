@@ -1,0 +1,163 @@
+"""The adaptive warm-up: dense (plain fp32 allreduce) until the gradients leave the early
+critical regime, then compressed for good. After *Accordion* (Agarwal et al., "Adaptive
+Gradient Communication via Critical Learning Regime Identification", MLSys 2021,
+arXiv:2010.16248), which detects critical regimes by the relative change of the gradient
+norm between epochs.
+
+The rule (``warmup="adaptive"``, the default of every compressing method; ``dense_steps=N``
+replaces it with exactly N dense steps, ``warmup="none"`` compresses from the first step):
+
+  1. Every step, each rank records ||g_p||^2 of its own gradient g for each parameter p
+     (g: the hook's input, every bucket, before compression and unscaled; one fused norm
+     per bucket, on the device, on the caller's thread: no host sync). A step's value is
+     their sum, taken in name order (independent of DDP's bucket layout).
+  2. At the first bucket of step t = k * warmup_window (on the caller's thread, before any
+     bucket of step t is queued) the window that just ended is finalized: the exchanges
+     still in flight are waited for, then ONE allreduce (SUM) of its per-step values over
+     every rank, read once by the host. Steps whose sum is not finite (inf/NaN gradients,
+     skipped by a GradScaler) are left out. Its norm N_k = sqrt(mean over steps and ranks of
+     ||g||^2), identical on every rank.
+  3. r_k = |N_k - N_{k-1}| / N_{k-1}. If r_k < warmup_threshold (eta; 0.5 as in Accordion),
+     step t and every later step are compressed; otherwise step t is dense and the next
+     window is watched. The earliest switch is at 2 windows. ``warmup_max_steps`` > 0 forces
+     the switch at that step.
+
+One-way, unlike Accordion (which also goes back to less compression when the norm moves
+again, e.g. after a learning-rate decay): error feedback's residuals, DGC's velocities and
+PowerSGD's warm-started factors describe an unbroken run of compressed steps; sent dense
+for a while they would be stale, or would have to be flushed into a dense step. Once the
+switch is made nothing is measured any more (no cost after the warm-up).
+
+Every rank decides alike: the statistic is all-reduced, the decision for step t is made
+from completed windows before step t's first exchange, and the collective is issued on the
+caller's thread while no exchange is in flight (the same program point on every rank).
+With ``local_steps`` > 1 the steps are outer rounds and g the pseudo-gradient.
+"""
+from __future__ import annotations
+
+import collections
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..comm import Traffic
+
+
+class Warmup:
+    """Mixin of GradcompState: when a compressing method's steps start to compress."""
+
+    def _warmup_init(self) -> None:
+        self._wu_entries: list = []  # (step, parameter names, their ||g_p||^2) of this window
+        self._wu_next = self.config.warmup_window  # the step at which the current window ends
+        self._wu_prev: float | None = None   # N of the last finalized window
+        self._wu_ratio: float | None = None  # r of the last finalized window
+        self._wu_switch: int | None = None   # the first compressed step, once decided
+
+    @property
+    def _wu_watching(self) -> bool:
+        """Whether the adaptive rule is still measuring."""
+        c = self.config
+        return (not self.compressor.stateless and c.dense_steps is None
+                and c.warmup == "adaptive" and self._wu_switch is None)
+
+    def _dense(self, step: int) -> bool:
+        """Whether step ``step`` of a stateful method goes as a plain fp32 allreduce."""
+        c = self.config
+        if c.dense_steps is not None:
+            return step < c.dense_steps
+        if c.warmup == "none":
+            return False
+        return self._wu_switch is None or step < self._wu_switch
+
+    def _switch_step(self) -> int | None:
+        """The first compressed step (None: not yet known, or never: plain allreduce)."""
+        c = self.config
+        if self.compressor.stateless:
+            return None
+        if c.dense_steps is not None:
+            return c.dense_steps
+        return 0 if c.warmup == "none" else self._wu_switch
+
+    def _warmup_observe(self, step: int, x: torch.Tensor, params, scale=None) -> None:
+        """Record ||x_p||^2 of each parameter p in ``params`` (x: a bucket of this rank's
+        gradient at ``step``). Kept per parameter, not per bucket, and summed in name order
+        at the window's end: the statistic does not depend on DDP's bucket layout (which
+        differs between a job and its resumption), so a resumed job decides bit-exactly
+        alike."""
+        if not self._wu_watching or not params:
+            return
+        views = [x[p.offset : p.offset + p.numel] for p in params]
+        sq = torch.stack(torch._foreach_norm(views, 2, dtype=torch.float32)).double().square()
+        if scale is not None:
+            sq = sq / scale.double().square()
+        self._wu_entries.append((step, [p.name for p in params], sq))
+
+    def _warmup_redo(self, step: int) -> None:
+        """Step ``step`` runs again (its gradients were not finite): forget what it added."""
+        self._wu_entries = [e for e in self._wu_entries if e[0] != step]
+
+    def _warmup_begin(self, step: int) -> None:
+        """At step ``step``'s first bucket: finalize a window that just ended, decide."""
+        if not self._wu_watching:
+            return
+        c = self.config
+        if step >= self._wu_next:
+            self._wu_next += c.warmup_window
+            self._warmup_finalize(step)
+        if self._wu_switch is None and c.warmup_max_steps and step >= c.warmup_max_steps:
+            self._wu_switch = step
+
+    def _warmup_finalize(self, step: int) -> None:
+        entries, self._wu_entries = self._wu_entries, []
+        W = self.config.warmup_window
+        device = entries[-1][2].device if entries else torch.device("cpu")
+        acc = torch.zeros(W, dtype=torch.float64, device=device)
+        if entries:  # per step, the sum over parameters in name order
+            keys = [(s, n) for s, names, _ in entries for n in names]
+            order = sorted(range(len(keys)), key=keys.__getitem__)
+            vals = torch.cat([sq.to(device) for _, _, sq in entries])
+            vals = vals[torch.tensor(order, device=device)]
+            count = collections.Counter(s for s, _ in keys)
+            steps = sorted(count)
+            for s, part in zip(steps, torch.split(vals, [count[s] for s in steps])):
+                acc[s % W] = part.sum()
+        self.drain()  # no exchange in flight: this collective is the only one issued now
+        world = 1
+        if self.group is not None and dist.is_initialized():
+            world = dist.get_world_size(self.group)
+        if world > 1:
+            t = Traffic()
+            t.add(acc.numel() * acc.element_size(), 2 * (world - 1) / world)
+            dist.all_reduce(acc, group=self.group)
+            with self._lock:
+                self._records.setdefault(step, [Traffic(), 0])[0].merge(t)
+        vals = acc.cpu()  # the one host read of the window
+        vals = vals[torch.isfinite(vals)]
+        if not vals.numel():  # every step of the window was skipped
+            return
+        norm = math.sqrt(float(vals.mean()) / world)
+        prev, self._wu_prev = self._wu_prev, norm
+        if self._writer is not None:
+            self._log_ratio(step, "warmup_grad_norm", norm, 1.0)
+        if prev is None:
+            return
+        ratio = abs(norm - prev) / prev if prev > 0 else (0.0 if norm == 0 else math.inf)
+        self._wu_ratio = ratio
+        if self._writer is not None:
+            self._log_ratio(step, "warmup_ratio", ratio, 1.0)
+        if ratio < self.config.warmup_threshold:
+            self._wu_switch = step
+
+    def warmup_state_dict(self) -> dict:
+        return {"entries": [(s, list(names), sq.cpu().clone()) for s, names, sq in self._wu_entries],
+                "next": self._wu_next, "prev": self._wu_prev, "ratio": self._wu_ratio,
+                "switch": self._wu_switch}
+
+    def load_warmup_state_dict(self, sd: dict | None) -> None:
+        self._warmup_init()
+        if sd is None:  # a checkpoint from before the adaptive warm-up
+            return
+        self._wu_entries = [(s, list(names), sq.clone()) for s, names, sq in sd["entries"]]
+        self._wu_next, self._wu_prev = sd["next"], sd["prev"]
+        self._wu_ratio, self._wu_switch = sd["ratio"], sd["switch"]
