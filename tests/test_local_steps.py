@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
-from gradcomp.launch import spawn
+from gradcomp_bench.launch import spawn
 from test_distributed import _train_pair, batch, small_net
 
 H = 3

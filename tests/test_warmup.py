@@ -11,7 +11,7 @@ import gradcomp
 from gradcomp.compressors import METHODS
 from gradcomp.compressors.base import ParamSlice
 from gradcomp.hooks.state import GradcompState
-from gradcomp.launch import spawn
+from gradcomp_bench.launch import spawn
 
 N = 4096
 PARAMS = [ParamSlice("a", (1024,), 0, 1024), ParamSlice("b", (N - 1024,), 1024, N - 1024)]
