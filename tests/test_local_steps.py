@@ -10,7 +10,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
 from gradcomp_bench.launch import spawn
-from test_distributed import _train_pair, batch, small_net
+from conftest import batch, small_net
+from conftest import train_pair as _train_pair
 
 H = 3
 LR = 0.05
@@ -449,7 +450,7 @@ def test_hierarchical_inner_steps_average_inside_the_node_only():
 
 
 def _sequences(rank, world, specs):
-    from test_order import _record_collectives
+    from conftest import record_collectives as _record_collectives
     log = _record_collectives(rank)
     out = {}
     for spec in specs:

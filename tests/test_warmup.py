@@ -196,7 +196,7 @@ def test_warmup_options_parse_from_a_spec_string():
 def _local_rounds(rank, world, spec, steps):
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from test_distributed import batch, small_net
+    from conftest import batch, small_net
     net = small_net()
     model = DDP(net, bucket_cap_mb=0.004)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
