@@ -160,8 +160,9 @@ def cmd_ddp(args) -> int:
         raise UsageError(f"--world {bad[0]} is not a whole number of nodes of "
                          f"--ranks-per-node {per_node}")
     rates = [None]
+    link_note = None
     if args.link == "auto":  # a real slow link where this machine can make one
-        args.link = None if torchrun or args.latency else _auto_link()
+        args.link, link_note = (None, None) if torchrun or args.latency else _auto_link()
     elif args.link == "none":
         args.link = None
     if args.link:
@@ -181,6 +182,8 @@ def cmd_ddp(args) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     jobs = [(w, r, m) for w in worlds for r in rates for m in methods]
+    if link_note:
+        print(link_note, file=sys.stderr)
     rows, raw = [], []
     scalars = report.Scalars(args.tensorboard)
     quiet = torchrun and int(os.environ["RANK"]) != 0
@@ -248,19 +251,18 @@ def _hook_log(method, args):
 
 
 def _auto_link():
-    """``--link auto``: a shaped 100 Mbit/s link where the machine allows one (root,
-    iproute2), else loopback; says which."""
+    """``--link auto``: (a shaped 100 Mbit/s link where the machine allows one (root,
+    iproute2), else None for loopback; the line that says which, printed once the run
+    starts)."""
     from . import netlink
     try:
         netlink.check_available()
     except netlink.LinkUnavailable as exc:
-        print(f"link: loopback (no shaped link here: {exc}). Every message crosses memory, so "
-              f"compression only adds its codec's cost; it pays on links slower than ~10 "
-              f"Gbit/s: run as root with --link 100mbit to see it.", file=sys.stderr)
-        return None
-    print("link: a real 100 Mbit/s link between the ranks (network namespaces + tc tbf); read "
-          "the 'x compute' column and the figure ddp_step_time.png", file=sys.stderr)
-    return "100mbit"
+        return None, (f"link: loopback (no shaped link here: {exc}). Every message crosses "
+                      f"memory, so compression only adds its codec's cost; it pays on links "
+                      f"slower than ~10 Gbit/s: run as root with --link 100mbit to see it.")
+    return "100mbit", ("link: a real 100 Mbit/s link between the ranks (network namespaces + "
+                       "tc tbf); read the 'x compute' column and the figure ddp_step_time.png")
 
 
 def _rate_name(rate):

@@ -65,7 +65,7 @@ def test_convergence_tensorboard_has_the_hooks_own_scalars(tmp_path):
 
     tb = tmp_path / "tb"
     argv = ["convergence", "--synthetic", "--model", "resnet_small", "--epochs", "0.5",
-            "--methods", "allreduce,powersgd:rank=1,min_numel=0", "--tensorboard", str(tb),
+            "--methods", "allreduce,powersgd:rank=1,min_numel=0,warmup=none", "--tensorboard", str(tb),
             "--out", str(tmp_path)]
     assert cli.main(argv) == 0
 
@@ -75,11 +75,11 @@ def test_convergence_tensorboard_has_the_hooks_own_scalars(tmp_path):
         return {t: [e.value for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
 
     top = scalars(tb)
-    assert {"allreduce/test_acc", "powersgd:rank=1,min_numel=0/test_acc"} <= set(top)
+    assert {"allreduce/test_acc", "powersgd:rank=1,min_numel=0,warmup=none/test_acc"} <= set(top)
     hook = tb / "hook"
-    assert sorted(p.name for p in hook.iterdir()) == ["allreduce", "powersgd_rank=1_min_numel=0"]
-    ps = scalars(hook / "powersgd_rank=1_min_numel=0")
-    steps = len(top["powersgd:rank=1,min_numel=0/compression_ratio"])
+    assert sorted(p.name for p in hook.iterdir()) == ["allreduce", "powersgd_rank=1_min_numel=0_warmup=none"]
+    ps = scalars(hook / "powersgd_rank=1_min_numel=0_warmup=none")
+    steps = len(top["powersgd:rank=1,min_numel=0,warmup=none/compression_ratio"])
     # every step is written (the last one when train() closes the state)
     assert len(ps["gradcomp/approx_error"]) == steps >= 6
     assert all(0 < v < 1 for v in ps["gradcomp/approx_error"])  # rank 1 misses some of M
