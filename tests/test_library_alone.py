@@ -47,7 +47,7 @@ SCRIPT = textwrap.dedent("""
         net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
         model = DDP(net)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        state = gradcomp.register(model, name, optimizer=opt, min_numel=0)
+        state = gradcomp.register(model, name, optimizer=opt, min_numel=0, warmup="none")
         x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
         before = [p.detach().clone() for p in net.parameters()]
         opt.zero_grad()
