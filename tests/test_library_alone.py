@@ -19,15 +19,21 @@ SCRIPT = textwrap.dedent("""
     import importlib.machinery, json, os, sys, tempfile
     BLOCKED = set(sys.argv[1].split(","))
 
-    class Absent(importlib.machinery.PathFinder):
-        # sys.path's finder, blind to the blocked packages: they look not installed
-        @classmethod
-        def find_spec(cls, name, path=None, target=None):
-            if name.partition(".")[0] in BLOCKED:
-                return None
-            return super().find_spec(name, path, target)
+    class Blind:
+        # one of sys.meta_path's finders (sys.path's, an editable install's), blind to the
+        # blocked packages: they look not installed, to imports and to find_spec probes alike
+        def __init__(self, finder):
+            self.finder = finder
 
-    sys.meta_path = [Absent if f is importlib.machinery.PathFinder else f for f in sys.meta_path]
+        def find_spec(self, name, path=None, target=None):
+            if name.partition(".")[0] in BLOCKED or not hasattr(self.finder, "find_spec"):
+                return None
+            return self.finder.find_spec(name, path, target)
+
+        def __getattr__(self, attr):
+            return getattr(self.finder, attr)
+
+    sys.meta_path = [Blind(f) for f in sys.meta_path]
     import torch
     import torch.distributed as dist
     from torch import nn
