@@ -55,16 +55,20 @@ def _entry(fn, rank, world, addr, port, outdir, args, pg_timeout, threads, env):
                                 timeout=datetime.timedelta(seconds=pg_timeout))
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
-        from gradcomp.hooks.state import _close_all
-        _close_all()  # communication threads stop before their process groups go
-        # no rank tears its connections down while a peer still finishes its last
-        # collective (gloo aborts the peer when a connection closes under it)
-        dist.barrier()
-        dist.destroy_process_group()
     except BaseException:  # noqa: BLE001  (reported to the parent)
         with open(os.path.join(outdir, f"rank{rank}.err"), "w") as f:
             f.write(traceback.format_exc())
         os._exit(1)
+    try:  # teardown: the result is saved and stands whatever happens here
+        from gradcomp.hooks.state import _close_all
+        _close_all()  # communication threads stop before their process groups go
+        # no rank tears its connections down while a peer still finishes its last
+        # collective (gloo aborts the peer when a connection closes under it); a peer that
+        # failed breaks the barrier instead, which is its own error to report
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001
+        os._exit(0)
 
 
 def _link_main(job_path: str, rank: int) -> None:
