@@ -28,7 +28,8 @@ import subprocess
 import torch
 
 from gradcomp import kernels
-from gradcomp.compressors.topk import CAPACITY_FACTOR, TARGET_FACTOR, sparse_select
+from gradcomp.compressors.topk import sparse_select
+from gradcomp.kernels.segmented import CAPACITY_FACTOR, TARGET_FACTOR
 from gradcomp.compressors.onebit import OneBitConfig
 from gradcomp.kernels import reference
 

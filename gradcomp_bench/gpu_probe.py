@@ -12,7 +12,8 @@ import triton
 
 from gradcomp_bench import bench_kernels as bk
 from gradcomp_bench.timing import measure
-from gradcomp.compressors.topk import CAPACITY_FACTOR, TARGET_FACTOR, sparse_select
+from gradcomp.compressors.topk import sparse_select
+from gradcomp.kernels.segmented import CAPACITY_FACTOR, TARGET_FACTOR
 from gradcomp.kernels import reference
 from gradcomp.kernels import triton_kernels as tk
 

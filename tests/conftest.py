@@ -60,14 +60,19 @@ def cifar():
 SHAPES = {"fc.weight": (48, 40), "fc.bias": (48,), "conv.weight": (16, 8, 3, 3)}
 
 
-def layout(names):
-    """A bucket holding the parameters ``names`` of SHAPES, in that order."""
+def lay_out(shapes):
+    """A bucket of ``(name, shape)`` pairs, in that order."""
     out, off = [], 0
-    for n in names:
-        numel = math.prod(SHAPES[n])
-        out.append(ParamSlice(n, SHAPES[n], off, numel))
+    for name, shape in shapes:
+        numel = math.prod(shape)
+        out.append(ParamSlice(name, tuple(shape), off, numel))
         off += numel
     return out
+
+
+def layout(names):
+    """A bucket holding the parameters ``names`` of SHAPES, in that order."""
+    return lay_out([(n, SHAPES[n]) for n in names])
 
 
 def state_for(spec, **kw):

@@ -93,6 +93,16 @@ def test_outer_lr_1_without_momentum_is_parameter_averaging_every_H_steps(runs):
     assert not torch.allclose(a0, a1)  # the last inner step is local
 
 
+def _round_beside(model, opt, local, lopt, rank, r):
+    """Round r's H inner steps: the job's, and the same steps on ``local`` by hand."""
+    for i in range(H):
+        _step(model, opt, rank, r * H + i)
+        x, y = batch(rank, r * H + i)
+        lopt.zero_grad()
+        nn.functional.cross_entropy(local(x), y).backward()
+        lopt.step()
+
+
 def _nesterov_by_hand(rank, world, spec, lr, mu, rounds):
     """The outer rule against torch's own SGD(nesterov=True) applied to the averaged
     pseudo-gradient, from an allreduce job (every average exact up to rounding)."""
@@ -102,12 +112,7 @@ def _nesterov_by_hand(rank, world, spec, lr, mu, rounds):
     local = small_net()  # the inner steps of this rank from the reference's round start
     lopt = torch.optim.SGD(local.parameters(), lr=LR)
     for r in range(rounds):
-        for i in range(H):
-            _step(model, opt, rank, r * H + i)
-            x, y = batch(rank, r * H + i)
-            lopt.zero_grad()
-            nn.functional.cross_entropy(local(x), y).backward()
-            lopt.step()
+        _round_beside(model, opt, local, lopt, rank, r)
         with torch.no_grad():
             for p, q in zip(ref.parameters(), local.parameters()):
                 d = p - q
@@ -139,12 +144,7 @@ def _late_by_hand(rank, world, spec, lr, mu, rounds):
     G = p2v(local.parameters()).detach().clone()
     R, m, pending, got, ref = G.clone(), torch.zeros_like(G), None, [], []
     for r in range(rounds):
-        for i in range(H):
-            _step(model, opt, rank, r * H + i)
-            x, y = batch(rank, r * H + i)
-            lopt.zero_grad()
-            nn.functional.cross_entropy(local(x), y).backward()
-            lopt.step()
+        _round_beside(model, opt, local, lopt, rank, r)
         with torch.no_grad():
             P = R - p2v(local.parameters())
             if pending is not None:

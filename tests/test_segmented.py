@@ -9,6 +9,7 @@ from gradcomp.compressors.base import ParamSlice
 from gradcomp.hooks import build_config
 from gradcomp.hooks.state import GradcompState
 from gradcomp.kernels import segmented as S
+from conftest import lay_out
 
 
 def random_layout(rng, sizes=(0, 1, 3, 17, 100, 1000, 5000, 40000)):
@@ -77,15 +78,7 @@ def test_sample_positions_cover_the_tensor_and_move_with_the_seed():
 def layouts_of(shapes, order, cut):
     """Two buckets of the parameters ``shapes`` in ``order``, cut after ``cut`` of them."""
     names = [shapes[i] for i in order]
-    out, off = [[], []], 0
-    for j, (name, shape) in enumerate(names):
-        b = 0 if j < cut else 1
-        if j == cut:
-            off = 0
-        n = int(torch.tensor(shape).prod())
-        out[b].append(ParamSlice(name, shape, off, n))
-        off += n
-    return out
+    return [lay_out(names[:cut]), lay_out(names[cut:])]
 
 
 @pytest.mark.parametrize("spec", ["topk:ratio=0.01,min_numel=64", "dgc:momentum=0.9,min_numel=64",

@@ -15,13 +15,14 @@ import pytest
 import torch
 
 from gradcomp_bench import bench_ops
-from gradcomp.compressors.base import METHODS, ParamSlice
+from gradcomp.compressors.base import METHODS
 from gradcomp.compressors.powersgd import _init_q, bmm, orthonormalize
 from gradcomp.compressors.terngrad import layer_stats
 from gradcomp.hooks import build_config
 from gradcomp.hooks.guard import Guard
 from gradcomp.kernels import reference as ref
 from gradcomp.memory import ParamMemory
+from conftest import lay_out
 
 
 class MirrorComm:
@@ -61,13 +62,6 @@ def seed_of(step, name):
     return (step * 1_000_003 + zlib.crc32(name.encode()) * 7919) % 2**63
 
 
-def lay_out(shapes):
-    out, off = [], 0
-    for name, shape in shapes:
-        n = math.prod(shape)
-        out.append(ParamSlice(name, shape, off, n))
-        off += n
-    return out
 
 
 def by_name(out, params):

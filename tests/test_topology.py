@@ -1,6 +1,5 @@
 """Hierarchical topology: dense inside a node, compressed between nodes. Four gloo ranks
 stand for 2 nodes x 2 ranks (``local_size=2``); one spawn serves the module."""
-import math
 
 import pytest
 import torch
@@ -8,10 +7,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
-from gradcomp.compressors.base import ParamSlice
 from gradcomp.config import MethodConfig
 from gradcomp.hooks.topology import Shards, node_size
-from conftest import record_collectives, small_net, train_capturing
+from conftest import lay_out, record_collectives, small_net, train_capturing
 
 HIER = "topology=hierarchical,local_size=2"
 CONSERVE = ["topk:ratio=0.05", "onebit:chunk=64", "powersgd:rank=1", "dgc:ratio=0.02",
@@ -181,15 +179,8 @@ def test_node_size_resolution():
 def test_shards_cut_each_parameter_alone():
     """A parameter's piece is the same whatever its bucket neighbours; gather/scatter are
     inverse; the pieces tile every parameter."""
-    def layout(shapes):
-        out, off = [], 0
-        for name, shape in shapes:
-            n = math.prod(shape)
-            out.append(ParamSlice(name, shape, off, n))
-            off += n
-        return out
-    a = layout([("w", (5, 3)), ("b", (7,)), ("s", ()), ("e", (0, 4))])
-    b = layout([("x", (2, 2)), ("w", (5, 3))])
+    a = lay_out([("w", (5, 3)), ("b", (7,)), ("s", ()), ("e", (0, 4))])
+    b = lay_out([("x", (2, 2)), ("w", (5, 3))])
     for L in (1, 2, 3):
         for j in range(L):
             pa = {p.name: (p.shape, r) for p, r in zip(Shards(a, L, j, "cpu").mine,

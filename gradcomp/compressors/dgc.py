@@ -320,12 +320,12 @@ class DGC(Compressor):
         ratio = cfg.ratio_at(ctx.step)
         ctx.log("sparsity", 1.0 - ratio)
         vals, idx = select(x, big, ctx, ratio, cfg.sample_ratio)
-        dtype = value_dtype(cfg.value_dtype, ctx)
-        vals = round_values(vals, dtype)  # the accumulation keeps what rounding takes
+        # the accumulation keeps what rounding takes
+        wire, vals = round_values(vals, value_dtype(cfg.value_dtype, ctx))
         if cfg.error_feedback:
             v.copy_(x).index_put_((idx,), -vals, accumulate=True)
             zero_dense(v, dense)
         if u is not None and cfg.masking:
             # padding slots carry value 0: they must not mask anything
             u.index_put_((idx,), -u[idx] * (vals != 0), accumulate=True)
-        return exchange_sparse(vals, idx, x, dense, ctx, dtype)
+        return exchange_sparse(wire, idx, x, dense, ctx)

@@ -22,7 +22,6 @@ import torch
 from .. import kernels
 from ..config import MethodConfig, check
 from ..kernels import segmented
-from ..kernels.segmented import CAPACITY_FACTOR, MIN_SAMPLE_HITS, TARGET_FACTOR  # noqa: F401
 from .base import Compressor, dense_values, put_dense, register_method, zero_dense
 
 
@@ -58,14 +57,16 @@ def value_dtype(option: str, ctx) -> torch.dtype:
     return ctx.grad_dtype if ctx.grad_dtype in (torch.float16, torch.bfloat16) else torch.float32
 
 
-def round_values(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """values as they arrive in ``dtype`` (fp32 again): clamped to its largest finite value,
-    then rounded. Error feedback keeps the difference (the clamp's too): nothing is lost,
-    only sent later; a scaled fp32 gradient never turns into an fp16 inf."""
+def round_values(values: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values as they travel, in ``dtype``; the same as they arrive, fp32): clamped to the
+    type's largest finite value, then rounded. Error feedback keeps the difference (the
+    clamp's too): nothing is lost, only sent later; a scaled fp32 gradient never turns into
+    an fp16 inf."""
     if dtype == torch.float32:
-        return values
+        return values, values
     big = torch.finfo(dtype).max
-    return values.clamp(-big, big).to(dtype).float()
+    wire = values.clamp(-big, big).to(dtype)
+    return wire, wire.float()
 
 
 def sparse_select(y: torch.Tensor, ratio: float, sample_ratio: float, seed: int, thresholds=None):
@@ -94,12 +95,12 @@ def select(x: torch.Tensor, params, ctx, ratio: float, sample_ratio: float):
 
 
 def exchange_sparse(values: torch.Tensor, indices: torch.Tensor, x: torch.Tensor, dense,
-                    ctx, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                    ctx) -> torch.Tensor:
     """Allgather every rank's (indices, values) and the ``dense`` parameters' values of x as
-    one message; return the dense average. ``values`` are already rounded to ``dtype`` (see
-    :func:`round_values`): they travel in it, 2 or 4 bytes each, indices as int32."""
-    k = values.numel()
-    parts = [indices.to(torch.int32).view(torch.uint8), values.to(dtype).view(torch.uint8)]
+    one message; return the dense average. ``values`` travel in their own dtype (fp32, or
+    2 bytes: see :func:`round_values`), indices as int32."""
+    k, dtype = values.numel(), values.dtype
+    parts = [indices.to(torch.int32).view(torch.uint8), values.view(torch.uint8)]
     vb = parts[1].numel()
     pad = -(4 * k + vb) % 4  # dense values start on a 4-byte boundary
     if pad:
@@ -127,9 +128,8 @@ class TopK(Compressor):
         cfg = self.config
         e = self.add_residual(x, ctx)
         vals, idx = select(x, big, ctx, cfg.ratio, cfg.sample_ratio)
-        dtype = value_dtype(cfg.value_dtype, ctx)
-        vals = round_values(vals, dtype)
+        wire, vals = round_values(vals, value_dtype(cfg.value_dtype, ctx))
         if e is not None:  # what is not sent, and what rounding took from what is
             e.copy_(x).index_put_((idx,), -vals, accumulate=True)
             zero_dense(e, dense)
-        return exchange_sparse(vals, idx, x, dense, ctx, dtype)
+        return exchange_sparse(wire, idx, x, dense, ctx)

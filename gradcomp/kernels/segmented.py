@@ -124,8 +124,6 @@ class SelectPlan:
     a NaN (a gap's threshold: no element of a gap is ever a candidate) and a 0 (the threshold
     of a parameter that sends every element)."""
 
-    n: int
-    count: int                # selected parameters (P)
     seg_of: torch.Tensor      # (n,) int32 segment of each element (shared by a layout's plans)
     seg_start: torch.Tensor   # (S,) offset of each segment
     seg_prev: torch.Tensor    # (S,) the element before each segment (0 for one at 0) ...
@@ -207,7 +205,7 @@ def plan(layout: tuple, budgets: tuple, n: int, device) -> SelectPlan:
         return torch.tensor(v, dtype=torch.int64, device=device)
 
     return SelectPlan(
-        n, P, _segment_of(tuple(seg_len), device), t(seg_start),
+        _segment_of(tuple(seg_len), device), t(seg_start),
         t([max(0, a - 1) for a in seg_start]),
         torch.tensor([a == 0 for a in seg_start], dtype=torch.bool, device=device),
         t(seg_thr), t(param_seg), t(slot_base), t(slot_end), slot, t(_key_base(slot_seg + [P])),
