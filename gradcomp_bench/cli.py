@@ -317,7 +317,7 @@ def cmd_convergence(args) -> int:
     for m in _progress(methods, str):
         cfg = TrainConfig(method=m, model=args.model, data=data_dir, synthetic=args.synthetic,
                           epochs=args.epochs, batch=args.batch, lr=args.lr, seed=args.seed,
-                          eval=True, options={**_delay_opts(m, args), **_hook_log(m, args)},
+                          schedule=args.schedule, eval=True, options={**_delay_opts(m, args), **_hook_log(m, args)},
                           device=args.device)
         res = bench.run_train(worlds[0], cfg, timeout=args.timeout)[0]
         results[m] = res
@@ -456,7 +456,10 @@ def parser() -> argparse.ArgumentParser:
     common(c, CONVERGENCE_METHODS, "resnet18", 64)
     c.add_argument("--world", type=int, default=2)
     c.add_argument("--epochs", type=float, default=10)
-    c.add_argument("--lr", type=float, default=0.05)
+    c.add_argument("--lr", type=float, default=0.05, help="per rank: the optimizer gets lr x world")
+    c.add_argument("--schedule", choices=("cosine", "onecycle"), default="cosine",
+                   help="cosine: linear warm-up then cosine; onecycle: torch's OneCycleLR "
+                        "(it also cycles momentum), created after register")
     c.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help="wall-clock limit per method (default: none; a rank that fails or "
                         "stops still ends the run within about 70 s)")

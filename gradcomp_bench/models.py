@@ -47,11 +47,17 @@ def resnet18(classes=10):
     return ResNet(classes=classes)
 
 
+def resnet18_narrow(classes=10, width=16):
+    """ResNet-18's 21 weight tensors at 1/4 of its width: every convolution above gradcomp's
+    default ``min_numel`` (compression reaches nearly every weight), CPU-feasible."""
+    return ResNet(widths=(width, 2 * width, 4 * width, 8 * width), classes=classes)
+
+
 def resnet_small(classes=10, width=16):
     return ResNet(widths=(width, 2 * width, 4 * width), blocks=(1, 1, 1), classes=classes)
 
 
-MODELS = {"resnet18": resnet18, "resnet_small": resnet_small}
+MODELS = {"resnet18": resnet18, "resnet18_narrow": resnet18_narrow, "resnet_small": resnet_small}
 
 
 def build(name: str) -> nn.Module:

@@ -91,6 +91,9 @@ class TrainConfig:
     momentum: float = 0.9
     weight_decay: float = 5e-4
     warmup_epochs: float = 0.5
+    # "cosine": linear warm-up then cosine (LambdaLR); "onecycle": torch's OneCycleLR, which
+    # also cycles the optimizer's momentum (0.85-0.95) every step, as many user jobs do
+    schedule: str = "cosine"
     seed: int = 0
     augment: bool = True
     eval: bool = True
@@ -138,8 +141,13 @@ def train(rank: int, world: int, cfg: TrainConfig | dict) -> dict:
     if cfg.max_steps:
         total = min(total, cfg.max_steps) if cfg.epochs else cfg.max_steps
     warm = max(1, int(cfg.warmup_epochs * steps_per_epoch))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min((s + 1) / warm, 0.5 * (1 + math.cos(math.pi * min(s, total) / total))))
+    if cfg.schedule == "onecycle":  # created after register, as a user's job would
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr * world, total_steps=total)
+    elif cfg.schedule == "cosine":
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: min((s + 1) / warm, 0.5 * (1 + math.cos(math.pi * min(s, total) / total))))
+    else:
+        raise ValueError(f"schedule={cfg.schedule!r}: allowed 'cosine', 'onecycle'")
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
     losses, times, curve, hist, step = [], [], [], [], 0
     model.train()
