@@ -1,4 +1,5 @@
-"""The torch.compile'd 1-bit steps (gradcomp.kernels.compiled) against the reference.
+"""The torch.compile'd steps (gradcomp.kernels.compiled) against the reference: 1-bit below,
+TernGrad (bit-identical) at the end.
 
 Not bit-identical (Inductor reorders the per-chunk sums), so: bits exactly equal (signs come
 from y = x + residual, one add, the same in both), scales, residuals and decoded values
@@ -99,6 +100,9 @@ def test_dispatch(monkeypatch):
     assert kernels.backend("onebit_compress", big) == "compiled"
     assert kernels.backend("onebit_decompress", big) == "cpu"  # measured no faster compiled
     assert kernels.backend("onebit_compress", small) == "cpu"
+    assert kernels.backend("ternary_compress", big) == "compiled"
+    assert kernels.backend("ternary_compress", small) == "reference"
+    assert kernels.backend("ternary_decompress", big) == "compiled"
     assert kernels.backend("onebit_compress", big.double()) == "cpu"  # which hands it on
     assert kernels.backend("select_topk", big) == "reference"
     monkeypatch.setenv("GRADCOMP_KERNELS", "cpu")  # what conftest sets for the other tests
@@ -124,7 +128,7 @@ def test_fallback_warns_once_and_runs_the_cpu_path(monkeypatch, how):
         dec = compiled.onebit_decompress(got[0][0].unsqueeze(0), got[0][1].unsqueeze(0), CHUNK,
                                          torch.zeros(n))
         assert kernels.backend("onebit_compress", x) == "cpu"
-    assert len([w for w in caught if "compiled 1-bit path is off" in str(w.message)]) == 1
+    assert len([w for w in caught if "compiled CPU path is off" in str(w.message)]) == 1
     want = ref.onebit_compress(x, None, CHUNK)
     for bits, scales in got:  # the cpu path: bit-identical to the reference
         assert torch.equal(bits, want[0]) and torch.equal(scales, want[1])
@@ -156,3 +160,83 @@ def test_reduce_on_the_compiled_path_matches_the_cpu_path(monkeypatch):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     for n in shapes:
         torch.testing.assert_close(outs["auto"][-1][n], outs["cpu"][-1][n], rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- TernGrad
+def ternary_case(n, S, seed):
+    """x, residual, per-segment scales, seg, seeds (high bits set: negative int64) and starts
+    for S segments of n elements, one of them tiny, lengths multiples of 4."""
+    g = torch.Generator().manual_seed(seed)
+    cut = torch.sort(torch.randperm(n // 4 - 1, generator=g)[: S - 2] + 1).values * 4
+    bounds = torch.cat([torch.tensor([0, 4]), cut[cut > 4], torch.tensor([n])]).unique()
+    lengths = bounds.diff()
+    starts = bounds[:-1].clone()
+    seg = torch.repeat_interleave(torch.arange(lengths.numel(), dtype=torch.int32), lengths)
+    x = values(n, seed)
+    r = values(n, seed + 1) * 0.1
+    scale = torch.segment_reduce((x + r).abs(), "max", lengths=lengths)
+    seeds = torch.randint(-2**63, 2**63 - 1, (lengths.numel(),), generator=g, dtype=torch.int64)
+    return x, r, scale, seg, seeds, starts
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_ternary_compress_is_bit_identical_to_the_reference(with_residual):
+    for i, (n, S) in enumerate([(SIZES[0], 2), (SIZES[2], 7), (SIZES[3], 60)]):
+        x, r, scale, seg, seeds, starts = ternary_case(n, S, i)
+        got_r, want_r = (r.clone(), r.clone()) if with_residual else (None, None)
+        got = compiled.ternary_compress(x, got_r, scale, seg, seeds, starts)
+        want = ref.ternary_compress(x, want_r, scale, seg, seeds, starts)
+        assert torch.equal(got, want)
+        assert (got != 0).any() and (ref.unpack_2bit(got) == 2).any()  # codes of both signs
+        if with_residual:
+            assert torch.equal(got_r, want_r)
+
+
+@pytest.mark.parametrize("W", [1, 2, 3, 5])
+def test_ternary_decompress_is_bit_identical_to_the_reference(W):
+    n, S = SIZES[1] + 4, 9
+    x, r, scale, seg, seeds, starts = ternary_case(n, S, W)
+    packed = torch.stack([ref.ternary_compress(x * (w + 1), None, scale * (w + 1), seg,
+                                               seeds + w, starts) for w in range(W)])
+    got_msg = torch.cat([packed, torch.full((W, 12), 0xAB, dtype=torch.uint8)], 1)  # a tail
+    scales = torch.stack([scale * (w + 1) for w in range(W)]) * 0.37
+    for alpha in (1.0, 1.0 / W, 0.3):
+        base = values(n, 7)
+        got = compiled.ternary_decompress(got_msg, scales, seg, base.clone(), alpha)
+        want = ref.ternary_decompress(got_msg, scales, seg, base.clone(), alpha)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_ternary_counters_past_2_32():
+    """The Philox counter's high word: a segment that starts far into a huge virtual layer
+    (the counter is element index minus the segment start, so a negative start reaches it)."""
+    x, r, scale, seg, seeds, starts = ternary_case(SIZES[0], 3, 9)
+    starts = starts - (3 << 32)
+    got = compiled.ternary_compress(x, None, scale, seg, seeds, starts)
+    assert torch.equal(got, ref.ternary_compress(x, None, scale, seg, seeds, starts))
+
+
+def test_terngrad_reduce_on_the_compiled_path_equals_the_cpu_path(monkeypatch):
+    """GradcompState.reduce with terngrad (error feedback on), world size 1: bit for bit."""
+    shapes = {"a": (384, 512), "b": (1000,), "c": (64, 64, 3, 3), "d": (10,)}
+    params, off = [], 0
+    for name, s in shapes.items():
+        params.append(ParamSlice(name, s, off, math.prod(s)))
+        off += math.prod(s)
+    calls = []
+    real = compiled._run
+    monkeypatch.setattr(compiled, "_run", lambda *a: calls.append(a[0]) or real(*a))
+    outs = {}
+    for mode in ("cpu", "auto"):
+        monkeypatch.setenv("GRADCOMP_KERNELS", mode)
+        name, cfg = gradcomp.build_config("terngrad:error_feedback=true", min_numel=0,
+                                          warmup="none")
+        state = gradcomp.GradcompState(name, cfg)
+        g = torch.Generator().manual_seed(0)
+        outs[mode] = [state.reduce(torch.randn(off, generator=g), params) for _ in range(3)]
+        outs[mode].append(state.state_dict()["memory"]["flat"]["residual"])
+    assert "ternary" in calls
+    for a, b in zip(outs["cpu"][:-1], outs["auto"][:-1]):
+        assert torch.equal(a, b)
+    for n in shapes:
+        assert torch.equal(outs["auto"][-1][n], outs["cpu"][-1][n])

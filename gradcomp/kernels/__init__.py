@@ -2,10 +2,11 @@
 
 CPU tensors run pure torch: the 1-bit steps and TernGrad's decoder through :mod:`.cpu` (the
 reference's arithmetic block by block, bit-identical to it), everything else through the
-reference (:mod:`.reference`), which is the specification. The 1-bit encoder on large fp32
-tensors runs :mod:`.compiled` instead (fused by ``torch.compile``; bits equal, scales and
-residual within an ulp or two of the reference, deterministic) where a C++ compiler is
-present; without one it warns once and runs :mod:`.cpu`. CUDA tensors run the Triton kernels when Triton is importable;
+reference (:mod:`.reference`), which is the specification. On large fp32 tensors the 1-bit
+encoder and TernGrad's encoder and decoder run :mod:`.compiled` instead (fused by
+``torch.compile``; TernGrad's bit-identical to the reference, 1-bit's bits equal and scales
+and residual within an ulp or two, deterministic) where a C++ compiler is present; without
+one it warns once and runs :mod:`.cpu` or the reference. CUDA tensors run the Triton kernels when Triton is importable;
 Triton is imported lazily so the package imports without it.
 
 ``GRADCOMP_KERNELS`` picks: ``auto`` (the default, as above), ``cpu`` (the bit-identical

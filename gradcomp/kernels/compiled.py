@@ -1,23 +1,32 @@
-"""The 1-bit steps as fused CPU loops: the reference's arithmetic in plain torch, fused by
-``torch.compile`` (Inductor's C++ backend) into one loop nest per step.
+"""The 1-bit and TernGrad encoders as fused CPU loops: the reference's arithmetic in plain
+torch, fused by ``torch.compile`` (Inductor's C++ backend) into one loop nest per step.
 
-A separate backend, not a faster copy of the reference: Inductor vectorizes the per-chunk
-sums, which changes their order, so the scales (and the residual and decoded values built
-from them) can differ from :mod:`.reference` in the last bit or two. The signs cannot: they
-are taken from ``y = x + residual``, one add, the same in both, so the bits are equal.
-Results are deterministic on one machine (the same generated code runs every time), so a
-run resumes bit-exactly as long as it stays on this path; a run that switches between this
-path and the reference or :mod:`.cpu` mid-way changes in the last bits. Tested against the
-reference within one or two ulps (``tests/test_compiled.py``).
+1-bit: a separate backend, not a faster copy of the reference. Inductor vectorizes the
+per-chunk sums, which changes their order, so the scales (and the residual and decoded
+values built from them) can differ from :mod:`.reference` in the last bit or two. The signs
+cannot: they are taken from ``y = x + residual``, one add, the same in both, so the bits are
+equal. Results are deterministic on one machine (the same generated code runs every time),
+so a run resumes bit-exactly as long as it stays on this path; a run that switches between
+this path and the reference or :mod:`.cpu` mid-way changes in the last bits. Tested against
+the reference within one or two ulps (``tests/test_compiled.py``).
 
-Each step is compiled once per process and chunk size, on first use, with dynamic sizes
-(a new bucket size does not recompile); the chunk is a constant of the generated code, and
-``alpha`` goes in as a tensor so its value is not guarded. Inductor's on-disk FX graph
-cache makes a later process's compile fast (bench/RESULTS.md, section 6). Where compiling
-fails (no C++ compiler), one warning, and the steps run :mod:`.cpu` from then on.
-Inputs that are not fp32, CPU and contiguous, or smaller than ``MIN_NUMEL``, run :mod:`.cpu`.
-The dispatcher sends only the encoder here (``STEPS``): the fused decoder is built and tested
-but was measured no faster than :mod:`.cpu`'s.
+TernGrad: **bit-identical** to the reference. Its Philox stream is integer arithmetic (the
+32-bit halves of each round's products taken from int64 products, as the reference does),
+its comparison ``u * s < |y|`` one rounding, its residual ``y - s q`` one subtraction of an
+exact product: nothing Inductor can reorder. The reference's Philox in torch ops makes ~70
+passes over (2, n) int64 tensors; fused, the stream costs one pass (measured 18x less time
+at 11M elements, bench/RESULTS.md section 6). Tested bit for bit.
+
+Each 1-bit step is compiled once per process and chunk size, on first use, with dynamic
+sizes (a new bucket size does not recompile); the chunk is a constant of the generated code,
+and ``alpha`` goes in as a tensor so its value is not guarded. The TernGrad encoder is
+compiled once per process (twice with and without a residual) with every size dynamic.
+Inductor's on-disk FX graph cache makes a later process's compile fast (bench/RESULTS.md,
+section 6). Where compiling fails (no C++ compiler), one warning, and the steps run
+:mod:`.cpu` (1-bit) or the reference (TernGrad) from then on. Inputs that are not fp32, CPU
+and contiguous, or smaller than ``MIN_NUMEL``, run those too. The dispatcher sends only the
+encoders here (``STEPS``): the fused 1-bit decoder is built and tested but was measured no
+faster than :mod:`.cpu`'s.
 """
 from __future__ import annotations
 
@@ -27,15 +36,15 @@ import warnings
 
 import torch
 
-from . import cpu
-from .reference import check_flat
+from . import cpu, reference
+from .reference import _PHILOX_KEY_A, _PHILOX_KEY_B, _PHILOX_ROUND_A, _PHILOX_ROUND_B, check_flat
 
 # cpu.py's threshold: from 2^17 elements up the compiled steps took no more CPU time than the
 # blocked ones (bench/compiled_onebit.py, bench/RESULTS.md section 6); below it, not measured
 MIN_NUMEL = 1 << 17
 # the steps the dispatcher sends here: the fused decoder measured no faster than cpu.py's
 # (within this machine's noise, RESULTS.md section 6), so decoding stays bit-identical
-STEPS = ("onebit_compress",)
+STEPS = ("onebit_compress", "ternary_compress", "ternary_decompress")
 
 _failed: str | None = None  # why compiling failed, once it has
 
@@ -67,8 +76,68 @@ def _decode(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, alpha: 
     return out.add_(total * alpha)
 
 
+_U32 = 0xFFFFFFFF
+
+
+def _philox(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """reference.philox_uniform written element-wise (one int64 tensor per Philox word), so
+    the ten rounds fuse into one loop: the same integer arithmetic, the same bits."""
+    k0, k1 = seed & _U32, (seed >> 32) & _U32
+    c0, c1 = counter & _U32, (counter >> 32) & _U32
+    c2 = c3 = torch.zeros_like(counter)
+    for i in range(10):
+        p0 = c0 * _PHILOX_ROUND_A  # mod 2^64: the low half exact, the high half masked
+        p1 = c2 * _PHILOX_ROUND_B
+        c0, c1, c2, c3 = (((p1 >> 32) & _U32) ^ c1 ^ k0, p1 & _U32,
+                          ((p0 >> 32) & _U32) ^ c3 ^ k1, p0 & _U32)
+        if i < 9:
+            k0, k1 = (k0 + _PHILOX_KEY_A) & _U32, (k1 + _PHILOX_KEY_B) & _U32
+    x = c0.to(torch.int32)
+    x = x ^ (x >> 31)
+    return x.to(torch.float32) * 4.6566127342e-10
+
+
+def _ternary(x, residual, scale, seg, seed, starts):
+    """reference.ternary_compress with per-segment seeds, written to fuse: one pass draws the
+    stream, decides each code, writes the residual and packs four codes to a byte."""
+    y = x + residual if residual is not None else x
+    seg = seg.long()
+    s = scale[seg]
+    u = _philox(seed[seg], torch.arange(x.numel(), dtype=torch.int64, device=x.device) - starts[seg])
+    keep = u * s < y.abs()
+    neg = y < 0
+    if residual is not None:
+        residual.copy_(y - torch.where(keep, torch.where(neg, -s, s), 0.0))
+    c = ((neg.to(torch.int32) + 1) * keep.to(torch.int32)).view(-1, 4)
+    return (c[:, 0] | (c[:, 1] << 2) | (c[:, 2] << 4) | (c[:, 3] << 6)).to(torch.uint8)
+
+
+def _ternary_terms(packed, scale, seg, W: int):
+    """sum_w s[w] * q[w] of reference.ternary_decompress, written to fuse, its sum over the W
+    messages unrolled in the reference's order (w = 0, 1, ...)."""
+    shifts = 2 * torch.arange(4, dtype=torch.uint8, device=packed.device)
+    codes = ((packed.unsqueeze(-1) >> shifts) & 3).view(W, -1)
+    sign = (codes == 1).to(torch.float32) - (codes == 2).to(torch.float32)
+    seg = seg.long()
+    total = sign[0] * scale[0][seg]
+    for w in range(1, W):
+        total = total + sign[w] * scale[w][seg]
+    return total
+
+
 @functools.cache
 def _compiled(step: str, chunk: int):
+    """``step`` compiled: "ternary" once, "ternary_terms" once per message count (``chunk``
+    stands for W there), every size dynamic; the 1-bit steps once per chunk size (below)."""
+    if step == "ternary":
+        return torch.compile(_ternary, fullgraph=True, dynamic=True)
+    if step == "ternary_terms":
+        return torch.compile(functools.partial(_ternary_terms, W=chunk), fullgraph=True,
+                             dynamic=True)
+    return _compiled_onebit(step, chunk)
+
+
+def _compiled_onebit(step: str, chunk: int):
     """``step`` compiled for one chunk size: a closure constant, so a constant of the generated
     code (the chunk loop vectorizes); the sizes marked dynamic at each call are symbolic."""
     if step == "encode":
@@ -84,9 +153,9 @@ def _fail(reason: str) -> None:
     """Turn the compiled path off for this process, with the one warning that says why."""
     global _failed
     _failed = reason
-    warnings.warn(f"gradcomp: the compiled 1-bit path is off ({reason}); running the "
-                  "pure-torch CPU path (gradcomp/kernels/cpu.py) instead", RuntimeWarning,
-                  stacklevel=4)
+    warnings.warn(f"gradcomp: the compiled CPU path is off ({reason}); running the "
+                  "pure-torch CPU path (gradcomp/kernels/cpu.py, reference.py) instead",
+                  RuntimeWarning, stacklevel=4)
 
 
 def compiler_missing() -> str | None:
@@ -113,7 +182,7 @@ def _run(step: str, chunk: int, *args):
     """The compiled step's result, or None (after one warning) if it cannot be compiled. The
     tensors' leading dims (chunks, messages) are marked dynamic: one compile serves all sizes."""
     if compiler_missing() is None:
-        for t in args:
+        for t in args if step in ("encode", "decode") else ():  # TernGrad's: dynamic=True
             if t is not None and t.dim() > 1:  # (C, chunk), (W, C, chunk/8), (W, 2, C)
                 dims = (0,) if t.dim() == 2 else (0, 2 if t.dtype == torch.float32 else 1)
                 for d in dims:
@@ -155,3 +224,31 @@ def onebit_decompress(bits: torch.Tensor, scales: torch.Tensor, chunk: int, out:
                 a) is not None:
             return out
     return cpu.onebit_decompress(bits, scales, chunk, out, alpha)
+
+
+def ternary_compress(x: torch.Tensor, residual: torch.Tensor | None, scale: torch.Tensor,
+                     seg: torch.Tensor, seed, starts: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`reference.ternary_compress`, fused. Same arguments, the same bits; per-segment
+    seeds (a tensor, with ``starts``) only: one stream over x runs the reference."""
+    check_flat(x)
+    if (takes(x) and isinstance(seed, torch.Tensor) and starts is not None
+            and (residual is None or (takes(residual) and residual.numel() == x.numel()))
+            and scale.dtype == torch.float32 and seg.numel() == x.numel()):
+        got = _run("ternary", 0, x, residual, scale, seg, seed.to(torch.int64), starts)
+        if got is not None:
+            return got
+    return reference.ternary_compress(x, residual, scale, seg, seed, starts)
+
+
+def ternary_decompress(packed: torch.Tensor, scale: torch.Tensor, seg: torch.Tensor,
+                       out: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """:func:`reference.ternary_decompress`: the sum over messages fused, the accumulation
+    into ``out`` the reference's own ``add_`` (its alpha arithmetic): the same bits."""
+    W, n = packed.shape[0], out.numel()
+    if (takes(out) and W > 0 and n % 4 == 0 and packed.dtype == torch.uint8
+            and packed.is_contiguous() and packed.shape[1] * 4 >= n
+            and scale.dtype == torch.float32 and seg.numel() == n):
+        total = _run("ternary_terms", W, packed[:, : n // 4], scale, seg)
+        if total is not None:
+            return out.add_(total, alpha=alpha)
+    return cpu.ternary_decompress(packed, scale, seg, out, alpha)
