@@ -75,6 +75,8 @@ def summarize(method: str, res: dict, world: int, rate_bps: float | None, warmup
     hist = res.get("stats_history") or []
     tail = hist[len(hist) // 2:]
     row = {"method": method, "world": world, "link_bps": rate_bps, "step_s": statistics.median(t),
+           # the mean counts the rare slow steps the median hides (local_steps' outer rounds)
+           "mean_s": statistics.mean(t),
            "p20_s": q(0.2), "p80_s": q(0.8), "wire_bytes": wire, "bytes_measured": measured,
            "ratio": _ratio(tail[-1]) if tail else None,
            "intra_node_bytes": statistics.mean(h.get("intra_node_wire_bytes", 0.0) for h in tail)
@@ -94,6 +96,7 @@ def finish(rows: list[dict]) -> None:
         base = next((o for o in same if o["method"] in ("ddp", "allreduce")), None)
         if noop:
             r["x_compute"] = r["step_s"] / noop["step_s"]
+            r["x_compute_mean"] = r["mean_s"] / noop["mean_s"]
             link_s = r["wire_bytes"] * 8 / r["link_bps"] if r["link_bps"] else 0.0
             r["bound_s"] = noop["step_s"] + link_s
             r["x_bound"] = r["step_s"] / r["bound_s"]

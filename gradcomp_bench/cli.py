@@ -276,6 +276,7 @@ def ddp_table(rows) -> str:
         v = dict(r)
         v["link"] = _rate_name(r["link_bps"])
         v["step_ms"] = r["step_s"] * 1e3
+        v["mean_ms"] = r["mean_s"] * 1e3
         v["spread"] = f"{r['p20_s'] * 1e3:.0f}-{r['p80_s'] * 1e3:.0f}"
         v["wire_MB"] = r["wire_bytes"] / 1e6
         v["bytes"] = "stats" if r["bytes_measured"] else "model"
@@ -290,7 +291,8 @@ def ddp_table(rows) -> str:
         view.append(v)
     cols = [("method", "method", ""), ("world", "W", "d"), ("link", "link", ""),
             ("step_ms", "step ms", ".0f"), ("spread", "p20-p80", ""),
-            ("x_compute", "x compute", ".2f"), ("bound_ms", "bound ms", ".0f"),
+            ("x_compute", "x compute", ".2f"), ("mean_ms", "mean ms", ".0f"),
+            ("x_compute_mean", "x compute (mean)", ".2f"), ("bound_ms", "bound ms", ".0f"),
             ("x_bound", "x bound", ".2f"), ("wire_MB", "wire MB", ".3f"), ("bytes", "from", ""),
             ("ratio", "ratio", ".0f"), ("codec_ms", "codec ms", ".1f"),
             ("comm_ms", "in collectives ms", ".1f"),
@@ -333,12 +335,17 @@ def cmd_convergence(args) -> int:
     rows = [{"method": m, "test_acc": 100 * r["test_acc"], "test_loss": r["test_loss"],
              "d_acc": 100 * (r["test_acc"] - base["test_acc"]),
              "ratio": (r.get("stats") or {}).get("ratio"),
+             # every step's wire bytes, summed over the run (the warm-up's dense steps and
+             # local_steps' silent inner steps included); None for torch's hooks
+             "wire_MB": (sum(h["wire_bytes"] for h in r["stats_history"]) / 1e6
+                         if r.get("stats_history") else None),
              "step_ms": 1e3 * statistics.median(r["step_times"])} for m, r in results.items()]
     doc = _write_json(args, out_dir, "convergence",
                       {"rows": rows, "curves": {m: r["curve"] for m, r in results.items()}})
     print(report.table(rows, [("method", "method", ""), ("test_acc", "test acc %", ".2f"),
                               ("d_acc", "vs allreduce", "+.2f"), ("test_loss", "test loss", ".3f"),
-                              ("ratio", "compression", ".0f"), ("step_ms", "step ms", ".0f")]))
+                              ("ratio", "compression", ".0f"), ("wire_MB", "wire MB/run", ".1f"),
+                              ("step_ms", "step ms", ".0f")]))
     _plot(doc, out_dir)
     return 0
 
