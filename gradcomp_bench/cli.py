@@ -341,7 +341,7 @@ def cmd_convergence(args) -> int:
                          if r.get("stats_history") else None),
              "step_ms": 1e3 * statistics.median(r["step_times"])} for m, r in results.items()]
     doc = _write_json(args, out_dir, "convergence",
-                      {"rows": rows, "curves": {m: r["curve"] for m, r in results.items()}})
+                      {"seed": args.seed, "rows": rows, "curves": {m: r["curve"] for m, r in results.items()}})
     print(report.table(rows, [("method", "method", ""), ("test_acc", "test acc %", ".2f"),
                               ("d_acc", "vs allreduce", "+.2f"), ("test_loss", "test loss", ".3f"),
                               ("ratio", "compression", ".0f"), ("wire_MB", "wire MB/run", ".1f"),
@@ -411,6 +411,26 @@ def cmd_kernels(args) -> int:
     print(bench_kernels.format_table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
+    return 0
+
+
+def cmd_seeds(args) -> int:
+    from . import report
+    docs = []
+    for path in args.files:
+        try:
+            doc = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"{path}: {exc}") from None
+        if doc.get("kind") != "convergence":
+            raise UsageError(f"{path}: not a convergence run's JSON (kind {doc.get('kind')!r})")
+        docs.append(doc)
+    try:
+        rows = report.over_seeds(docs, args.base)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    fmt = report.markdown if args.markdown else report.table
+    print(fmt(rows, report.SEED_COLUMNS))
     return 0
 
 
@@ -487,6 +507,11 @@ def parser() -> argparse.ArgumentParser:
     k.add_argument("--ops", action="store_true",
                    help="count the aten ops of one bucket exchange per method (ResNet-18, "
                         "GPT-2 small, 16 vs 160 tensors) instead of timing kernels")
+    e = sub.add_parser("seeds", help="convergence runs of several seeds: one row per method")
+    e.add_argument("files", nargs="+", help="convergence JSON files (--json of each run)")
+    e.add_argument("--base", default="allreduce",
+                   help="the method each seed's differences are taken against")
+    e.add_argument("--markdown", action="store_true", help="a Markdown table")
     return p
 
 
@@ -494,7 +519,7 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
         return {"ddp": cmd_ddp, "convergence": cmd_convergence, "kernels": cmd_kernels,
-                "overlap": cmd_overlap}[args.cmd](args)
+                "overlap": cmd_overlap, "seeds": cmd_seeds}[args.cmd](args)
     except UsageError as exc:
         print(f"gradcomp-bench: error: {exc}", file=sys.stderr)
         return 2

@@ -24,6 +24,72 @@ def table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
     return "\n".join(out)
 
 
+def doc_seed(doc: dict) -> int:
+    """The seed a convergence document was run with (its ``seed``, else its command line's
+    ``--seed``, else the CLI's default 0)."""
+    if "seed" in doc:
+        return int(doc["seed"])
+    argv = [str(a) for a in doc.get("argv", [])]
+    for i, a in enumerate(argv):
+        if a == "--seed" and i + 1 < len(argv):
+            return int(argv[i + 1])
+        if a.startswith("--seed="):
+            return int(a.split("=", 1)[1])
+    return 0
+
+
+def over_seeds(docs: list[dict], base: str = "allreduce") -> list[dict]:
+    """One row per method over convergence documents of several seeds (rows of one seed may
+    be spread over several documents): per-seed test accuracy, their mean, and the mean,
+    min and max over seeds of the difference to ``base`` run with the same seed (seeds
+    without a ``base`` row are left out of the differences), mean test loss and wire MB."""
+    by_seed: dict[int, dict[str, dict]] = {}
+    for doc in docs:
+        rows = by_seed.setdefault(doc_seed(doc), {})
+        for r in doc["rows"]:
+            if r["method"] in rows:
+                raise ValueError(f"method {r['method']!r} twice for seed {doc_seed(doc)}")
+            rows[r["method"]] = r
+    seeds = sorted(by_seed)
+    methods = list(dict.fromkeys(m for s in seeds for m in by_seed[s]))
+    out = []
+    for m in methods:
+        got = {s: by_seed[s][m] for s in seeds if m in by_seed[s]}
+        accs = [r["test_acc"] for r in got.values()]
+        diffs = [r["test_acc"] - by_seed[s][base]["test_acc"]
+                 for s, r in got.items() if base in by_seed[s]]
+        wire = [r["wire_MB"] for r in got.values() if r.get("wire_MB") is not None]
+        out.append({
+            "method": m, "seeds": ", ".join(str(s) for s in got),
+            "per_seed": " / ".join(f"{a:.2f}" for a in accs),
+            "mean_acc": sum(accs) / len(accs),
+            "d_mean": sum(diffs) / len(diffs) if diffs else None,
+            "d_min": min(diffs) if diffs else None, "d_max": max(diffs) if diffs else None,
+            "test_loss": sum(r["test_loss"] for r in got.values()) / len(got),
+            "wire_MB": sum(wire) / len(wire) if wire else None,
+        })
+    return out
+
+
+SEED_COLUMNS = [("method", "method", ""), ("seeds", "seeds", ""), ("per_seed", "test acc % per seed", ""),
+                ("mean_acc", "mean", ".2f"), ("d_mean", "vs base (mean)", "+.2f"),
+                ("d_min", "min", "+.2f"), ("d_max", "max", "+.2f"),
+                ("test_loss", "test loss", ".3f"), ("wire_MB", "wire MB/run", ".1f")]
+
+
+def markdown(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
+    """The same table as :func:`table`, as Markdown."""
+    lines = ["| " + " | ".join(h for _, h, _ in cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = []
+        for key, _, fmt in cols:
+            v = r.get(key)
+            cells.append("-" if v is None or (isinstance(v, float) and math.isnan(v))
+                         else format(v, fmt) if fmt else str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 class Scalars:
     """TensorBoard scalars, or nothing when no directory is given (costs nothing when off)."""
 

@@ -86,3 +86,44 @@ def test_convergence_tensorboard_has_the_hooks_own_scalars(tmp_path):
     assert "gradcomp/residual_energy" not in ps  # PowerSGD's residual is not its own error
     assert all(v > 0 for v in ps["gradcomp/residual_norm"])
     assert "gradcomp/approx_error" not in scalars(hook / "allreduce")
+
+
+def _conv_doc(path, seed, accs, argv_seed=False):
+    import json
+    rows = [{"method": m, "test_acc": a, "test_loss": 1.0 + a / 100, "wire_MB": 10.0 * a}
+            for m, a in accs.items()]
+    doc = {"kind": "convergence", "rows": rows}
+    if argv_seed:  # documents written before "seed" was recorded carry it in argv only
+        doc["argv"] = ["gradcomp-bench", "convergence", "--seed", str(seed)]
+    else:
+        doc["seed"] = seed
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def test_seeds_table_pairs_each_seed_with_its_own_base(tmp_path, capsys):
+    files = [_conv_doc(tmp_path / "a0.json", 0, {"allreduce": 60.0, "dgc": 59.0}),
+             _conv_doc(tmp_path / "a1.json", 1, {"allreduce": 50.0, "dgc": 53.0}, argv_seed=True),
+             _conv_doc(tmp_path / "b1.json", 1, {"topk:local_steps=8": 48.0}),  # base in a0/a1
+             _conv_doc(tmp_path / "b7.json", 7, {"topk:local_steps=8": 70.0})]  # no base: no diff
+    assert cli.main(["seeds", *files]) == 0
+    out = capsys.readouterr().out
+    dgc = next(l for l in out.splitlines() if l.startswith("dgc"))
+    # mean accuracy 56.00; per-seed differences -1 and +3: mean +1.00, min -1.00, max +3.00
+    assert "56.00" in dgc and "+1.00" in dgc and "-1.00" in dgc and "+3.00" in dgc
+    topk = next(l for l in out.splitlines() if l.startswith("topk"))
+    assert "1, 7" in topk and "59.00" in topk and "-2.00" in topk  # only seed 1 has a base
+    assert cli.main(["seeds", "--markdown", *files[:2]]) == 0
+    md = capsys.readouterr().out.splitlines()
+    assert md[0].startswith("| method |") and md[2].startswith("| allreduce | 0, 1 | 60.00 / 50.00 |")
+
+
+def test_seeds_refuses_a_method_twice_for_one_seed_and_other_json(tmp_path, capsys):
+    import json
+    a = _conv_doc(tmp_path / "a.json", 0, {"allreduce": 60.0})
+    b = _conv_doc(tmp_path / "b.json", 0, {"allreduce": 61.0})
+    assert cli.main(["seeds", a, b]) == 2
+    assert "'allreduce' twice for seed 0" in capsys.readouterr().err
+    (tmp_path / "d.json").write_text(json.dumps({"kind": "ddp", "rows": []}))
+    assert cli.main(["seeds", a, str(tmp_path / "d.json")]) == 2
+    assert "not a convergence run" in capsys.readouterr().err
