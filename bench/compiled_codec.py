@@ -26,6 +26,45 @@ import torch
 from gradcomp.kernels import compiled, cpu, reference
 
 
+BACKENDS = (("reference", reference), ("cpu", cpu), ("compiled", compiled))
+
+
+def header(a, extra: str) -> None:
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
+          f"load {os.getloadavg()}, {extra}")
+
+
+def first_calls(calls) -> None:
+    """Time each (step, fn)'s first call: the compile (or a warm cache's load)."""
+    for step, fn in calls:
+        t = time.perf_counter()
+        fn()
+        print(f"first {step} call (compile) {time.perf_counter() - t:.1f} s")
+    print("| step | elements | reference ms | cpu ms | compiled ms | reference cpu-ms | cpu cpu-ms"
+          " | compiled cpu-ms |")
+    print("|---|---|---|---|---|---|---|---|")
+
+
+def time_row(label: str, n: int, repeats: int, call) -> None:
+    """One table row: ``call(module)`` per backend, each repeat timing every backend in
+    turn over ``max(1, 2^22 // n)`` calls; medians per call, wall and CPU time."""
+    iters = max(1, (1 << 22) // n)
+    times = {m: [] for m, _ in BACKENDS}
+    cpus = {m: [] for m, _ in BACKENDS}
+    for _ in range(repeats):
+        for m, mod in BACKENDS:
+            t, c = time.perf_counter(), time.process_time()
+            for _ in range(iters):
+                call(mod)
+            times[m].append((time.perf_counter() - t) / iters * 1e3)
+            cpus[m].append((time.process_time() - c) / iters * 1e3)
+    med = {m: statistics.median(v) for m, v in times.items()}
+    cmed = {m: statistics.median(v) for m, v in cpus.items()}
+    print(f"| {label} | {n} | {med['reference']:.2f} | {med['cpu']:.2f} | "
+          f"**{med['compiled']:.2f}** | {cmed['reference']:.2f} | {cmed['cpu']:.2f} | "
+          f"{cmed['compiled']:.2f} |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--sizes", default="1048576,11173962")
@@ -35,22 +74,18 @@ def main() -> None:
     p.add_argument("--method", choices=("onebit", "terngrad"), default="onebit")
     p.add_argument("--layers", type=int, default=60, help="terngrad: layers per bucket")
     a = p.parse_args()
-    if a.method == "terngrad":
-        return terngrad(a)
+    (terngrad if a.method == "terngrad" else onebit)(a)
+    print(f"load after {os.getloadavg()}")
+
+
+def onebit(a) -> None:
     chunk, W = a.chunk, a.W
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"load {os.getloadavg()}, chunk {chunk}, W {W}")
+    header(a, f"chunk {chunk}, W {W}")
     warm = torch.randn(1 << 17)
-    for step, fn in (("encode", lambda: compiled.onebit_compress(warm, warm.clone(), chunk)),
-                     ("decode", lambda: compiled.onebit_decompress(
-                         torch.zeros(W, (1 << 17) // 8, dtype=torch.uint8),
-                         torch.zeros(W, 2, (1 << 17) // chunk), chunk, warm.clone(), 1 / W))):
-        t = time.perf_counter()
-        fn()
-        print(f"first {step} call (compile) {time.perf_counter() - t:.1f} s")
-    print("| step | elements | reference ms | cpu ms | compiled ms | reference cpu-ms | cpu cpu-ms"
-          " | compiled cpu-ms |")
-    print("|---|---|---|---|---|---|---|---|")
+    first_calls((("encode", lambda: compiled.onebit_compress(warm, warm.clone(), chunk)),
+                 ("decode", lambda: compiled.onebit_decompress(
+                     torch.zeros(W, (1 << 17) // 8, dtype=torch.uint8),
+                     torch.zeros(W, 2, (1 << 17) // chunk), chunk, warm.clone(), 1 / W))))
     for n in (int(s) for s in a.sizes.split(",")):
         n -= n % chunk
         g = torch.Generator().manual_seed(0)
@@ -58,32 +93,14 @@ def main() -> None:
         bits = torch.randint(0, 256, (W, n // 8), generator=g, dtype=torch.uint8)
         scales = torch.randn(W, 2, n // chunk, generator=g)
         out = torch.zeros(n)
-        iters = max(1, (1 << 22) // n)
-        for step in ("encode", "decode"):
-            times = {m: [] for m in ("reference", "cpu", "compiled")}
-            cpus = {m: [] for m in times}
-            for _ in range(a.repeats):
-                for m, mod in (("reference", reference), ("cpu", cpu), ("compiled", compiled)):
-                    t, c = time.perf_counter(), time.process_time()
-                    for _ in range(iters):
-                        if step == "encode":
-                            mod.onebit_compress(x, r, chunk)
-                        else:
-                            mod.onebit_decompress(bits, scales, chunk, out, 1 / W)
-                    times[m].append((time.perf_counter() - t) / iters * 1e3)
-                    cpus[m].append((time.process_time() - c) / iters * 1e3)
-            med = {m: statistics.median(v) for m, v in times.items()}
-            cmed = {m: statistics.median(v) for m, v in cpus.items()}
-            print(f"| onebit {step} | {n} | {med['reference']:.2f} | {med['cpu']:.2f} | "
-                  f"**{med['compiled']:.2f}** | {cmed['reference']:.2f} | {cmed['cpu']:.2f} | "
-                  f"{cmed['compiled']:.2f} |", flush=True)
-    print(f"load after {os.getloadavg()}")
+        time_row("onebit encode", n, a.repeats, lambda mod: mod.onebit_compress(x, r, chunk))
+        time_row(f"onebit decode (W={W})", n, a.repeats,
+                 lambda mod: mod.onebit_decompress(bits, scales, chunk, out, 1 / W))
 
 
 def terngrad(a) -> None:
     W, S = a.W, a.layers
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"load {os.getloadavg()}, W {W}, layers {S}")
+    header(a, f"W {W}, layers {S}")
 
     def case(n):
         n -= n % (4 * S)
@@ -98,40 +115,21 @@ def terngrad(a) -> None:
                               for w in range(W)])
         return n, x, scale, seg, seeds, starts, packed, scale.expand(W, S).contiguous()
 
-    n, x, scale, seg, seeds, starts, packed, scales = case(1 << 18)  # past MIN_NUMEL
-    for step, fn in (("encode", lambda: compiled.ternary_compress(x, None, scale, seg, seeds, starts)),
-                     ("decode", lambda: compiled.ternary_decompress(packed, scales, seg,
-                                                                    torch.zeros(n), 1 / W))):
-        t = time.perf_counter()
-        fn()
-        print(f"first {step} call (compile) {time.perf_counter() - t:.1f} s")
-    print("| step | elements | reference ms | cpu ms | compiled ms | reference cpu-ms | cpu cpu-ms"
-          " | compiled cpu-ms |")
-    print("|---|---|---|---|---|---|---|---|")
+    def encode(mod, c):  # no blocked encoder: cpu.py's column runs the reference
+        n, x, scale, seg, seeds, starts, _, _ = c
+        getattr(mod, "ternary_compress", reference.ternary_compress)(x, None, scale, seg, seeds, starts)
+
+    def decode(mod, c, out):
+        mod.ternary_decompress(c[6], c[7], c[3], out, 1 / W)
+
+    warm = case(1 << 18)  # past MIN_NUMEL
+    first_calls((("encode", lambda: encode(compiled, warm)),
+                 ("decode", lambda: decode(compiled, warm, torch.zeros(warm[0])))))
     for size in (int(s) for s in a.sizes.split(",")):
-        n, x, scale, seg, seeds, starts, packed, scales = case(size)
-        out = torch.zeros(n)
-        iters = max(1, (1 << 22) // n)
-        for step in ("encode", "decode"):
-            times = {m: [] for m in ("reference", "cpu", "compiled")}
-            cpus = {m: [] for m in times}
-            for _ in range(a.repeats):
-                for m, mod in (("reference", reference), ("cpu", cpu), ("compiled", compiled)):
-                    t, c = time.perf_counter(), time.process_time()
-                    for _ in range(iters):
-                        if step == "encode":
-                            getattr(mod, "ternary_compress", reference.ternary_compress)(
-                                x, None, scale, seg, seeds, starts)
-                        else:
-                            mod.ternary_decompress(packed, scales, seg, out, 1 / W)
-                    times[m].append((time.perf_counter() - t) / iters * 1e3)
-                    cpus[m].append((time.process_time() - c) / iters * 1e3)
-            med = {m: statistics.median(v) for m, v in times.items()}
-            cmed = {m: statistics.median(v) for m, v in cpus.items()}
-            print(f"| terngrad {step} | {n} | {med['reference']:.2f} | {med['cpu']:.2f} | "
-                  f"**{med['compiled']:.2f}** | {cmed['reference']:.2f} | {cmed['cpu']:.2f} | "
-                  f"{cmed['compiled']:.2f} |", flush=True)
-    print(f"load after {os.getloadavg()}")
+        c = case(size)
+        out = torch.zeros(c[0])
+        time_row("terngrad encode", c[0], a.repeats, lambda mod: encode(mod, c))
+        time_row(f"terngrad decode (W={W})", c[0], a.repeats, lambda mod: decode(mod, c, out))
 
 
 if __name__ == "__main__":

@@ -4,16 +4,19 @@ from __future__ import annotations
 import math
 
 
+def _cells(row: dict, cols) -> list[str]:
+    """A row's values formatted per column; missing values (None, NaN) as '-'."""
+    out = []
+    for key, _, fmt in cols:
+        v = row.get(key)
+        out.append("-" if v is None or (isinstance(v, float) and math.isnan(v))
+                   else format(v, fmt) if fmt else str(v))
+    return out
+
+
 def table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
     """cols: (key, header, format). Missing values print as '-'."""
-    cells = [[h for _, h, _ in cols]]
-    for r in rows:
-        line = []
-        for key, _, fmt in cols:
-            v = r.get(key)
-            line.append("-" if v is None or (isinstance(v, float) and math.isnan(v))
-                        else format(v, fmt) if fmt else str(v))
-        cells.append(line)
+    cells = [[h for _, h, _ in cols]] + [_cells(r, cols) for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(cols))]
     out = []
     for j, c in enumerate(cells):
@@ -81,12 +84,7 @@ def markdown(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
     """The same table as :func:`table`, as Markdown."""
     lines = ["| " + " | ".join(h for _, h, _ in cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        cells = []
-        for key, _, fmt in cols:
-            v = r.get(key)
-            cells.append("-" if v is None or (isinstance(v, float) and math.isnan(v))
-                         else format(v, fmt) if fmt else str(v))
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(_cells(r, cols)) + " |")
     return "\n".join(lines)
 
 

@@ -137,9 +137,10 @@ def test_fallback_warns_once_and_runs_the_cpu_path(monkeypatch, how):
     monkeypatch.undo()  # the module's real state back before no_fallback checks it
 
 
-def test_reduce_on_the_compiled_path_matches_the_cpu_path(monkeypatch):
-    """GradcompState.reduce with onebit, world size 1, through the dispatcher."""
-    shapes = {"a": (384, 512), "b": (1000,), "c": (64, 64, 3, 3)}
+def reduce_on_both_paths(monkeypatch, spec, shapes, step):
+    """GradcompState.reduce of ``spec`` (world size 1, three steps) on the cpu path and
+    through the dispatcher's compiled path: (cpu outputs + memory, compiled ones), after
+    checking the compiled ``step`` ran."""
     params, off = [], 0
     for name, s in shapes.items():
         params.append(ParamSlice(name, s, off, math.prod(s)))
@@ -150,16 +151,23 @@ def test_reduce_on_the_compiled_path_matches_the_cpu_path(monkeypatch):
     outs = {}
     for mode in ("cpu", "auto"):
         monkeypatch.setenv("GRADCOMP_KERNELS", mode)
-        name, cfg = gradcomp.build_config(f"onebit:chunk={CHUNK}", min_numel=0, warmup="none")
+        name, cfg = gradcomp.build_config(spec, min_numel=0, warmup="none")
         state = gradcomp.GradcompState(name, cfg)
         g = torch.Generator().manual_seed(0)
         outs[mode] = [state.reduce(torch.randn(off, generator=g), params) for _ in range(3)]
         outs[mode].append(state.state_dict()["memory"]["flat"]["residual"])
-    assert "encode" in calls
-    for a, b in zip(outs["cpu"][:-1], outs["auto"][:-1]):
+    assert step in calls
+    return outs["cpu"], outs["auto"]
+
+
+def test_reduce_on_the_compiled_path_matches_the_cpu_path(monkeypatch):
+    """GradcompState.reduce with onebit, world size 1, through the dispatcher."""
+    shapes = {"a": (384, 512), "b": (1000,), "c": (64, 64, 3, 3)}
+    cpu_path, auto = reduce_on_both_paths(monkeypatch, f"onebit:chunk={CHUNK}", shapes, "encode")
+    for a, b in zip(cpu_path[:-1], auto[:-1]):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     for n in shapes:
-        torch.testing.assert_close(outs["auto"][-1][n], outs["cpu"][-1][n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(auto[-1][n], cpu_path[-1][n], rtol=1e-5, atol=1e-5)
 
 
 # --------------------------------------------------------------------------- TernGrad
@@ -219,24 +227,9 @@ def test_ternary_counters_past_2_32():
 def test_terngrad_reduce_on_the_compiled_path_equals_the_cpu_path(monkeypatch):
     """GradcompState.reduce with terngrad (error feedback on), world size 1: bit for bit."""
     shapes = {"a": (384, 512), "b": (1000,), "c": (64, 64, 3, 3), "d": (10,)}
-    params, off = [], 0
-    for name, s in shapes.items():
-        params.append(ParamSlice(name, s, off, math.prod(s)))
-        off += math.prod(s)
-    calls = []
-    real = compiled._run
-    monkeypatch.setattr(compiled, "_run", lambda *a: calls.append(a[0]) or real(*a))
-    outs = {}
-    for mode in ("cpu", "auto"):
-        monkeypatch.setenv("GRADCOMP_KERNELS", mode)
-        name, cfg = gradcomp.build_config("terngrad:error_feedback=true", min_numel=0,
-                                          warmup="none")
-        state = gradcomp.GradcompState(name, cfg)
-        g = torch.Generator().manual_seed(0)
-        outs[mode] = [state.reduce(torch.randn(off, generator=g), params) for _ in range(3)]
-        outs[mode].append(state.state_dict()["memory"]["flat"]["residual"])
-    assert "ternary" in calls
-    for a, b in zip(outs["cpu"][:-1], outs["auto"][:-1]):
+    cpu_path, auto = reduce_on_both_paths(monkeypatch, "terngrad:error_feedback=true", shapes,
+                                          "ternary")
+    for a, b in zip(cpu_path[:-1], auto[:-1]):
         assert torch.equal(a, b)
     for n in shapes:
-        assert torch.equal(outs["auto"][-1][n], outs["cpu"][-1][n])
+        assert torch.equal(auto[-1][n], cpu_path[-1][n])
