@@ -27,7 +27,7 @@ import torch
 
 from .. import kernels
 from ..config import MethodConfig, check
-from .base import Compressor, dense_values, put_dense, register_method
+from .base import Compressor, dense_values, put_dense, register_method, scratch
 
 
 @dataclass(frozen=True)
@@ -66,30 +66,30 @@ class OneBit(Compressor):
         chunk = cfg.chunk
         lay = _parts(tuple((p.offset, p.numel) for p in big), x.numel(), W, r, chunk, x.device)
         part, ef = lay.part, cfg.error_feedback
-        y = lay.spread(x)
-        res = lay.spread(ctx.memory("residual")) if ef else None
+        y = lay.spread(x, "onebit.y")
+        res = lay.spread(ctx.memory("residual"), "onebit.res") if ef else None
         msg = self._encode_parts(y[:-1], None if res is None else res[:-1], W, part, chunk)
         if ef:
             lay.gather(res, out=ctx.memory("residual"))
         got = ctx.comm.all_to_all(msg)  # (W, part_bytes): every rank's message for my part
-        mine = torch.zeros(part, dtype=torch.float32, device=x.device)
+        mine = scratch("onebit.mine", part, torch.float32, x.device).zero_()
         decode_sum(got, chunk, mine, 1.0 / W)
         res2 = None
         if ef:  # the second memory holds, per parameter, what this rank owns (its part)
             e2 = ctx.memory("server_residual")
-            res2 = torch.zeros(part, dtype=torch.float32, device=x.device)
-            res2.index_copy_(0, lay.own_col, e2[lay.own_x])
+            res2 = scratch("onebit.res2", part, torch.float32, x.device).zero_()
+            res2.index_copy_(0, lay.own_col, e2.index_select(0, lay.own_x))
         msg2 = torch.cat([encode(mine, res2, chunk),
                           dense_values(x, dense).view(torch.uint8)])
         if ef:
-            e2.index_copy_(0, lay.own_x, res2[lay.own_col])
+            e2.index_copy_(0, lay.own_x, res2.index_select(0, lay.own_col))
         allmsg = ctx.comm.allgather(msg2)  # (W, part_bytes + dense bytes)
         nb, ns = part // 8, 2 * (part // chunk) * 4
         # the W parts laid end to end are one message of W * part elements
         bits = allmsg[:, :nb].reshape(1, -1)
         scales = allmsg[:, nb : nb + ns].contiguous().view(torch.float32).view(W, 2, -1)
         scales = scales.transpose(0, 1).reshape(1, 2, -1)
-        out = torch.zeros(W * part + 1, dtype=torch.float32, device=x.device)
+        out = scratch("onebit.out", W * part + 1, torch.float32, x.device).zero_()
         kernels.onebit_decompress(bits, scales, chunk, out[:-1])  # the extra slot stays 0
         result = lay.gather(out)
         put_dense(allmsg[:, nb + ns :], dense, result)
@@ -121,9 +121,10 @@ class _Parts:
     own_x: torch.Tensor    # this rank's part: bucket positions of its elements ...
     own_col: torch.Tensor  # ... and their columns in the part
 
-    def spread(self, src: torch.Tensor) -> torch.Tensor:
-        """(W * part + 1,): src's elements in their slots, the padding and the extra slot 0."""
-        buf = torch.zeros(self.slots + 1, dtype=torch.float32, device=src.device)
+    def spread(self, src: torch.Tensor, key: str) -> torch.Tensor:
+        """(W * part + 1,): src's elements in their slots, the padding and the extra slot 0;
+        in the work buffer ``key`` (see :func:`scratch`)."""
+        buf = scratch(key, self.slots + 1, torch.float32, src.device).zero_()
         buf.index_copy_(0, self.to_slot, src)
         if self.dense:
             buf[-1] = 0

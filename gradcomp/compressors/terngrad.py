@@ -42,7 +42,7 @@ import torch
 
 from .. import kernels
 from ..config import MethodConfig, check
-from .base import Compressor, dense_values, put_dense, register_method
+from .base import Compressor, dense_values, put_dense, register_method, scratch
 
 
 @dataclass(frozen=True)
@@ -63,16 +63,20 @@ def layer_stats(y: torch.Tensor, lengths: torch.Tensor, clip: float,
                 seg: torch.Tensor | None = None) -> torch.Tensor:
     """Clip y in place at clip * sigma per segment (consecutive runs of ``lengths``); return
     the per-segment max |y|. ``seg``: each element's segment id (else built here)."""
+    n, dev = y.numel(), y.device
     if clip:
         mean = torch.segment_reduce(y, "mean", lengths=lengths)
-        meansq = torch.segment_reduce(y * y, "mean", lengths=lengths)
+        sq = torch.mul(y, y, out=scratch("terngrad.stats", n, torch.float32, dev))
+        meansq = torch.segment_reduce(sq, "mean", lengths=lengths)
         bound = (meansq - mean * mean).clamp_min_(0).sqrt_().mul_(clip)
         if seg is None:
-            full = torch.repeat_interleave(bound, lengths, output_size=y.numel())
+            full = torch.repeat_interleave(bound, lengths, output_size=n)
         else:
-            full = bound.index_select(0, seg)
-        torch.clamp(y, min=full.neg(), max=full, out=y)
-    return torch.segment_reduce(y.abs(), "max", lengths=lengths)
+            full = torch.index_select(bound, 0, seg, out=scratch("terngrad.bound", n, torch.float32, dev))
+        low = torch.neg(full, out=scratch("terngrad.stats", n, torch.float32, dev))
+        torch.clamp(y, min=low, max=full, out=y)
+    mag = torch.abs(y, out=scratch("terngrad.stats", n, torch.float32, dev))
+    return torch.segment_reduce(mag, "max", lengths=lengths)
 
 
 @register_method
@@ -89,11 +93,11 @@ class TernGrad(Compressor):
     def exchange(self, x, ctx, big, dense):
         cfg, W = self.config, ctx.comm.world_size
         lay = self._layout(ctx.params, big, dense, x.device)
-        y = lay.spread(x)
+        y = lay.spread(x, "terngrad.y")
         e = ctx.memory("residual") if cfg.error_feedback else None
         res = None
         if e is not None:
-            res = lay.spread(e)
+            res = lay.spread(e, "terngrad.res")
             y.add_(res)
             unclipped = y.clone() if cfg.clip else None
         scale = layer_stats(y, lay.lengths, cfg.clip, lay.seg)
@@ -118,7 +122,7 @@ class TernGrad(Compressor):
             got = ctx.comm.allgather(torch.cat([packed, lay.fill, scale.view(torch.uint8), tail]))
             at = packed.numel() + lay.fill.numel()
             scales = got[:, at : at + 4 * len(big)].contiguous().view(torch.float32)
-        full = torch.zeros(lay.npad, dtype=torch.float32, device=x.device)
+        full = scratch("terngrad.full", lay.npad, torch.float32, x.device).zero_()
         kernels.ternary_decompress(got, scales, lay.seg, full, 1.0 / W)
         out = torch.empty_like(x)
         lay.gather(full, out)
@@ -171,9 +175,11 @@ class _Layout:
                       if dense else None)
         self.fill = torch.zeros(-(at // 4) % 4, dtype=torch.uint8, device=device)
 
-    def spread(self, src: torch.Tensor) -> torch.Tensor:
-        """src (x's layout) in the padded layout, padding zero."""
-        out = src.index_select(0, self.take)
+    def spread(self, src: torch.Tensor, key: str) -> torch.Tensor:
+        """src (x's layout) in the padded layout, padding zero; in the work buffer ``key``
+        (see :func:`scratch`)."""
+        out = torch.index_select(src, 0, self.take,
+                                 out=scratch(key, self.npad, torch.float32, src.device))
         return out if self.pad is None else out.index_fill_(0, self.pad, 0.0)
 
     def gather(self, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -1,0 +1,68 @@
+"""Work buffers reused across exchanges on the CPU (compressors/base.py ``scratch``): no
+result aliases one, and exchanges on several threads at once do not share one."""
+import threading
+
+import pytest
+import torch
+
+from gradcomp.compressors.base import METHODS, scratch
+from conftest import lay_out, state_for
+
+SHAPES = [("w", (96, 64)), ("b", (96,)), ("c", (32, 16, 3, 3)), ("v", (7,))]
+
+
+def test_scratch_is_per_thread_and_key_and_grows():
+    a = scratch("t.a", 10, torch.float32, "cpu")
+    assert scratch("t.a", 8, torch.float32, "cpu").data_ptr() == a.data_ptr()
+    assert scratch("t.b", 10, torch.float32, "cpu").data_ptr() != a.data_ptr()
+    assert scratch("t.a", 10, torch.int32, "cpu").data_ptr() != a.data_ptr()
+    big = scratch("t.a", 1000, torch.float32, "cpu")
+    assert big.numel() == 1000 and scratch("t.a", 10, torch.float32, "cpu").data_ptr() == big.data_ptr()
+    other = []
+    t = threading.Thread(target=lambda: other.append(scratch("t.a", 10, torch.float32, "cpu")))
+    t.start()
+    t.join()
+    assert other[0].data_ptr() != big.data_ptr()
+
+
+def _grads(seed, n):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=g) for _ in range(3)]
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_a_result_outlives_the_next_exchange(method):
+    layout = lay_out(SHAPES)
+    n = sum(p.numel for p in layout)
+    state = state_for(method)
+    xs = _grads(0, n)
+    first = state.reduce(xs[0].clone(), layout)
+    kept = first.clone()
+    state.reduce(xs[1].clone(), layout)
+    assert torch.equal(first, kept)
+
+
+@pytest.mark.parametrize("method", ["onebit", "terngrad:error_feedback=true", "topk", "powersgd"])
+def test_exchanges_on_two_threads_at_once_equal_one_at_a_time(method):
+    """Two states, buckets of different sizes, each on its own thread, many steps at once:
+    every result as when run alone."""
+    layouts = [lay_out(SHAPES), lay_out(SHAPES[:2] + [("d", (5000,))])]
+
+    def run(i, out):
+        state = state_for(method)
+        n = sum(p.numel for p in layouts[i])
+        out.extend(state.reduce(x.clone(), layouts[i]) for x in _grads(i, n) * 4)
+
+    alone = [[], []]
+    for i in range(2):
+        run(i, alone[i])
+    together = [[], []]
+    threads = [threading.Thread(target=run, args=(i, together[i])) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(2):
+        assert len(together[i]) == 12
+        for a, b in zip(alone[i], together[i]):
+            assert torch.equal(a, b)
