@@ -304,6 +304,7 @@ def ddp_table(rows) -> str:
 # --------------------------------------------------------------------------- convergence
 def cmd_convergence(args) -> int:
     from . import bench, report
+    from .launch import RankError
     from .train import TrainConfig
     methods = _methods(args.methods)
     _lanes(args)
@@ -315,23 +316,52 @@ def cmd_convergence(args) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     scalars = report.Scalars(args.tensorboard)
-    results = {}
+    results, failed = {}, {}
     for m in _progress(methods, str):
         cfg = TrainConfig(method=m, model=args.model, data=data_dir, synthetic=args.synthetic,
                           epochs=args.epochs, batch=args.batch, lr=args.lr, seed=args.seed,
-                          schedule=args.schedule, eval=True, options={**_delay_opts(m, args), **_hook_log(m, args)},
+                          schedule=args.schedule, eval=True,
+                          options={**_delay_opts(m, args), **_hook_log(m, args)},
                           device=args.device)
-        res = bench.run_train(worlds[0], cfg, timeout=args.timeout)[0]
-        results[m] = res
-        for c in res["curve"]:
-            scalars.add(f"{m}/test_acc", c["test_acc"], c["step"])
-            scalars.add(f"{m}/test_loss", c["test_loss"], c["step"])
-            scalars.add(f"{m}/train_loss", c["train_loss"], c["step"])
-        for s, h in enumerate(res.get("stats_history") or []):
-            scalars.add(f"{m}/compression_ratio", h["ratio"], s)
-            scalars.add(f"{m}/wire_bytes", h["wire_bytes"], s)
+        try:
+            res = bench.run_train(worlds[0], cfg, timeout=args.timeout)[0]
+        except RankError as exc:
+            # one method's failure (torch's own PowerSGD hook on gloo has failed this way: a
+            # size mismatch between ranks) costs its row, not the other methods' runs
+            failed[m] = _last_error_line(exc)
+            print(f"gradcomp-bench: {m} failed: {failed[m]}", file=sys.stderr)
+        else:
+            results[m] = res
+            for c in res["curve"]:
+                scalars.add(f"{m}/test_acc", c["test_acc"], c["step"])
+                scalars.add(f"{m}/test_loss", c["test_loss"], c["step"])
+                scalars.add(f"{m}/train_loss", c["train_loss"], c["step"])
+            for s, h in enumerate(res.get("stats_history") or []):
+                scalars.add(f"{m}/compression_ratio", h["ratio"], s)
+                scalars.add(f"{m}/wire_bytes", h["wire_bytes"], s)
+        # written after every method: a run cut short keeps what it finished
+        doc = _write_json(args, out_dir, "convergence", _convergence_doc(args, results, failed))
     scalars.close()
-    base = results.get("allreduce") or results.get("ddp") or next(iter(results.values()))
+    rows = json.loads(doc.read_text())["rows"]
+    print(report.table(rows, [("method", "method", ""), ("test_acc", "test acc %", ".2f"),
+                              ("d_acc", "vs allreduce", "+.2f"), ("test_loss", "test loss", ".3f"),
+                              ("ratio", "compression", ".0f"), ("wire_MB", "wire MB/run", ".1f"),
+                              ("step_ms", "step ms", ".0f"), ("failed", "failed", "")]))
+    if results:
+        _plot(doc, out_dir)
+    return 1 if failed else 0
+
+
+def _last_error_line(exc: Exception) -> str:
+    """The most specific line of a rank failure: the last that names an error."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    named = ([ln for ln in lines if "Error" in ln] or [ln for ln in lines if "error" in ln]
+             or lines or [type(exc).__name__])
+    return named[-1][:300]
+
+
+def _convergence_doc(args, results: dict, failed: dict) -> dict:
+    base = results.get("allreduce") or results.get("ddp") or next(iter(results.values()), None)
     rows = [{"method": m, "test_acc": 100 * r["test_acc"], "test_loss": r["test_loss"],
              "d_acc": 100 * (r["test_acc"] - base["test_acc"]),
              "ratio": (r.get("stats") or {}).get("ratio"),
@@ -340,14 +370,8 @@ def cmd_convergence(args) -> int:
              "wire_MB": (sum(h["wire_bytes"] for h in r["stats_history"]) / 1e6
                          if r.get("stats_history") else None),
              "step_ms": 1e3 * statistics.median(r["step_times"])} for m, r in results.items()]
-    doc = _write_json(args, out_dir, "convergence",
-                      {"seed": args.seed, "rows": rows, "curves": {m: r["curve"] for m, r in results.items()}})
-    print(report.table(rows, [("method", "method", ""), ("test_acc", "test acc %", ".2f"),
-                              ("d_acc", "vs allreduce", "+.2f"), ("test_loss", "test loss", ".3f"),
-                              ("ratio", "compression", ".0f"), ("wire_MB", "wire MB/run", ".1f"),
-                              ("step_ms", "step ms", ".0f")]))
-    _plot(doc, out_dir)
-    return 0
+    rows += [{"method": m, "failed": why} for m, why in failed.items()]
+    return {"seed": args.seed, "rows": rows, "curves": {m: r["curve"] for m, r in results.items()}}
 
 
 # --------------------------------------------------------------------------- overlap

@@ -45,19 +45,27 @@ def over_seeds(docs: list[dict], base: str = "allreduce") -> list[dict]:
     """One row per method over convergence documents of several seeds (rows of one seed may
     be spread over several documents): per-seed test accuracy, their mean, and the mean,
     min and max over seeds of the difference to ``base`` run with the same seed (seeds
-    without a ``base`` row are left out of the differences), mean test loss and wire MB."""
+    without a ``base`` row are left out of the differences), mean test loss and wire MB, and
+    how many runs failed (rows with ``failed``, left out of the rest)."""
     by_seed: dict[int, dict[str, dict]] = {}
+    failed: dict[str, int] = {}
     for doc in docs:
         rows = by_seed.setdefault(doc_seed(doc), {})
         for r in doc["rows"]:
+            if r.get("test_acc") is None:  # a failed run: counted, not averaged
+                failed[r["method"]] = failed.get(r["method"], 0) + 1
+                continue
             if r["method"] in rows:
                 raise ValueError(f"method {r['method']!r} twice for seed {doc_seed(doc)}")
             rows[r["method"]] = r
     seeds = sorted(by_seed)
-    methods = list(dict.fromkeys(m for s in seeds for m in by_seed[s]))
+    methods = list(dict.fromkeys([m for s in seeds for m in by_seed[s]] + list(failed)))
     out = []
     for m in methods:
         got = {s: by_seed[s][m] for s in seeds if m in by_seed[s]}
+        if not got:
+            out.append({"method": m, "failed": failed[m]})
+            continue
         accs = [r["test_acc"] for r in got.values()]
         diffs = [r["test_acc"] - by_seed[s][base]["test_acc"]
                  for s, r in got.items() if base in by_seed[s]]
@@ -70,6 +78,7 @@ def over_seeds(docs: list[dict], base: str = "allreduce") -> list[dict]:
             "d_min": min(diffs) if diffs else None, "d_max": max(diffs) if diffs else None,
             "test_loss": sum(r["test_loss"] for r in got.values()) / len(got),
             "wire_MB": sum(wire) / len(wire) if wire else None,
+            "failed": failed.get(m),
         })
     return out
 
@@ -77,7 +86,8 @@ def over_seeds(docs: list[dict], base: str = "allreduce") -> list[dict]:
 SEED_COLUMNS = [("method", "method", ""), ("seeds", "seeds", ""), ("per_seed", "test acc % per seed", ""),
                 ("mean_acc", "mean", ".2f"), ("d_mean", "vs base (mean)", "+.2f"),
                 ("d_min", "min", "+.2f"), ("d_max", "max", "+.2f"),
-                ("test_loss", "test loss", ".3f"), ("wire_MB", "wire MB/run", ".1f")]
+                ("test_loss", "test loss", ".3f"), ("wire_MB", "wire MB/run", ".1f"),
+                ("failed", "runs failed", "d")]
 
 
 def markdown(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:

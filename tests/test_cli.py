@@ -127,3 +127,35 @@ def test_seeds_refuses_a_method_twice_for_one_seed_and_other_json(tmp_path, caps
     (tmp_path / "d.json").write_text(json.dumps({"kind": "ddp", "rows": []}))
     assert cli.main(["seeds", a, str(tmp_path / "d.json")]) == 2
     assert "not a convergence run" in capsys.readouterr().err
+
+
+def test_convergence_keeps_the_other_methods_when_one_fails(tmp_path, monkeypatch, capsys):
+    """A method whose ranks fail costs its own row: the others' rows are written (after
+    every method), the failure is named, and the exit code says one failed."""
+    import json
+    from gradcomp_bench import bench
+    from gradcomp_bench.launch import RankError
+
+    def fake(world, cfg, timeout=None):
+        if cfg.method == "torch-powersgd":
+            raise RankError("rank 0 failed:\nTraceback ...\nRuntimeError: [gloo] op.preamble.length"
+                            " <= op.nbytes. 1888 vs 532\nrank 1 failed:\nrank 1 exited with code -6",
+                            {0: "x", 1: "y"})
+        acc = {"allreduce": 0.6, "dgc": 0.55}[cfg.method]
+        return [{"test_acc": acc, "test_loss": 1.0, "step_times": [0.1, 0.2], "curve":
+                 [{"step": 1, "test_acc": acc, "test_loss": 1.0, "train_loss": 2.0}]}]
+
+    monkeypatch.setattr(bench, "run_train", fake)
+    monkeypatch.setattr(cli, "_plot", lambda doc, out: None)
+    path = tmp_path / "c.json"
+    rc = cli.main(["convergence", "--synthetic", "--methods", "allreduce,torch-powersgd,dgc",
+                   "--json", str(path), "--out", str(tmp_path)])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "torch-powersgd failed: RuntimeError: [gloo] op.preamble.length" in err
+    rows = {r["method"]: r for r in json.loads(path.read_text())["rows"]}
+    assert rows["dgc"]["d_acc"] == pytest.approx(-5.0)
+    assert "1888 vs 532" in rows["torch-powersgd"]["failed"]
+    assert cli.main(["seeds", str(path)]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("torch-powersgd"))
+    assert line.split()[-1] == "1"  # runs failed
