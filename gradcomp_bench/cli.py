@@ -360,15 +360,22 @@ def _last_error_line(exc: Exception) -> str:
     return named[-1][:300]
 
 
+def _run_wire_MB(history) -> float | None:
+    """The run's wire bytes (MB): each exchanged step's once. ``stats()`` reports the latest
+    step whose exchanges finished, so with ``local_steps`` every inner step repeats the last
+    outer round's record: one record per ``step`` (the state's count: rounds there) is kept.
+    None for torch's hooks (no stats)."""
+    if not history:
+        return None
+    return sum({h["step"]: h["wire_bytes"] for h in history}.values()) / 1e6
+
+
 def _convergence_doc(args, results: dict, failed: dict) -> dict:
     base = results.get("allreduce") or results.get("ddp") or next(iter(results.values()), None)
     rows = [{"method": m, "test_acc": 100 * r["test_acc"], "test_loss": r["test_loss"],
              "d_acc": 100 * (r["test_acc"] - base["test_acc"]),
              "ratio": (r.get("stats") or {}).get("ratio"),
-             # every step's wire bytes, summed over the run (the warm-up's dense steps and
-             # local_steps' silent inner steps included); None for torch's hooks
-             "wire_MB": (sum(h["wire_bytes"] for h in r["stats_history"]) / 1e6
-                         if r.get("stats_history") else None),
+             "wire_MB": _run_wire_MB(r.get("stats_history")),
              "step_ms": 1e3 * statistics.median(r["step_times"])} for m, r in results.items()]
     rows += [{"method": m, "failed": why} for m, why in failed.items()]
     return {"seed": args.seed, "rows": rows, "curves": {m: r["curve"] for m, r in results.items()}}

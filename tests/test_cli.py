@@ -159,3 +159,13 @@ def test_convergence_keeps_the_other_methods_when_one_fails(tmp_path, monkeypatc
     assert cli.main(["seeds", str(path)]) == 0
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("torch-powersgd"))
     assert line.split()[-1] == "1"  # runs failed
+
+
+def test_run_wire_bytes_count_each_exchanged_step_once():
+    """With local_steps, stats() repeats the last outer round's record on every inner step:
+    the run's bytes count each state step once."""
+    rounds = [{"step": s // 4, "wire_bytes": 1e6 * (s // 4 > 0)} for s in range(12)]  # H=4
+    assert cli._run_wire_MB(rounds) == 2.0
+    plain = [{"step": s, "wire_bytes": 1e6} for s in range(12)]
+    assert cli._run_wire_MB(plain) == 12.0
+    assert cli._run_wire_MB([]) is None
