@@ -46,7 +46,10 @@ def wire_bytes(method: str, res: dict, world: int, model_name: str) -> tuple[flo
     hist = res.get("stats_history")
     if hist:  # what crosses between nodes (under a hierarchy the rest stays inside a node)
         tail = hist[len(hist) // 2:]
-        return statistics.mean(h.get("inter_node_wire_bytes", h["wire_bytes"]) for h in tail), True
+        # one record per state step: with local_steps, stats() repeats the last outer
+        # round's on every inner step, and a round's bytes are spread over all its steps
+        per_step = {h["step"]: h.get("inter_node_wire_bytes", h["wire_bytes"]) for h in tail}
+        return sum(per_step.values()) / len(tail), True
     raw, ps = model_bytes(model_name)
     ring = 2 * (world - 1) / world
     name, opts = parse_method(method)

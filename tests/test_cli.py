@@ -169,3 +169,11 @@ def test_run_wire_bytes_count_each_exchanged_step_once():
     plain = [{"step": s, "wire_bytes": 1e6} for s in range(12)]
     assert cli._run_wire_MB(plain) == 12.0
     assert cli._run_wire_MB([]) is None
+
+
+def test_ddp_wire_bytes_per_step_spread_a_round_over_its_steps():
+    from gradcomp_bench import bench
+    hist = [{"step": s // 4, "wire_bytes": 4e6} for s in range(16)]  # H=4: a record per round
+    assert bench.wire_bytes("topk:local_steps=4", {"stats_history": hist}, 2, "resnet_small") == (1e6, True)
+    plain = [{"step": s, "wire_bytes": 3e6} for s in range(16)]
+    assert bench.wire_bytes("topk", {"stats_history": plain}, 2, "resnet_small") == (3e6, True)
