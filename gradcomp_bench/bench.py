@@ -40,16 +40,21 @@ def model_bytes(model_name: str) -> tuple[int, int]:
     return raw, ps
 
 
+def step_records(history: list[dict]) -> list[dict]:
+    """One ``stats()`` record per state step (the last of each): with ``local_steps``,
+    ``stats()`` repeats the last outer round's record on every inner step."""
+    return list({h["step"]: h for h in history}.values())
+
+
 def wire_bytes(method: str, res: dict, world: int, model_name: str) -> tuple[float, bool]:
     """Bytes per step on one rank's link: measured from state.stats() for gradcomp methods,
     computed from the model for torch's hooks (second value: True when measured)."""
     hist = res.get("stats_history")
     if hist:  # what crosses between nodes (under a hierarchy the rest stays inside a node)
         tail = hist[len(hist) // 2:]
-        # one record per state step: with local_steps, stats() repeats the last outer
-        # round's on every inner step, and a round's bytes are spread over all its steps
-        per_step = {h["step"]: h.get("inter_node_wire_bytes", h["wire_bytes"]) for h in tail}
-        return sum(per_step.values()) / len(tail), True
+        # a round's bytes are spread over all its steps
+        return sum(r.get("inter_node_wire_bytes", r["wire_bytes"])
+                   for r in step_records(tail)) / len(tail), True
     raw, ps = model_bytes(model_name)
     ring = 2 * (world - 1) / world
     name, opts = parse_method(method)

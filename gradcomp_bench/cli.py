@@ -361,13 +361,12 @@ def _last_error_line(exc: Exception) -> str:
 
 
 def _run_wire_MB(history) -> float | None:
-    """The run's wire bytes (MB): each exchanged step's once. ``stats()`` reports the latest
-    step whose exchanges finished, so with ``local_steps`` every inner step repeats the last
-    outer round's record: one record per ``step`` (the state's count: rounds there) is kept.
-    None for torch's hooks (no stats)."""
+    """The run's wire bytes (MB): each state step's record once (:func:`bench.step_records`;
+    with ``local_steps`` a step is a round). None for torch's hooks (no stats)."""
     if not history:
         return None
-    return sum({h["step"]: h["wire_bytes"] for h in history}.values()) / 1e6
+    from .bench import step_records
+    return sum(r["wire_bytes"] for r in step_records(history)) / 1e6
 
 
 def _convergence_doc(args, results: dict, failed: dict) -> dict:

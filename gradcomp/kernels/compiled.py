@@ -42,8 +42,8 @@ from .reference import _PHILOX_KEY_A, _PHILOX_KEY_B, _PHILOX_ROUND_A, _PHILOX_RO
 # cpu.py's threshold: from 2^17 elements up the compiled steps took no more CPU time than the
 # blocked ones (bench/compiled_codec.py, bench/RESULTS.md section 6); below it, not measured
 MIN_NUMEL = 1 << 17
-# the steps the dispatcher sends here: the fused decoder measured no faster than cpu.py's
-# (within this machine's noise, RESULTS.md section 6), so decoding stays bit-identical
+# the steps the dispatcher sends here: not the fused 1-bit decoder, measured no faster than
+# cpu.py's (within this machine's noise, RESULTS.md section 6); TernGrad's are bit-identical
 STEPS = ("onebit_compress", "ternary_compress", "ternary_decompress")
 
 _failed: str | None = None  # why compiling failed, once it has
