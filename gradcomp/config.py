@@ -10,7 +10,7 @@ from dataclasses import dataclass
 # 1 Gbit/s.
 DEFAULT_MIN_NUMEL = 4096
 TOPOLOGIES = ("auto", "flat", "hierarchical")
-WARMUPS = ("adaptive", "none")
+WARMUPS = ("auto", "adaptive", "none")
 
 
 def check(ok: bool, name: str, value, allowed: str) -> None:
@@ -24,11 +24,13 @@ class MethodConfig:
 
     min_numel: tensors smaller than this many elements are sent uncompressed.
     error_feedback: keep what compression dropped and add it to the next step's gradient.
-    warmup: how a compressing method starts. "adaptive" (the default): steps go as a plain
-        fp32 allreduce until the gradients leave the early critical regime, then compressed
-        for good (Accordion, Agarwal et al., MLSys 2021; the rule: hooks/warmup.py); "none":
-        compressed from the first step. The first steps' large, fast-changing gradients are
-        where compression error hurts most.
+    warmup: how a compressing method starts. "adaptive": steps go as a plain fp32 allreduce
+        until the gradients leave the early critical regime, then compressed for good
+        (Accordion, Agarwal et al., MLSys 2021; the rule: hooks/warmup.py); "none": compressed
+        from the first step; "auto" (the default): "adaptive" when syncing every step,
+        "none" with ``local_steps`` > 1 (the rule counts outer rounds, too few in a run for
+        its windows; SparseLoCo compresses from the first round). The first steps' large,
+        fast-changing gradients are where compression error hurts most.
     warmup_window: steps per window of the adaptive rule (the root-mean-square gradient norm
         of consecutive windows is compared; compression starts at a window boundary).
     warmup_threshold: the adaptive rule's eta: compression starts once the norm of a window
@@ -61,7 +63,7 @@ class MethodConfig:
     error_feedback: bool = True
     seed: int = 0
     delay: int = 0
-    warmup: str = "adaptive"
+    warmup: str = "auto"
     warmup_window: int = 50
     warmup_threshold: float = 0.5
     warmup_max_steps: int = 0
@@ -86,7 +88,8 @@ class MethodConfig:
         check(self.dense_steps is None or self.dense_steps >= 0, "dense_steps", self.dense_steps,
               "an integer >= 0, or None (the warm-up rule decides)")
         check(self.warmup in WARMUPS, "warmup", self.warmup,
-              "adaptive (dense until the gradient norm settles) or none")
+              "auto (adaptive, or none with local_steps > 1), adaptive (dense until the "
+              "gradient norm settles) or none")
         check(self.warmup_window >= 1, "warmup_window", self.warmup_window, "an integer >= 1")
         check(0 < self.warmup_threshold < float("inf"), "warmup_threshold",
               self.warmup_threshold, "a finite number > 0")
@@ -108,6 +111,13 @@ class MethodConfig:
               f"0 with local_steps={self.local_steps} (inner steps send nothing to delay; "
               f"local_delay=1 overlaps the outer exchange instead)")
         self.validate()
+
+    @property
+    def warmup_rule(self) -> str:
+        """The warm-up that runs: "adaptive" or "none" ("auto" resolved by ``local_steps``)."""
+        if self.warmup == "auto":
+            return "none" if self.local_steps > 1 else "adaptive"
+        return self.warmup
 
     def validate(self) -> None:
         """Method-specific checks; raise ValueError naming the bad value."""

@@ -135,3 +135,23 @@ def test_a_checkpoint_from_another_world_size_is_refused():
     sd["world_size"] = 4
     with pytest.raises(ValueError, match="saved with world size 4; this job has 1"):
         st.load_state_dict(sd)
+
+
+def test_a_checkpoint_is_compared_by_the_warm_up_that_runs():
+    # warmup="auto" resolves to "adaptive" at local_steps=1 (what older checkpoints hold) and
+    # to "none" under local_steps: a checkpoint naming the same rule loads, another does not
+    st = gradcomp.GradcompState(*gradcomp.build_config("topk", min_numel=0))
+    sd = st.state_dict()
+    sd["config"]["warmup"] = "adaptive"
+    st.load_state_dict(sd)
+    sd["config"]["warmup"] = "none"
+    with pytest.raises(ValueError, match="checkpoint is for method 'topk'"):
+        st.load_state_dict(sd)
+    loc = gradcomp.GradcompState(*gradcomp.build_config("topk:local_steps=4", min_numel=0))
+    sd = loc.state_dict()
+    assert sd["config"]["warmup"] == "auto"
+    sd["config"]["warmup"] = "none"
+    loc.load_state_dict(sd)
+    sd["config"]["warmup"] = "adaptive"
+    with pytest.raises(ValueError, match="checkpoint is for method 'topk'"):
+        loc.load_state_dict(sd)

@@ -168,7 +168,7 @@ def test_non_finite_steps_are_left_out_of_the_window():
 
 
 @pytest.mark.parametrize("options, match", [
-    ({"warmup": "accordion"}, r"invalid warmup='accordion': allowed adaptive .* or none"),
+    ({"warmup": "accordion"}, r"invalid warmup='accordion': allowed auto .* adaptive .* or none"),
     ({"warmup_window": 0}, r"invalid warmup_window=0: allowed an integer >= 1"),
     ({"warmup_threshold": 0}, r"invalid warmup_threshold=0.0: allowed a finite number > 0"),
     ({"warmup_threshold": float("nan")}, r"invalid warmup_threshold=nan"),
@@ -188,7 +188,11 @@ def test_warmup_options_parse_from_a_spec_string():
         "none", 20, 0.3, None)
     _, cfg = gradcomp.build_config("topk")
     assert (cfg.warmup, cfg.warmup_window, cfg.warmup_threshold, cfg.warmup_max_steps,
-            cfg.dense_steps) == ("adaptive", 50, 0.5, 0, None)
+            cfg.dense_steps, cfg.warmup_rule) == ("auto", 50, 0.5, 0, None, "adaptive")
+    _, cfg = gradcomp.build_config("topk:local_steps=4")
+    assert (cfg.warmup, cfg.warmup_rule) == ("auto", "none")
+    _, cfg = gradcomp.build_config("topk:local_steps=4,warmup=adaptive")
+    assert cfg.warmup_rule == "adaptive"
     with pytest.raises(TypeError, match=r"invalid warmup_window=2.5: expected int"):
         gradcomp.build_config("topk", warmup_window=2.5)
 
@@ -216,9 +220,19 @@ def _local_rounds(rank, world, spec, steps):
 def test_local_steps_count_outer_rounds():
     # H = 3 inner steps per round; window 1, eta 100: the switch at outer round 2 (the round
     # at inner step 9), the same on both ranks, which end with the same parameters
-    runs = spawn(_local_rounds, 2, args=("topk:ratio=0.1,local_steps=3,warmup_window=1,"
-                                         "warmup_threshold=100", 12), timeout=180, pg_timeout=30)
+    runs = spawn(_local_rounds, 2, args=("topk:ratio=0.1,local_steps=3,warmup=adaptive,"
+                                         "warmup_window=1,warmup_threshold=100", 12),
+                 timeout=180, pg_timeout=30)
     (a, pa), (b, pb) = runs
     assert a == b and torch.equal(pa, pb)
     assert [r for r, _ in a] == [0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3, 4]
     assert [s for _, s in a] == [None] * 8 + [2] * 4
+
+
+def test_local_steps_compress_from_the_first_round_by_default():
+    # warmup="auto" under local_steps: no adaptive rule (a run has too few rounds for its
+    # windows: it would never leave dense), the first round already compressed
+    (a, pa), (b, pb) = spawn(_local_rounds, 2, args=("topk:ratio=0.1,local_steps=3", 9),
+                             timeout=180, pg_timeout=30)
+    assert a == b and torch.equal(pa, pb)
+    assert [s for _, s in a] == [0] * 9

@@ -30,11 +30,15 @@ class Checkpoint:
 
     def load_state_dict(self, sd: dict) -> None:
         # options added since a checkpoint was written take their defaults; the topology is
-        # compared as resolved (ranks per node), below
+        # compared as resolved (ranks per node), below, and the warm-up as the rule that runs
+        # (a checkpoint's "adaptive" is today's "auto" at local_steps=1)
         saved = {**type(self.config)().to_dict(), **sd.get("config", {})}
         mine = self.config.to_dict()
         for k in ("topology", "local_size"):
             saved.pop(k), mine.pop(k)
+        if saved["warmup"] == "auto":
+            saved["warmup"] = "none" if saved["local_steps"] > 1 else "adaptive"
+        mine["warmup"] = self.config.warmup_rule
         if sd.get("method") != self.method or saved != mine:
             raise ValueError(f"checkpoint is for method {sd.get('method')!r} with {sd.get('config')}; "
                              f"this state runs {self.method!r} with {self.config.to_dict()}")

@@ -4,8 +4,10 @@ Gradient Communication via Critical Learning Regime Identification", MLSys 2021,
 arXiv:2010.16248), which detects critical regimes by the relative change of the gradient
 norm between epochs.
 
-The rule (``warmup="adaptive"``, the default of every compressing method; ``dense_steps=N``
-replaces it with exactly N dense steps, ``warmup="none"`` compresses from the first step):
+The rule (``warmup="adaptive"``, what the default ``"auto"`` runs for every compressing method
+syncing every step; ``dense_steps=N`` replaces it with exactly N dense steps,
+``warmup="none"`` compresses from the first step, and is what ``"auto"`` runs with
+``local_steps`` > 1):
 
   1. Every step, each rank records ||g_p||^2 of its own gradient g for each parameter p
      (g: the hook's input, every bucket, before compression and unscaled; one fused norm
@@ -59,14 +61,14 @@ class Warmup:
         """Whether the adaptive rule is still measuring."""
         c = self.config
         return (not self.compressor.stateless and c.dense_steps is None
-                and c.warmup == "adaptive" and self._wu_switch is None)
+                and c.warmup_rule == "adaptive" and self._wu_switch is None)
 
     def _dense(self, step: int) -> bool:
         """Whether step ``step`` of a stateful method goes as a plain fp32 allreduce."""
         c = self.config
         if c.dense_steps is not None:
             return step < c.dense_steps
-        if c.warmup == "none":
+        if c.warmup_rule == "none":
             return False
         return self._wu_switch is None or step < self._wu_switch
 
@@ -77,7 +79,7 @@ class Warmup:
             return None
         if c.dense_steps is not None:
             return c.dense_steps
-        return 0 if c.warmup == "none" else self._wu_switch
+        return 0 if c.warmup_rule == "none" else self._wu_switch
 
     def _warmup_observe(self, step: int, x: torch.Tensor, params, scale=None) -> None:
         """Record ||x_p||^2 of each parameter p in ``params`` (x: a bucket of this rank's
