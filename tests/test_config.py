@@ -9,14 +9,14 @@ from gradcomp.compressors.dgc import DGC
 def test_methods_lists_every_method_with_options():
     got = {m["name"]: m for m in gradcomp.methods()}
     assert set(got) == {"allreduce", "topk", "dgc", "onebit", "terngrad", "powersgd", "threshold"}
-    assert got["powersgd"]["options"]["rank"] == ("int", 2)
+    assert got["powersgd"]["options"]["rank"] == ("int", 4)
     assert got["dgc"]["options"]["ratio"] == ("float", 0.001)
     assert all(m["description"] for m in got.values())
 
 
 def test_spec_string_is_parsed_and_typed():
-    name, cfg = gradcomp.build_config("powersgd:rank=4,error_feedback=false,min_numel=0")
-    assert (name, cfg.rank, cfg.error_feedback, cfg.min_numel) == ("powersgd", 4, False, 0)
+    name, cfg = gradcomp.build_config("powersgd:rank=3,error_feedback=false,min_numel=0")
+    assert (name, cfg.rank, cfg.error_feedback, cfg.min_numel) == ("powersgd", 3, False, 0)
     name, cfg = gradcomp.build_config("topk", ratio=1)
     assert cfg.ratio == 1.0 and isinstance(cfg.ratio, float)
 

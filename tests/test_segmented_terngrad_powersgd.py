@@ -278,14 +278,16 @@ def test_a_matrix_result_does_not_depend_on_its_batch(n, m, r):
 
 
 # --------------------------------------------------------------------------- op counts
-def _layout(count):
-    return bench_ops.buckets(bench_ops.even_shapes(2**16, count), 2**40)[0]
+def _layout(count, total=2**20):
+    # 2^20 elements: 160 matrices of 102 x 64, above min_numel (at 2^16 they were not, and
+    # went dense: the count compared nothing)
+    return bench_ops.buckets(bench_ops.even_shapes(total, count), 2**40)[0]
 
 
 @pytest.mark.parametrize("spec", ["terngrad", "terngrad:error_feedback=true,share_scalers=false"])
 def test_terngrad_op_count_does_not_grow_with_the_tensor_count(spec):
     few, many = bench_ops.count(spec, _layout(16)), bench_ops.count(spec, _layout(160))
-    assert many <= 1.5 * few, (few, many)
+    assert many <= 1.5 * few and many > 2, (few, many)
 
 
 @pytest.mark.parametrize("spec", ["powersgd", "powersgd:rank=1,error_feedback=false"])
@@ -293,5 +295,9 @@ def test_powersgd_op_count_does_not_grow_with_the_tensor_count(spec, monkeypatch
     # the compressor's own ops: the inf/NaN guard's snapshot clones each parameter's Q (one op
     # per parameter, in hooks/guard.py and memory.py), which is not the codec's
     monkeypatch.setattr(Guard, "_guarded", lambda self, x, ctx, flat, run: run(x))
-    few, many = bench_ops.count(spec, _layout(16)), bench_ops.count(spec, _layout(160))
-    assert many <= 1.5 * few and few <= 60, (few, many)
+    # (the default rank 4 runs 10 more ops per column in Gram-Schmidt than rank 2: 86 ops at
+    # 1M elements, 58 of them doing work, the GPU's launches)
+    few, many = (bench_ops.count(spec, _layout(c)) for c in (16, 160))
+    work = bench_ops.count(spec, _layout(16), kernels=True)
+    assert many <= 1.5 * few and work <= 60, (few, many, work)
+    assert many > 2  # compressed, not the dense fallback of matrices too small for the rank
