@@ -23,8 +23,9 @@ from pathlib import Path
 
 DEFAULT_METHODS = ("ddp,noop,allreduce,fp16,torch-powersgd:rank=2,dgc:ratio=0.001,onebit,"
                    "terngrad,powersgd:rank=2,topk:ratio=0.01")
-CONVERGENCE_METHODS = ("allreduce,dgc:ratio=0.001,warmup_steps=300,onebit:dense_steps=100,terngrad,"
-                       "powersgd:rank=2,topk:ratio=0.01,torch-powersgd:rank=2")
+# every method at its defaults (the adaptive warm-up included), torch's PowerSGD hook beside
+CONVERGENCE_METHODS = ("allreduce,dgc,onebit,terngrad,powersgd,topk,threshold,"
+                       "torch-powersgd:rank=2")
 
 
 class UsageError(Exception):

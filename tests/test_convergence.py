@@ -45,7 +45,7 @@ CHANCE = 10.0
 METHODS = {
     "dgc": "dgc:ratio=0.01,warmup_steps=100,warmup=none",
     "terngrad": "terngrad:warmup=none",
-    "powersgd": "powersgd:rank=4,warmup=none",
+    "powersgd": "powersgd:warmup=none",  # rank 4, its default
     "onebit": "onebit:min_numel=0,dense_steps=80",
 }
 ABLATIONS = {  # name: (ablated spec, spec with the safeguard, at the same compression)
