@@ -11,6 +11,7 @@ def test_methods_lists_every_method_with_options():
     assert set(got) == {"allreduce", "topk", "dgc", "onebit", "terngrad", "powersgd", "threshold"}
     assert got["powersgd"]["options"]["rank"] == ("int", 4)
     assert got["dgc"]["options"]["ratio"] == ("float", 0.001)
+    assert got["topk"]["options"]["ratio"] == ("float", 0.05)
     assert all(m["description"] for m in got.values())
 
 
