@@ -20,7 +20,7 @@ from gradcomp.compressors.powersgd import _init_q, bmm, orthonormalize
 from gradcomp.compressors.terngrad import layer_stats
 from gradcomp.hooks import build_config
 from gradcomp.hooks.guard import Guard
-from gradcomp.kernels import reference as ref
+from gradcomp.kernels import lowrank, reference as ref
 from gradcomp.memory import ParamMemory
 from conftest import lay_out
 
@@ -275,6 +275,106 @@ def test_a_matrix_result_does_not_depend_on_its_batch(n, m, r):
     for B, at in [(2, 0), (2, 1), (5, 3), (7, 6), (13, 5)]:
         for a, b in zip(alone, run(B, at)):
             assert torch.equal(a, b), (B, at)
+
+
+# PowerSGD's GPU path: every matrix of a bucket in one launch per step (kernels/lowrank.py),
+# run here by the Triton interpreter. Distinct shapes, thin ones (r < rank), one row, one
+# column block and many, dense parameters between the matrices.
+TABLE_SHAPES = ([("a", (16, 12)), ("b", (65, 63)), ("thin", (128, 9)), ("wide", (7, 300)),
+                 ("bias", (16,)), ("conv", (8, 3, 3, 3)), ("c", (40, 30)), ("d", (3, 70)),
+                 ("row", (1, 80)), ("e", (16, 12)), ("f", (33, 129))])
+
+
+def _table(shapes, rank=2):
+    rows, xo, po, qo = [], 0, 0, 0
+    for n, m in shapes:
+        r = min(rank, n, m)
+        rows.append((xo + 3, n, m, r, po, qo))  # 3 elements of gap before each matrix
+        xo, po, qo = xo + 3 + n * m, po + n * r, qo + m * r
+    return lowrank.matrix_table(rows, "cpu"), xo, po, qo
+
+
+@pytest.mark.parametrize("rank", [1, 2, 4, 8])
+def test_powersgd_table_kernels_match_the_reference(rank, monkeypatch):
+    table, nx, npp, nq = _table([s for _, s in TABLE_SHAPES if len(s) == 2], rank)
+    g = torch.Generator().manual_seed(rank)
+    x, q, p = torch.randn(nx, generator=g), torch.randn(nq, generator=g), torch.randn(npp, generator=g)
+    out = {}
+    for mode in ("reference", "triton"):
+        monkeypatch.setenv("GRADCOMP_KERNELS", mode)
+        pm, qm, om = torch.zeros(npp), torch.zeros(nq), x.clone()
+        lowrank.project(x, q, pm, table)
+        po = lowrank.orthonormalize(p.clone(), table)
+        lowrank.back(x, po, qm, table)
+        lowrank.expand(po, q, om, table, 3)
+        out[mode] = (pm, po, qm, om)
+    for a, b in zip(out["reference"], out["triton"]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    om = out["triton"][3]
+    for x_off, n, m, *_ in table.rows:  # the gaps between matrices are left alone
+        assert torch.equal(om[x_off - 3 : x_off], x[x_off - 3 : x_off])
+        assert not torch.equal(om[x_off : x_off + n * m], x[x_off : x_off + n * m])
+    po = out["triton"][1]
+    for _, n, _m, r, p_off, _ in table.rows:
+        P = po[p_off : p_off + n * r].view(n, r)
+        assert torch.allclose(P.t() @ P, torch.eye(r), atol=1e-5)
+
+
+def test_a_matrix_table_result_does_not_depend_on_its_companions(monkeypatch):
+    monkeypatch.setenv("GRADCOMP_KERNELS", "triton")
+    g = torch.Generator().manual_seed(5)
+    M, Q = torch.randn(65 * 63, generator=g), torch.randn(63 * 2, generator=g)
+
+    def run(before):
+        shapes = [s for _, s in TABLE_SHAPES if len(s) == 2][:before] + [(65, 63)]
+        table, nx, npp, nq = _table(shapes)
+        x, q = torch.randn(nx, generator=g), torch.randn(nq, generator=g)
+        x_off, n, m, r, p_off, q_off = table.rows[-1]
+        x[x_off:], q[q_off:] = M, Q
+        p, q2, out = torch.zeros(npp), torch.zeros(nq), x.clone()
+        lowrank.orthonormalize(lowrank.project(x, q, p, table), table)
+        lowrank.expand(p, lowrank.back(x, p, q2, table), out, table, 2)
+        return p[p_off:], q2[q_off:], out[x_off:]
+
+    alone = run(0)
+    for before in (1, 4, 7):
+        for a, b in zip(alone, run(before)):
+            assert torch.equal(a, b), before
+
+
+@pytest.mark.parametrize("spec, W", [("powersgd", 1), ("powersgd:min_compression_rate=0", 2),
+                                     ("powersgd:rank=1,error_feedback=false", 2)])
+def test_powersgd_table_path_matches_the_batched_path(spec, W, monkeypatch):
+    params = lay_out(TABLE_SHAPES + PSGD_SHAPES)
+    n = sum(p.numel for p in params)
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(n, generator=g) for _ in range(3)]
+    got = {}
+    for mode in ("cpu", "triton"):
+        monkeypatch.setenv("GRADCOMP_KERNELS", mode)
+        method, mem = compressor(spec, min_numel=10), ParamMemory()
+        outs = [method.reduce(x.clone(), Ctx(params, step, mem, W)) for step, x in enumerate(xs)]
+        qs = {p.name: mem.tensor("q", p.name, None) for p, *_ in method.plan(params)[0]}
+        got[mode] = outs, qs
+    assert len(got["cpu"][1]) >= 8
+    for a, b in zip(got["cpu"][0], got["triton"][0]):  # three steps: warm starts, the residual
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    for name, q in got["cpu"][1].items():
+        torch.testing.assert_close(got["triton"][1][name], q, rtol=1e-4, atol=1e-4)
+
+
+def _distinct(count):
+    # count matrices of count distinct shapes (a CNN's or a transformer's bucket)
+    return bench_ops.buckets([(f"w{i}", (64 + i, 72 + 2 * (i % 7))) for i in range(count)],
+                             2**40)[0]
+
+
+@pytest.mark.parametrize("spec", ["powersgd", "powersgd:rank=1,error_feedback=false"])
+def test_powersgd_launches_do_not_grow_with_the_distinct_shapes(spec, monkeypatch):
+    monkeypatch.setattr(Guard, "_guarded", lambda self, x, ctx, flat, run: run(x))
+    few, many = (bench_ops.count(spec, _distinct(c), launches=True) for c in (4, 60))
+    batched = bench_ops.count(spec, _distinct(60), kernels=True)  # the CPU path: per shape
+    assert many == few and many <= 30 and batched > 4 * many, (few, many, batched)
 
 
 # --------------------------------------------------------------------------- op counts

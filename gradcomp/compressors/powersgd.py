@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import MethodConfig, check
+from ..kernels import backend, lowrank
 from .base import Compressor, name_seed, register_method
 
 
@@ -96,14 +97,36 @@ class PowerSGD(Compressor):
         if cfg.error_feedback:
             e = ctx.memory("residual")
             x.add_(e)
-        Ms, Qs, Ps = [], [], []
-        for g in lay.groups:
+        qs = [[ctx.tensor("q", p.name, lambda p=p, g=g: _init_q(cfg.seed, p.name, g.m, g.r, x.device))
+               for p in g.params] for g in lay.groups]
+        if backend("powersgd", x) == "triton":
+            out, buf = self._reduce_table(x, ctx, lay, qs)
+        else:
+            out, buf = self._reduce_batched(x, ctx, lay, qs)
+        lay.put_dense(out, buf, W)
+        if ctx.details:  # how much of this rank's matrix the shared rank-r basis P misses
+            err = []
+            for g, (a, b) in zip(lay.groups, lay.p_spans):
+                M, P = g.take(x), buf[a:b].view(g.B, g.n, g.r)
+                err.append(torch.linalg.vector_norm(M - bmm(P, bmm(P.transpose(1, 2), M)),
+                                                    dim=(1, 2))
+                           / (torch.linalg.vector_norm(M, dim=(1, 2)) + 1e-30))
+            ctx.log("approx_error", torch.cat(err).mean())
+        if cfg.error_feedback:
+            torch.sub(x, out, out=e)
+            lay.zero_dense(e)  # sent exactly: no error
+        return out
+
+    def _reduce_batched(self, x, ctx, lay, qs):
+        """The CPU path: each shape's matrices as one batch (bmm, batched Gram-Schmidt).
+        Returns (out with the matrices' average, the first message: orthonormal P's, then
+        the dense parameters' sum)."""
+        W = ctx.comm.world_size
+        Ms, Ps = [], []
+        for g, q in zip(lay.groups, qs):
             M = g.take(x)  # a copy: the batch's matrices end to end
-            qs = [ctx.tensor("q", p.name, lambda p=p, g=g: _init_q(cfg.seed, p.name, g.m, g.r, x.device))
-                  for p in g.params]
             Ms.append(M)
-            Qs.append(qs)
-            Ps.append(bmm(M, torch.stack(qs)))
+            Ps.append(bmm(M, torch.stack(q)))
         # 1st collective: every P and every uncompressed tensor together
         buf = torch.cat([P.view(-1) for P in Ps] + lay.take_dense(x))
         ctx.comm.allreduce(buf)
@@ -112,20 +135,30 @@ class PowerSGD(Compressor):
         # 2nd collective: every Q
         qbuf = torch.cat([bmm(M.transpose(1, 2), P).view(-1) for M, P in zip(Ms, Ps)])
         ctx.comm.allreduce(qbuf)
-        out = x.clone() if cfg.error_feedback else x
-        for g, P, qs, (a, b) in zip(lay.groups, Ps, Qs, lay.q_spans):
+        out = x.clone() if self.config.error_feedback else x
+        for g, P, q, (a, b) in zip(lay.groups, Ps, qs, lay.q_spans):
             Q = qbuf[a:b].view(g.B, g.m, g.r)
-            torch._foreach_copy_(qs, Q.unbind(0))
+            torch._foreach_copy_(q, Q.unbind(0))
             g.put(out, bmm(P, Q.transpose(1, 2)).div_(W))
-        lay.put_dense(out, buf, W)
-        if ctx.details:  # how much of this rank's matrix the shared rank-r basis P misses
-            err = [torch.linalg.vector_norm(M - bmm(P, bmm(P.transpose(1, 2), M)), dim=(1, 2))
-                   / (torch.linalg.vector_norm(M, dim=(1, 2)) + 1e-30) for M, P in zip(Ms, Ps)]
-            ctx.log("approx_error", torch.cat(err).mean())
-        if cfg.error_feedback:
-            torch.sub(x, out, out=e)
-            lay.zero_dense(e)  # sent exactly: no error
-        return out
+        return out, buf
+
+    def _reduce_table(self, x, ctx, lay, qs):
+        """The GPU path: every matrix of the bucket in one launch per step, whatever its
+        shape (:mod:`gradcomp.kernels.lowrank`); the same messages as the batched path."""
+        W, table = ctx.comm.world_size, lay.table(x.device)
+        qs = [q for group in qs for q in group]
+        q = torch.cat([v.view(-1) for v in qs])
+        buf = x.new_empty(lay.p_total + lay.dense_numel)
+        lowrank.project(x, q, buf, table)
+        lay.take_dense_into(x, buf[lay.p_total :])
+        ctx.comm.allreduce(buf)  # 1st collective: every P and every uncompressed tensor
+        lowrank.orthonormalize(buf, table)
+        lowrank.back(x, buf, q, table)  # the Q's, end to end (q is not read again)
+        ctx.comm.allreduce(q)  # 2nd collective: every Q
+        torch._foreach_copy_([v.view(-1) for v in qs], q.split(lay.q_sizes))
+        out = x.clone() if self.config.error_feedback else x
+        lowrank.expand(buf, q, out, table, W)
+        return out, buf
 
     def _layout(self, params, device):
         key = (tuple((p.name, p.offset, p.numel, p.size) for p in params), str(device))
@@ -184,12 +217,30 @@ class _Layout:
             self.q_spans.append((qa, qa + g.B * g.m * g.r))
             pa, qa = pa + g.B * g.n * g.r, qa + g.B * g.m * g.r
         self.p_total = pa
+        self.q_sizes = [g.m * g.r for g in self.groups for _ in range(g.B)]
         self.dense_idx = (torch.cat([torch.arange(p.offset, p.offset + p.numel, device=device)
                                      for p in dense]) if dense else None)
+        self.dense_numel = sum(p.numel for p in dense)
+        self._table = None
+
+    def table(self, device) -> lowrank.MatrixTable:
+        """Every matrix's place in x, in the P message and in the Q message (for the GPU
+        path; built on first use)."""
+        if self._table is None:
+            rows = []
+            for g, (pa, _), (qa, _) in zip(self.groups, self.p_spans, self.q_spans):
+                for b, p in enumerate(g.params):
+                    rows.append((p.offset, g.n, g.m, g.r, pa + b * g.n * g.r, qa + b * g.m * g.r))
+            self._table = lowrank.matrix_table(rows, device)
+        return self._table
 
     def take_dense(self, x: torch.Tensor) -> list[torch.Tensor]:
         """The dense parameters' values end to end (to ride behind the P's), as a list."""
         return [] if self.dense_idx is None else [x.index_select(0, self.dense_idx)]
+
+    def take_dense_into(self, x: torch.Tensor, dst: torch.Tensor) -> None:
+        if self.dense_idx is not None:
+            torch.index_select(x, 0, self.dense_idx, out=dst)
 
     def put_dense(self, out: torch.Tensor, buf: torch.Tensor, W: int) -> None:
         """out[dense parameters] = their sum over ranks (behind the P's in buf) / W."""
