@@ -23,10 +23,15 @@ def random_layout(rng, sizes=(0, 1, 3, 17, 100, 1000, 5000, 40000)):
     return layout, pos + rng.choice([0, 7])
 
 
-@pytest.mark.parametrize("compact", ["nonzero", "cumsum"])
-def test_segmented_select_equals_the_per_parameter_reference(compact):
+@pytest.mark.parametrize("compact", ["nonzero", "cumsum", "triton"])
+def test_segmented_select_equals_the_per_parameter_reference(compact, monkeypatch):
     """Values, indices and thresholds of every parameter, bit for bit: tiny, empty and large
-    parameters, gaps, ties (rounded values), ratios where k >= n (every element sent)."""
+    parameters, gaps, ties (rounded values), ratios where k >= n (every element sent). The
+    Triton kernels with blocks of 256 elements: segments across blocks, blocks across
+    segments."""
+    if compact == "triton":
+        from gradcomp.kernels import triton_kernels
+        monkeypatch.setattr(triton_kernels, "BLOCK", 256)
     rng = random.Random(0)
     g = torch.Generator().manual_seed(0)
     for trial in range(40):

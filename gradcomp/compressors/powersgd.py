@@ -14,12 +14,17 @@ Algorithm, per bucket and step (one power iteration, warm-started):
   6. Approximation M' = P Q^T / W;  E = M - M'. Q is kept for the next step.
 Sends (n + m) r floats per matrix instead of n m.
 
-Per-parameter semantics, per-bucket execution: a bucket's matrices are grouped by shape
-(n, m, r) once per bucket layout (cached), and every step runs on a group as a batch:
-one gather of its matrices out of the bucket, ``torch.bmm`` for M Q, M^T P and P Q^T, a
-batched Gram-Schmidt, one scatter back. So the op count grows with the number of distinct
-shapes in a bucket, not with the number of matrices (a transformer's blocks repeat a
-handful of shapes; a CNN has a few dozen).
+Per-parameter semantics, per-bucket execution, two paths with the same messages:
+  * CPU: a bucket's matrices are grouped by shape (n, m, r) once per bucket layout (cached),
+    and every step runs on a group as a batch: one gather of its matrices out of the
+    bucket, ``torch.bmm`` for M Q, M^T P and P Q^T, a batched Gram-Schmidt, one scatter
+    back. The op count grows with the number of distinct shapes in a bucket, not with the
+    number of matrices (a transformer's blocks repeat a handful of shapes; a CNN has a few
+    dozen).
+  * GPU (Triton; ``GRADCOMP_KERNELS=triton`` runs it anywhere): one table of every matrix's
+    place per bucket layout, and each of the four matrix steps is ONE launch over all of
+    them, whatever their shapes (:mod:`gradcomp.kernels.lowrank`): 21-25 launches per bucket
+    exchange. It agrees with the CPU path to float tolerance, not bit for bit.
 
 Bit-exactness. A matrix's result must not depend on the other matrices of its batch (DDP
 rebuilds its buckets, and a resumed job sees other buckets at its first step). Batched

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import backend
+from . import _triton_module, backend
 
 # Candidate buffer = CAPACITY_FACTOR * k; the sampled threshold targets TARGET_FACTOR * k so
 # that the count that passes (about 1.5k +- a few sqrt(k)) rarely overflows the buffer.
@@ -241,14 +241,19 @@ def select_above(x: torch.Tensor, pl: SelectPlan, thr: torch.Tensor, compact: st
     """Steps 3-4 with each segment's threshold ``thr`` (S,) (NaN: no candidate): (values (K,),
     int64 indices into x (K,)), the k_p largest of the first capacity_p elements with
     |x| >= thr of each parameter. ``compact``: "nonzero" (the CPU's way), "cumsum" (no host
-    sync: the GPU's way) or "auto" (the GPU's way where the Triton kernels run)."""
+    sync, in torch ops), "triton" (the same slots as "cumsum" in three Triton launches: the
+    GPU's way) or "auto" (the GPU's way where the Triton kernels run)."""
     n, dev, C = x.numel(), x.device, pl.slots
     if C == 0:  # nothing to select (every parameter empty)
         return x.new_zeros(0), torch.zeros(0, dtype=torch.int64, device=dev)
     # 3: candidates, the first cap_p of each parameter in index order
-    mask = x.abs() >= thr[pl.seg_of]
     if compact == "auto":  # the GPU's way wherever the GPU's kernels run (tests: on the CPU)
-        compact = "cumsum" if backend("select_topk", x) == "triton" else "nonzero"
+        compact = "triton" if backend("select_topk", x) == "triton" else "nonzero"
+    if compact == "triton":
+        val, idx = _triton_module().segment_candidates(x, thr, pl.seg_of, pl.seg_start,
+                                                       pl.slot_base, pl.slot_end, C)
+        return _take_largest(val, idx, pl)
+    mask = x.abs() >= thr[pl.seg_of]
     if compact == "nonzero":
         cand = torch.nonzero(mask).view(-1)
         seg = pl.seg_of[cand]
@@ -267,6 +272,12 @@ def select_above(x: torch.Tensor, pl: SelectPlan, thr: torch.Tensor, compact: st
         src_val, src_idx = x, torch.arange(n, device=dev)
     val = torch.zeros(C + 1, dtype=x.dtype, device=dev).index_put_((slot,), src_val)
     idx = torch.zeros(C + 1, dtype=torch.int64, device=dev).index_put_((slot,), src_idx)
+    return _take_largest(val, idx, pl)
+
+
+def _take_largest(val: torch.Tensor, idx: torch.Tensor, pl: SelectPlan):
+    """Step 4 over the candidate slots (C + 1,): (values, indices) of each parameter's k_p
+    largest."""
     # 4: one sort puts each parameter's candidates in its own slots, largest first (the
     # spill slot, whatever it holds, sorts after every parameter's: it is never taken)
     order = torch.sort(_desc_key(val.abs(), pl.slot_key), stable=True).indices[pl.take]

@@ -662,3 +662,99 @@ def powersgd_orthonormalize(p, table):
         _psgd_orthonormalize_kernel[(len(table.rows),)](
             p, table.mats, BN=4 * TILE_ROWS, R=table.rank, num_warps=NUM_WARPS)
     return p
+
+
+# --------------------------------------------------------------------------- segmented candidates
+# Step 3 of the segmented top-k (kernels/segmented.py, ``select_above``): the first cap_p
+# elements with |x| >= thr of each segment, in index order, into the segment's candidate
+# slots. Three launches and a cumsum over the tiny per-block counts, where the torch path
+# takes ~20 ops; the same slots as its "cumsum" way.
+@triton.jit
+def _seg_count_kernel(
+    x_ptr,       # (n,) x                                reads 4n
+    thr_ptr,     # (S,) fp32 threshold per segment (NaN: no candidate)
+    seg_ptr,     # (n,) int32 segment of each element    reads 4n
+    counts_ptr,  # (nblocks,) int32 candidates per block
+    n,
+    BLOCK_: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK_ + tl.arange(0, BLOCK_)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    t = tl.load(thr_ptr + tl.load(seg_ptr + offs, mask=mask, other=0), mask=mask, other=0.0)
+    hit = (tl.abs(x) >= t) & mask
+    tl.store(counts_ptr + pid, tl.sum(hit.to(tl.int32), axis=0))
+
+
+@triton.jit
+def _seg_before_kernel(
+    x_ptr, thr_ptr, seg_ptr,
+    start_ptr,   # (nblocks,) int64 candidates before each block
+    first_ptr,   # (S,) int64 first element of each segment
+    before_ptr,  # (S,) int64 out: candidates before each segment
+    BLOCK_: tl.constexpr,
+):
+    s = tl.program_id(0)
+    first = tl.load(first_ptr + s)
+    prev = tl.maximum(first - 1, 0)
+    b = prev // BLOCK_
+    offs = b * BLOCK_ + tl.arange(0, BLOCK_)
+    mask = offs <= prev
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    t = tl.load(thr_ptr + tl.load(seg_ptr + offs, mask=mask, other=0), mask=mask, other=0.0)
+    hit = (tl.abs(x) >= t) & mask
+    cnt = tl.load(start_ptr + b) + tl.sum(hit.to(tl.int64), axis=0)
+    tl.store(before_ptr + s, tl.where(first == 0, 0, cnt))
+
+
+@triton.jit
+def _seg_compact_kernel(
+    x_ptr, thr_ptr, seg_ptr,
+    start_ptr,      # (nblocks,) int64 candidates before each block
+    before_ptr,     # (S,) int64 candidates before each segment
+    slot_base_ptr,  # (S,) int64 first slot of each segment
+    slot_end_ptr,   # (S,) int64 end of its slots
+    val_ptr,        # (C + 1,) candidate values, in x's dtype     writes <= C
+    idx_ptr,        # (C + 1,) int64 candidate indices             writes <= C
+    n,
+    BLOCK_: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK_ + tl.arange(0, BLOCK_)
+    mask = offs < n
+    xv = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    seg = tl.load(seg_ptr + offs, mask=mask, other=0)
+    t = tl.load(thr_ptr + seg, mask=mask, other=0.0)
+    hit = (tl.abs(xv.to(tl.float32)) >= t) & mask
+    cand = tl.load(start_ptr + pid) + tl.cumsum(hit.to(tl.int64), axis=0)  # inclusive
+    slot = cand - 1 - tl.load(before_ptr + seg, mask=mask, other=0) \
+        + tl.load(slot_base_ptr + seg, mask=mask, other=0)
+    keep = hit & (slot < tl.load(slot_end_ptr + seg, mask=mask, other=0))
+    tl.store(val_ptr + slot, xv, mask=keep)
+    tl.store(idx_ptr + slot, offs, mask=keep)
+
+
+def segment_candidates(x: torch.Tensor, thr: torch.Tensor, seg_of: torch.Tensor,
+                       seg_start: torch.Tensor, slot_base: torch.Tensor, slot_end: torch.Tensor,
+                       slots: int):
+    """(values (C + 1,) in x's dtype, int64 indices (C + 1,)): for each segment s, the first
+    slot_end[s] - slot_base[s] elements of x with |x| >= thr[s] (NaN: none), in index order,
+    at slots slot_base[s]...; the others hold 0 (slot C, the torch path's spill slot, too).
+    The slots of :func:`gradcomp.kernels.segmented.select_above`'s "cumsum" way."""
+    check_flat(x)
+    n = x.numel()
+    val = _alloc((slots + 1,), x.dtype, x.device).zero_()
+    idx = _alloc((slots + 1,), torch.int64, x.device).zero_()
+    if n == 0 or slots == 0:
+        return val, idx
+    nblocks = triton.cdiv(n, BLOCK)
+    counts = torch.empty(nblocks, dtype=torch.int32, device=x.device)
+    _seg_count_kernel[(nblocks,)](x, thr, seg_of, counts, n, BLOCK_=BLOCK, num_warps=NUM_WARPS)
+    start = torch.cumsum(counts, 0, dtype=torch.int64) - counts  # exclusive scan, tiny
+    before = torch.empty(seg_start.numel(), dtype=torch.int64, device=x.device)
+    _seg_before_kernel[(seg_start.numel(),)](x, thr, seg_of, start, seg_start, before,
+                                             BLOCK_=BLOCK, num_warps=NUM_WARPS)
+    _seg_compact_kernel[(nblocks,)](x, thr, seg_of, start, before, slot_base, slot_end, val, idx,
+                                    n, BLOCK_=BLOCK, num_warps=NUM_WARPS)
+    return val, idx
