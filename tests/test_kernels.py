@@ -458,6 +458,21 @@ specs = [
     (tk._count_kernel, [P, P, "*i32", "i32"], dict(BLOCK_=4096)),
     (tk._compact_kernel, ["*fp16", P, "*i64", P, "*i32", "i32", "i32"], dict(BLOCK_=4096)),
     (tk._scatter_add_kernel, [P, "*i64", P, "i32", "i32", "fp32"], dict(BLOCK_=4096)),
+    (tk._psgd_project_kernel, [P, P, P, "*i64", "*i64"], dict(BN=32, BK=64, R=4)),
+    (tk._psgd_back_kernel, ["*bf16", P, P, "*i64", "*i64"], dict(BN=32, BK=64, R=1)),
+    (tk._psgd_expand_kernel, [P, P, "*fp16", "*i64", "*i64", "fp32"], dict(BN=32, BK=64, R=8)),
+    (tk._psgd_orthonormalize_kernel, [P, "*i64"], dict(BN=128, R=4)),
+    (tk._seg_count_kernel, [P, P, "*i32", "*i32", "i32"], dict(BLOCK_=2048)),
+    (tk._seg_before_kernel, [P, P, "*i32", "*i64", "*i64", "*i64"], dict(BLOCK_=2048)),
+    (tk._seg_compact_kernel, ["*fp16", P, "*i32", "*i64", "*i64", "*i64", "*i64", "*fp16", "*i64",
+                              "i32"], dict(BLOCK_=2048)),
+    (tk._threshold_tau_kernel, [P, "*i64", "*i64", "*i64", P, "*i64", P, "*i64", P, P, "i32",
+                                "fp32", "fp32"], dict(ADAPTIVE=True, BLOCK_=1024)),
+    (tk._threshold_tau_kernel, [P, "*i64", "*i64", "*i64", P, "*i64", P, "*i64", P, P, "i32",
+                                "fp32", "fp32"], dict(ADAPTIVE=False, BLOCK_=1024)),
+    (tk._threshold_encode_kernel, [P, "*i64", "*i64", P, "*i32", P, "i32"],
+     dict(HAS_RES=True, BLOCK_=2048)),
+    (tk._threshold_decode_kernel, ["*i32", "*i64", P, "i32", "i32", "i32"], dict(BLOCK_=2048)),
 ]
 for fn, types, cx in specs:
     names = fn.arg_names

@@ -200,3 +200,30 @@ def test_spec_string_options_are_typed():
     assert (name, cfg.adaptive, cfg.tau, cfg.max_ratio) == ("threshold", False, 1.0, 0.1)
     assert isinstance(cfg.tau, float)
     assert gradcomp.build_config("threshold", quantile=0.9)[1].quantile == 0.9
+
+
+@pytest.mark.parametrize("spec", [ADAPTIVE, "threshold:max_ratio=0.3,ema=0.2",
+                                  "threshold:adaptive=false,tau=0.5"])
+def test_the_gpu_path_equals_the_cpu_path(spec, monkeypatch):
+    """The Triton kernels (tau, encode, decode, candidates; run by the interpreter, in blocks
+    of 256) give the CPU path's bits: outputs, residuals and taus, step after step."""
+    from gradcomp.kernels import triton_kernels
+    monkeypatch.setattr(triton_kernels, "BLOCK", 256)
+    params = layout(NAMES)
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(_numel(params), generator=g) * (1 + step) for step in range(4)]
+    xs[2][:50] = 0.0  # zeros: a sample with few non-zero magnitudes
+    got = {}
+    for mode in ("cpu", "triton"):
+        monkeypatch.setenv("GRADCOMP_KERNELS", mode)
+        st = state_for(spec)
+        outs = [st.reduce(x.clone(), params) for x in xs]
+        got[mode] = outs, st.state_dict()["memory"]["flat"]
+    for a, b in zip(got["cpu"][0], got["triton"][0]):
+        assert torch.equal(a, b)
+    assert (got["cpu"][0][-1] != 0).sum() > 20  # something was sent
+    cpu, gpu = got["cpu"][1], got["triton"][1]
+    assert cpu.keys() == gpu.keys() and "residual" in cpu
+    for slot in cpu:
+        for name in cpu[slot]:
+            assert torch.equal(cpu[slot][name], gpu[slot][name]), (slot, name)

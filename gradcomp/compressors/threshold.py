@@ -52,7 +52,6 @@ from ..kernels import segmented
 from ..kernels.segmented import CAPACITY_FACTOR, MIN_SAMPLE_HITS, TARGET_FACTOR
 from .base import Compressor, dense_values, put_dense, register_method, zero_dense
 
-_INF = float("inf")
 
 
 @dataclass(frozen=True)
@@ -125,7 +124,6 @@ class _Tables:
     zero_key: torch.Tensor   # (P,) the sort key of a 0 magnitude of each parameter
     owner: torch.Tensor      # (K,) the parameter of each code slot
     seg_param: torch.Tensor  # (S,) each segment's parameter (0 for a gap: its NaN wins)
-    inf: torch.Tensor        # (P,) +inf (where nextafter goes)
 
 
 @functools.lru_cache(maxsize=64)
@@ -145,8 +143,7 @@ def _tables(layout: tuple, n: int, cfg, device) -> _Tables:
 
     return _Tables(pl, big, t(list(big)), t([a + k for a, k in zip(starts, ranks)]), t(starts),
                    t([(p << 31) + 0x7FFFFFFF for p in range(len(big))]),
-                   t([p for p, b in enumerate(budgets) for _ in range(b[0])]), t(seg_param),
-                   torch.full((len(big),), _INF, device=device))
+                   t([p for p, b in enumerate(budgets) for _ in range(b[0])]), t(seg_param))
 
 
 @register_method
@@ -167,40 +164,26 @@ class Threshold(Compressor):
         shifts = torch.tensor([segmented.shift(ctx.seed(0, p.name), p.numel) for p in params],
                               dtype=torch.int64, device=x.device)
         keys, mag, guard = segmented.sample(x, pl, shifts)
-        if cfg.adaptive:
-            # step 2: the smallest non-zero magnitude among each parameter's ks largest
-            # sampled (zeros sort last within a parameter: count the non-zero ones)
-            nonzero_end = torch.searchsorted(keys, tb.zero_key)
-            est = mag[torch.minimum(tb.est_end, nonzero_end) - 1]
-            est.masked_fill_(nonzero_end <= tb.est_start, _INF)  # every sampled |y| is 0
-            taus = ctx.scalars("tau")  # per parameter; 0: no estimate yet
-            prev = taus[tb.where]
-            tau = torch.where(prev == 0, est, torch.where(
-                torch.isinf(est), prev, torch.lerp(prev, est, 1 - cfg.ema)))
-        else:
-            tau = torch.full((len(params),), cfg.tau, dtype=torch.float32, device=x.device)
-        sent_tau = torch.where(torch.isinf(tau), 0.0, tau)  # +inf: nothing is sent
-        if cfg.adaptive:
-            taus.index_copy_(0, tb.where, sent_tau)
-        # |y| > tau  <=>  |y| >= nextafter(tau); the cap guard raises it (gaps stay NaN)
-        thr = torch.maximum(guard, torch.nextafter(tau, tb.inf)[tb.seg_param])
+        # step 2 (see the module docstring); the cap guard raises each threshold (gaps: NaN)
+        taus = ctx.scalars("tau") if cfg.adaptive else None  # per parameter; 0: none yet
+        # zeros sort last within a parameter: the estimate counts the non-zero ones
+        nonzero_end = torch.searchsorted(keys, tb.zero_key) if cfg.adaptive else None
+        sent_tau, thr = kernels.threshold_tau(mag, nonzero_end, tb.est_start, tb.est_end, taus,
+                                              tb.where, guard, tb.seg_param, pl.param_seg,
+                                              cfg.tau, cfg.ema)
         vals, idx = segmented.select_above(x, pl, thr)  # unused slots: value 0
-        sign = torch.sign(vals)
-        codes = (idx + 1).to(torch.int32).mul_(sign.to(torch.int32))
+        codes = kernels.threshold_encode(x, vals, idx, tb.owner, sent_tau, e)
         if ctx.logging:
             ctx.log("threshold", sent_tau.mean())
             ctx.log("sent_fraction", (codes != 0).sum() / sum(p.numel for p in params))
         if e is not None:
-            e.copy_(x).index_put_((idx,), -sign * sent_tau[tb.owner], accumulate=True)
             zero_dense(e, dense)
         K, P = codes.numel(), len(params)
         parts = [codes, sent_tau.view(torch.int32)]
         msg = torch.cat(parts + [dense_values(x, dense).view(torch.int32)] if dense else parts)
         got = ctx.comm.allgather(msg)  # (W, K + P + dense) int32
-        got_codes = got[:, :K]
-        sent = torch.sign(got_codes).float() * got[:, K : K + P].contiguous().view(torch.float32)[:, tb.owner]
         out = torch.zeros(x.numel(), dtype=torch.float32, device=x.device)
-        kernels.scatter_add(sent, got_codes.abs().sub_(1).clamp_(min=0), out)
+        kernels.threshold_decode(got, K, P, tb.owner, out)  # each code with its sender's tau
         out.div_(ctx.comm.world_size)
         put_dense(got[:, K + P :], dense, out)
         return out

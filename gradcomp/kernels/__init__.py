@@ -82,3 +82,17 @@ def select_topk(x, threshold, k, capacity):
 
 def scatter_add(values, indices, out, alpha=1.0):
     return _impl("scatter_add", out)(values, indices, out, alpha)
+
+
+def threshold_tau(mag, nonzero_end, est_start, est_end, taus, where, guard, seg_param, param_seg,
+                  fixed, ema):
+    return _impl("threshold_tau", guard)(mag, nonzero_end, est_start, est_end, taus, where, guard,
+                                         seg_param, param_seg, fixed, ema)
+
+
+def threshold_encode(x, vals, idx, owner, tau, residual):
+    return _impl("threshold_encode", x)(x, vals, idx, owner, tau, residual)
+
+
+def threshold_decode(got, K, P, owner, out):
+    return _impl("threshold_decode", out)(got, K, P, owner, out)

@@ -11,6 +11,8 @@ Conventions shared by all functions:
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 def check_flat(x: torch.Tensor, name: str = "x") -> None:
@@ -297,4 +299,58 @@ def scatter_add(values: torch.Tensor, indices: torch.Tensor, out: torch.Tensor,
                 alpha: float = 1.0) -> torch.Tensor:
     """out[indices] += alpha * values, duplicates accumulate. values/indices: any shape."""
     out.index_add_(0, indices.reshape(-1).long(), values.reshape(-1), alpha=alpha)
+    return out
+
+
+# --------------------------------------------------------------------------- threshold quantization
+# The steps of compressors/threshold.py that follow the segmented sample and select, one
+# value per parameter (P), per segment (S) or per code slot (K).
+def threshold_tau(mag: torch.Tensor, nonzero_end: torch.Tensor, est_start: torch.Tensor,
+                  est_end: torch.Tensor, taus: torch.Tensor | None, where: torch.Tensor,
+                  guard: torch.Tensor, seg_param: torch.Tensor, param_seg: torch.Tensor,
+                  fixed: float, ema: float):
+    """Each parameter's tau and each segment's selection threshold: (sent_tau (P,), thr (S,)).
+
+    Adaptive (``taus`` given: the memory of every parameter of the bucket, 0 = no estimate
+    yet; updated in place at ``where``): est = mag[min(est_end, nonzero_end) - 1], +inf where
+    nonzero_end <= est_start (no non-zero sample); tau = est at the first estimate, the
+    previous tau where est is +inf, else lerp(prev, est, 1 - ema). Fixed (``taus`` None):
+    tau = ``fixed``. sent_tau = tau, 0 where +inf (nothing sent). thr[s] = guard[s] for a gap
+    (NaN), max(guard[s], nextafter(tau, +inf)) for parameter p's segment s = param_seg[p]
+    (|y| > tau <=> |y| >= nextafter(tau)); seg_param: (S,) each segment's parameter (any for
+    a gap: its NaN wins)."""
+    P = est_start.numel()
+    if taus is not None:
+        est = mag[torch.minimum(est_end, nonzero_end) - 1]
+        est.masked_fill_(nonzero_end <= est_start, math.inf)  # every sampled |y| is 0
+        prev = taus[where]
+        tau = torch.where(prev == 0, est, torch.where(
+            torch.isinf(est), prev, torch.lerp(prev, est, 1 - ema)))
+    else:
+        tau = torch.full((P,), fixed, dtype=torch.float32, device=guard.device)
+    sent = torch.where(torch.isinf(tau), 0.0, tau)
+    if taus is not None:
+        taus.index_copy_(0, where, sent)
+    thr = torch.maximum(guard, torch.nextafter(tau, torch.full_like(tau, math.inf))[seg_param])
+    return sent, thr
+
+
+def threshold_encode(x: torch.Tensor, vals: torch.Tensor, idx: torch.Tensor, owner: torch.Tensor,
+                     tau: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """Codes (K,) int32: sign(vals) * (idx + 1), 0 for an unused slot (value 0). With a
+    residual (n,): residual = x less sign(vals) * tau[owner] at idx (what is not sent)."""
+    sign = torch.sign(vals)
+    codes = (idx + 1).to(torch.int32).mul_(sign.to(torch.int32))
+    if residual is not None:
+        residual.copy_(x).index_put_((idx,), -sign * tau[owner], accumulate=True)
+    return codes
+
+
+def threshold_decode(got: torch.Tensor, K: int, P: int, owner: torch.Tensor,
+                     out: torch.Tensor) -> torch.Tensor:
+    """out += every row's elements: got (W, >= K + P) int32 rows of K codes, then P taus (fp32
+    bits); code c != 0 adds sign(c) * tau[owner[slot]] at |c| - 1. Returns out."""
+    codes = got[:, :K]
+    taus = got[:, K : K + P].contiguous().view(torch.float32)
+    scatter_add(torch.sign(codes).float() * taus[:, owner], codes.abs().sub_(1).clamp_(min=0), out)
     return out
