@@ -1,8 +1,9 @@
 """Triton kernels for the quantize and select steps (CUDA tensors).
 
 Every function here has the signature and semantics of the function of the same name in
-:mod:`gradcomp.kernels.reference`, which is the specification; ``tests/test_kernels.py``
-compares them. :mod:`gradcomp.kernels` imports this module lazily, for CUDA tensors only, so
+:mod:`gradcomp.kernels.reference` (PowerSGD's: :mod:`gradcomp.kernels.lowrank`;
+segment_candidates: the "cumsum" way of :mod:`gradcomp.kernels.segmented`), which is the
+specification; the tests compare them. :mod:`gradcomp.kernels` imports this module lazily, for CUDA tensors only, so
 the package imports without Triton. Under ``TRITON_INTERPRET=1`` the same kernels run on CPU
 tensors (that is how the tests run without a GPU).
 
@@ -19,6 +20,15 @@ Passes over memory (n elements, fp32 x):
     exact ``torch.topk`` over the ``capacity`` candidates. Blocks past ``capacity`` stop
     after reading one offset. No host synchronization.
   * scatter_add: one kernel of atomic adds.
+  * segment_candidates (the segmented top-k's candidate step, kernels/segmented.py): a
+    count over x, a cumsum over the tiny per-block counts, one program per segment for the
+    candidates before it, a compaction: two reads of x.
+  * threshold_tau / threshold_encode / threshold_decode: threshold quantization's
+    per-parameter tau, its codes and residual, and the decode of the W messages (atomic
+    adds); each one launch over a bucket.
+  * powersgd_project / _back / _expand / _orthonormalize: PowerSGD's matrix steps over a
+    table of matrices of any shapes, one launch each (kernels/lowrank.py; float tolerance,
+    not bit-identity, against its reference: a product's summation order is the kernel's).
 
 Randomness. ``ternary_compress`` draws ``tl.rand`` (Philox4x32-10): per element i, key = the
 seed and counter = i, or with per-segment seeds key = seeds[k] and counter = i - starts[k] for
