@@ -492,6 +492,15 @@ def scatter_add(values: torch.Tensor, indices: torch.Tensor, out: torch.Tensor,
 # most a few: the products are broadcast multiply-adds over a (rows, cols, R) tile, not
 # tl.dot (no tf32, no minimum tile of 16 on the rank's side).
 @triton.jit
+def _psgd_tile(mats_ptr, tiles_ptr):
+    """This program's tile: (its first row or column, then its matrix's table row)."""
+    t = tl.program_id(0)
+    row = mats_ptr + 6 * tl.load(tiles_ptr + 2 * t)
+    return (tl.load(tiles_ptr + 2 * t + 1), tl.load(row), tl.load(row + 1), tl.load(row + 2),
+            tl.load(row + 3), tl.load(row + 4), tl.load(row + 5))
+
+
+@triton.jit
 def _psgd_project_kernel(
     x_ptr,      # bucket, fp32/fp16/bf16                reads each matrix once
     q_ptr,      # Q's, fp32                             reads m r per row tile
@@ -500,12 +509,8 @@ def _psgd_project_kernel(
     tiles_ptr,  # (T, 2) int64 (matrix, first row)
     BN: tl.constexpr, BK: tl.constexpr, R: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    k = tl.load(tiles_ptr + 2 * t)
-    rows = tl.load(tiles_ptr + 2 * t + 1) + tl.arange(0, BN)
-    row = mats_ptr + 6 * k
-    x_off, n, m = tl.load(row), tl.load(row + 1), tl.load(row + 2)
-    r, p_off, q_off = tl.load(row + 3), tl.load(row + 4), tl.load(row + 5)
+    first, x_off, n, m, r, p_off, q_off = _psgd_tile(mats_ptr, tiles_ptr)
+    rows = first + tl.arange(0, BN)
     js = tl.arange(0, R)
     rmask, jmask = rows < n, js < r
     acc = tl.zeros((BN, R), tl.float32)
@@ -529,12 +534,8 @@ def _psgd_back_kernel(
     mats_ptr, tiles_ptr,  # (U, 2) int64 (matrix, first column)
     BN: tl.constexpr, BK: tl.constexpr, R: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    k = tl.load(tiles_ptr + 2 * t)
-    cols = tl.load(tiles_ptr + 2 * t + 1) + tl.arange(0, BK)
-    row = mats_ptr + 6 * k
-    x_off, n, m = tl.load(row), tl.load(row + 1), tl.load(row + 2)
-    r, p_off, q_off = tl.load(row + 3), tl.load(row + 4), tl.load(row + 5)
+    first, x_off, n, m, r, p_off, q_off = _psgd_tile(mats_ptr, tiles_ptr)
+    cols = first + tl.arange(0, BK)
     js = tl.arange(0, R)
     cmask, jmask = cols < m, js < r
     acc = tl.zeros((BK, R), tl.float32)
@@ -558,12 +559,8 @@ def _psgd_expand_kernel(
     W,
     BN: tl.constexpr, BK: tl.constexpr, R: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    k = tl.load(tiles_ptr + 2 * t)
-    rows = tl.load(tiles_ptr + 2 * t + 1) + tl.arange(0, BN)
-    row = mats_ptr + 6 * k
-    x_off, n, m = tl.load(row), tl.load(row + 1), tl.load(row + 2)
-    r, p_off, q_off = tl.load(row + 3), tl.load(row + 4), tl.load(row + 5)
+    first, x_off, n, m, r, p_off, q_off = _psgd_tile(mats_ptr, tiles_ptr)
+    rows = first + tl.arange(0, BN)
     js = tl.arange(0, R)
     rmask, jmask = rows < n, js < r
     a = tl.load(p_ptr + p_off + rows[:, None] * r + js[None, :],
