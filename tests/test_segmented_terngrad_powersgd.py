@@ -401,3 +401,18 @@ def test_powersgd_op_count_does_not_grow_with_the_tensor_count(spec, monkeypatch
     work = bench_ops.count(spec, _layout(16), kernels=True)
     assert many <= 1.5 * few and work <= 60, (few, many, work)
     assert many > 2  # compressed, not the dense fallback of matrices too small for the rank
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_powersgd_approx_error_is_measured_on_the_matrices_not_their_approximation(backend,
+                                                                                   monkeypatch):
+    # without error feedback the output overwrites the input; the logged error must still
+    # compare each M with its rank-r approximation (a random 40 x 30 at rank 1 misses most)
+    monkeypatch.setenv("GRADCOMP_KERNELS", backend)
+    params = lay_out([("w", (40, 30)), ("v", (30, 40))])
+    x = torch.randn(2400, generator=torch.Generator().manual_seed(0))
+    ctx = Ctx(params, 0, ParamMemory())
+    logged = {}
+    ctx.details, ctx.log = True, lambda tag, v: logged.setdefault(tag, float(v))
+    compressor("powersgd:rank=1,error_feedback=false", min_numel=10).reduce(x, ctx)
+    assert 0.5 < logged["approx_error"] < 1.0

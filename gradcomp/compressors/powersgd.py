@@ -104,6 +104,8 @@ class PowerSGD(Compressor):
             x.add_(e)
         qs = [[ctx.tensor("q", p.name, lambda p=p, g=g: _init_q(cfg.seed, p.name, g.m, g.r, x.device))
                for p in g.params] for g in lay.groups]
+        # the matrices M, for the details below (without error feedback out is x, rewritten)
+        m_src = x.clone() if ctx.details and not cfg.error_feedback else x
         if backend("powersgd", x) == "triton":
             out, buf = self._reduce_table(x, ctx, lay, qs)
         else:
@@ -112,7 +114,7 @@ class PowerSGD(Compressor):
         if ctx.details:  # how much of this rank's matrix the shared rank-r basis P misses
             err = []
             for g, (a, b) in zip(lay.groups, lay.p_spans):
-                M, P = g.take(x), buf[a:b].view(g.B, g.n, g.r)
+                M, P = g.take(m_src), buf[a:b].view(g.B, g.n, g.r)
                 err.append(torch.linalg.vector_norm(M - bmm(P, bmm(P.transpose(1, 2), M)),
                                                     dim=(1, 2))
                            / (torch.linalg.vector_norm(M, dim=(1, 2)) + 1e-30))
