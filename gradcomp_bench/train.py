@@ -17,8 +17,12 @@ from . import data, models
 from gradcomp.hooks import build_config, parse_spec, register
 
 # Baselines that are not gradcomp methods: torch's own hooks, and no communication at all;
-# each with its options and their defaults (all integers).
-BASELINES = {"ddp": {}, "fp16": {}, "torch-powersgd": {"rank": 2, "start": 2}, "noop": {}}
+# each with its options and their defaults (all integers, >= 1 unless named in _MIN_ZERO).
+# torch-powersgd's ``ordered=1`` completes each bucket's exchange inside the hook (see
+# _in_order): the same arithmetic, issued in one order on every rank.
+BASELINES = {"ddp": {}, "fp16": {}, "torch-powersgd": {"rank": 2, "start": 2, "ordered": 0},
+             "noop": {}}
+_MIN_ZERO = {"ordered"}
 
 
 def parse_method(spec: str) -> tuple[str, dict]:
@@ -39,13 +43,27 @@ def parse_method(spec: str) -> tuple[str, dict]:
             opts[key] = int(value)
         except ValueError:
             raise ValueError(f"bad option {item!r} for {name}: expected an integer") from None
-        if opts[key] < 1:
-            raise ValueError(f"bad option {item!r} for {name}: expected an integer >= 1")
+        low = 0 if key in _MIN_ZERO else 1
+        if opts[key] < low:
+            raise ValueError(f"bad option {item!r} for {name}: expected an integer >= {low}")
     return name, opts
 
 
 def is_gradcomp(spec: str) -> bool:
     return spec.strip().partition(":")[0] not in BASELINES
+
+
+def _in_order(hook):
+    """``hook`` with its future completed before it returns. torch's PowerSGD hook issues its
+    P and Q allreduces from the callbacks of earlier futures; on gloo those run on gloo's
+    threads, so with more than one bucket two ranks can issue them in different orders and
+    gloo aborts ("op.preamble.length <= op.nbytes ... collective mismatch"; reproduced by
+    bench/torch_powersgd_gloo.py). Waiting here keeps every collective in bucket order."""
+    def ordered(state, bucket):
+        fut = hook(state, bucket)
+        fut.wait()
+        return fut
+    return ordered
 
 
 def _noop_hook(state, bucket):
@@ -73,7 +91,8 @@ def attach(model: DDP, spec: str, optimizer, **options):
         state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=opts["rank"],
                                  start_powerSGD_iter=opts["start"], use_error_feedback=True,
                                  warm_start=True)
-        model.register_comm_hook(state, ps.powerSGD_hook)
+        model.register_comm_hook(state, _in_order(ps.powerSGD_hook) if opts["ordered"]
+                                 else ps.powerSGD_hook)
         return None
     raise AssertionError(f"baseline {name} has no attach")  # BASELINES and attach disagree
 

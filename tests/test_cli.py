@@ -11,7 +11,7 @@ from gradcomp_bench import cli
     (["ddp", "--methods", "allreduce,nope"], "unknown method 'nope'"),
     (["ddp", "--methods", "topk:ratio=3"], "invalid ratio=3.0"),
     (["ddp", "--methods", "torch-powersgd:rank=two"], "'rank=two' for torch-powersgd: expected an integer"),
-    (["ddp", "--methods", "torch-powersgd:ratio=2"], "allowed rank=N, start=N"),
+    (["ddp", "--methods", "torch-powersgd:ratio=2"], "allowed rank=N, start=N, ordered=N"),
     (["ddp", "--methods", "fp16:rank=2"], "'rank=2' for fp16: allowed none"),
     (["ddp", "--world", "999"], "--world 999 does not fit"),
     (["ddp", "--world", "two"], "expected integers"),
@@ -47,7 +47,7 @@ def test_specs_are_parsed_by_the_library_or_as_a_baseline():
     from gradcomp_bench.train import parse_method
     spec = "dgc:ratio=0.01,warmup_steps=30"
     assert parse_method(spec) == gradcomp.parse_spec(spec) == ("dgc", {"ratio": 0.01, "warmup_steps": 30})
-    assert parse_method("torch-powersgd:rank=4") == ("torch-powersgd", {"rank": 4, "start": 2})
+    assert parse_method("torch-powersgd:rank=4") == ("torch-powersgd", {"rank": 4, "start": 2, "ordered": 0})
     assert parse_method("noop") == ("noop", {})
 
 

@@ -93,3 +93,29 @@ def test_sequencer_grants_turns_in_key_order_whatever_the_threads_do():
     want = sorted(((r, b, p) for r in range(2) for b in range(5) for p in range(phases[b])),
                   key=lambda k: (k[0], k[1] // 2, k[2], k[1] % 2))
     assert got == want
+
+
+def _torch_powersgd_sequence(rank, world, spec):
+    from gradcomp_bench.train import attach
+    log = record_collectives(rank)
+    model = DDP(small_net(), bucket_cap_mb=0.004)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    attach(model, spec, opt)
+    for step in range(8):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return log, sum(p.detach().double().sum().item() for p in model.parameters())
+
+
+def test_torch_powersgd_baseline_in_order_issues_one_sequence_on_gloo(spawn):
+    """The convergence recipe's torch-powersgd row (``ordered=1``): torch's hook issues its P
+    and Q allreduces from future callbacks, which on gloo run on gloo's threads; with several
+    buckets and the random delays above, two ranks then issue them in different orders and
+    gloo aborts (bench/torch_powersgd_gloo.py). Completed inside the hook they keep one order."""
+    (a, pa), (b, pb) = spawn(_torch_powersgd_sequence, 2,
+                             args=("torch-powersgd:rank=1,start=2,ordered=1",), timeout=120)
+    assert len(a) == len(b) > 6 * 3, "several buckets' P and Q allreduces every step"
+    assert a == b
+    assert pa == pb  # the ranks' models stay identical
