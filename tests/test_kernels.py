@@ -461,7 +461,7 @@ specs = [
     (tk._psgd_project_kernel, [P, P, P, "*i64", "*i64"], dict(BN=32, BK=64, R=4)),
     (tk._psgd_back_kernel, ["*bf16", P, P, "*i64", "*i64"], dict(BN=32, BK=64, R=1)),
     (tk._psgd_expand_kernel, [P, P, "*fp16", "*i64", "*i64", "fp32"], dict(BN=32, BK=64, R=8)),
-    (tk._psgd_orthonormalize_kernel, [P, "*i64"], dict(BN=128, R=4)),
+    (tk._psgd_orthonormalize_kernel, [P, "*i64"], dict(FALLBACK=1e-12, BN=128, R=4, PASSES=3)),
     (tk._seg_count_kernel, [P, P, "*i32", "*i32", "i32"], dict(BLOCK_=2048)),
     (tk._seg_before_kernel, [P, P, "*i32", "*i64", "*i64", "*i64"], dict(BLOCK_=2048)),
     (tk._seg_compact_kernel, ["*fp16", P, "*i32", "*i64", "*i64", "*i64", "*i64", "*fp16", "*i64",

@@ -277,6 +277,80 @@ def test_a_matrix_result_does_not_depend_on_its_batch(n, m, r):
             assert torch.equal(a, b), (B, at)
 
 
+def _low_rank(n, m, k, g):
+    return torch.randn(n, k, generator=g) @ torch.randn(k, m, generator=g)
+
+
+@pytest.mark.parametrize("n, m, r", [(48, 64, 8), (512, 512, 16), (64, 64, 4)])
+def test_a_matrix_of_rank_below_r_comes_back_whole(n, m, r):
+    """M of every rank k < r (a small batch's gradient, a rank-1 one): P's columns past k
+    are rounding noise after one projection. P must still be orthonormal and P P^T M = M.
+    With two Gram-Schmidt passes the noise columns lost orthogonality one after another:
+    P^T P off by up to 1 and P P^T M off by 0.3-12x |M| at these shapes."""
+    g = torch.Generator().manual_seed(n + m + r)
+    Ms = torch.stack([_low_rank(n, m, k, g) for k in range(1, r)])
+    Qs = torch.stack([_init_q(0, f"w{k}", m, r, "cpu") for k in range(1, r)])
+    P = orthonormalize(bmm(Ms, Qs))
+    for k, (Pk, Mk) in enumerate(zip(P, Ms), 1):
+        assert torch.allclose(Pk.t() @ Pk, torch.eye(r), atol=1e-5), k
+        back = Pk @ (Mk.t() @ Pk).t()
+        assert (back - Mk).norm() <= 1e-4 * Mk.norm(), k
+
+
+@pytest.mark.parametrize("mode", ["reference", "triton"])
+def test_the_table_path_rebuilds_a_matrix_of_rank_below_r(mode, monkeypatch):
+    monkeypatch.setenv("GRADCOMP_KERNELS", mode)
+    shapes, ranks = [(48, 64), (33, 129), (40, 30), (16, 12)], [1, 3, 7, 2]
+    table, nx, npp, nq = _table(shapes, rank=8)
+    g = torch.Generator().manual_seed(3)
+    x, q = torch.zeros(nx), torch.randn(nq, generator=g)
+    for (x_off, n, m, *_), k in zip(table.rows, ranks):
+        x[x_off : x_off + n * m] = _low_rank(n, m, k, g).view(-1)
+    p, q2, out = torch.zeros(npp), torch.zeros(nq), x.clone()
+    lowrank.orthonormalize(lowrank.project(x, q, p, table), table)
+    lowrank.expand(p, lowrank.back(x, p, q2, table), out, table, 1)
+    for x_off, n, m, r, p_off, _ in table.rows:
+        P = p[p_off : p_off + n * r].view(n, r)
+        assert torch.allclose(P.t() @ P, torch.eye(r), atol=1e-5), (n, m)
+        M = x[x_off : x_off + n * m]
+        assert (out[x_off : x_off + n * m] - M).norm() <= 1e-4 * M.norm(), (n, m)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_a_matrix_that_was_zero_at_a_step_is_still_sent_after_it(backend, monkeypatch):
+    """M = 0 at a step (an unused layer, a zero gradient) made P's columns and so Q's zero;
+    P = M Q stayed zero for good and the matrix was never sent again (out = 0 every step).
+    Full rank here: from the second step after it (the first restarts the power iteration
+    from the fallback's directions), P Q^T must be M again."""
+    monkeypatch.setenv("GRADCOMP_KERNELS", backend)
+    params = lay_out([("w", (12, 6)), ("v", (10, 8))])
+    c = compressor("powersgd:rank=8,min_compression_rate=0,error_feedback=false", min_numel=1)
+    mem, g = ParamMemory(), torch.Generator().manual_seed(0)
+    x = torch.randn(152, generator=g)
+    x[:72] = 0  # w is zero at the first step
+    c.reduce(x.clone(), Ctx(params, 0, mem))
+    for step in (1, 2, 3):
+        x = torch.randn(152, generator=g)
+        out = c.reduce(x.clone(), Ctx(params, step, mem))
+        assert out[:72].abs().max() > 0.1  # w is sent (before: zeros)
+        torch.testing.assert_close(out[72:], x[72:], rtol=1e-4, atol=1e-5)
+        if step > 1:
+            torch.testing.assert_close(out, x, rtol=1e-4, atol=1e-5)
+
+
+def test_both_paths_give_a_zero_p_the_same_fallback_directions(monkeypatch):
+    table, _, npp, _ = _table([(48, 64), (300, 9), (16, 12)], rank=8)
+    got = {}
+    for mode in ("reference", "triton"):
+        monkeypatch.setenv("GRADCOMP_KERNELS", mode)
+        got[mode] = lowrank.orthonormalize(torch.zeros(npp), table)
+    torch.testing.assert_close(got["triton"], got["reference"], rtol=0, atol=1e-5)
+    n, r = 48, 8  # and the CPU batch path, for the first matrix
+    P = orthonormalize(torch.zeros(3, n, r))
+    torch.testing.assert_close(P[1], got["reference"][: n * r].view(n, r), rtol=0, atol=1e-5)
+    assert torch.allclose(P[1].t() @ P[1], torch.eye(r), atol=1e-5)
+
+
 # PowerSGD's GPU path: every matrix of a bucket in one launch per step (kernels/lowrank.py),
 # run here by the Triton interpreter. Distinct shapes, thin ones (r < rank), one row, one
 # column block and many, dense parameters between the matrices.

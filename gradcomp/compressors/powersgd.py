@@ -9,7 +9,7 @@ Algorithm, per bucket and step (one power iteration, warm-started):
   1. M = G + E (error feedback, fp32).
   2. P = M Q  (Q from the previous step; at the first step random, the same on all ranks).
   3. Allreduce [P for every matrix, uncompressed tensors] as ONE buffer.
-  4. P = orthonormal basis of P (Gram-Schmidt, twice: see :func:`orthonormalize`).
+  4. P = orthonormal basis of P (Gram-Schmidt, three passes: see :func:`orthonormalize`).
   5. Q = M^T P; allreduce Q.
   6. Approximation M' = P Q^T / W;  E = M - M'. Q is kept for the next step.
 Sends (n + m) r floats per matrix instead of n m.
@@ -33,7 +33,7 @@ each matrix in its internal batched copy, hence on the matrix's place in the bat
 (measured with torch 2.13/MKL: a 65 x 2 P gives different bits at odd places), and so do
 reductions over dim 1 (a batch of one is reduced as one whole tensor: other rounding). So
 the orthonormalization is Gram-Schmidt as in the authors' code (epfml/powersgd,
-``orthogonalize``), batched, reorthogonalized once, its dot products as ``bmm``. bmm
+``orthogonalize``), batched, reorthogonalized, its dot products as ``bmm``. bmm
 computes each matrix of a batch on its own (tested: a matrix batched with other
 companions, at other places, and alone: bit-identical), except that a batch of ONE
 matrix-vector product takes another BLAS path, which :func:`bmm` avoids. This changed the
@@ -43,6 +43,7 @@ version; older checkpoints load and continue (Q and the residual keep their mean
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -262,25 +263,37 @@ class _Layout:
 def orthonormalize(P: torch.Tensor) -> torch.Tensor:
     """Orthonormal columns of each matrix of P (B, n, r), in place: Gram-Schmidt, as in the
     PowerSGD authors' code (epfml/powersgd, ``orthogonalize``) and torch's powerSGD_hook, but
-    each column's projection on the columns before it is taken twice (classical
-    Gram-Schmidt with reorthogonalization, "twice is enough": Giraud, Langou, Rozloznik
-    2005), which keeps P orthonormal to float precision where one pass loses it (measured:
-    a full-rank 64 x 64 P off by 1e-2 with one pass, 2e-7 with two; Householder QR 6e-7).
+    each column's projection on the columns before it is taken ``GS_PASSES`` (3) times
+    (classical Gram-Schmidt with reorthogonalization), which keeps P orthonormal to float
+    precision where one pass loses it (measured: a full-rank 64 x 64 P off by 1e-2 with one
+    pass, 2e-7 with two; Householder QR 6e-7), and where two lose it: when M's rank is
+    below r (see :data:`gradcomp.kernels.lowrank.GS_PASSES`). Each column is scaled to norm 1
+    and gets a fixed fallback first, so that rounding noise and zero columns still come out
+    as unit vectors (:data:`gradcomp.kernels.lowrank.FALLBACK_SCALE`).
     The dot products are bmm's, not ``sum(dim=1)``: a reduction's order depends on the
     batch (a batch of one is reduced as a whole tensor, measured to round differently at
     n = 65), a matrix product's does not (see the module docstring). These products have
     at most r - 1 in the inner or the outer dimension: plain ``torch.bmm`` (measured: the
     same bits for a batch of one as for a larger batch, n up to 50257; only the gradient's
     matrix-vector products need :func:`bmm`)."""
+    # every column to norm 1 at once (the Gram matrix's diagonal), then the fallback
+    norms = torch.bmm(P.transpose(1, 2), P).diagonal(dim1=1, dim2=2).sqrt().clamp_min_(1e-30)
+    P.div_(norms.unsqueeze(1)).add_(_fallback(P.shape[1], P.shape[2], P.device),
+                                    alpha=lowrank.FALLBACK_SCALE)
     for i in range(P.shape[2]):
         col = P[:, :, i : i + 1]
         if i:
             done = P[:, :, :i]
             done_t = done.transpose(1, 2)
-            for _ in range(2):
-                col.sub_(torch.bmm(done, torch.bmm(done_t, col)))
-        col.div_(torch.bmm(col.transpose(1, 2), col).sqrt_().add_(1e-12))
+            for _ in range(lowrank.GS_PASSES):
+                col.baddbmm_(done, torch.bmm(done_t, col), alpha=-1)
+        col.div_(torch.bmm(col.transpose(1, 2), col).sqrt_().clamp_min_(1e-30))
     return P
+
+
+@functools.lru_cache(maxsize=64)
+def _fallback(n: int, r: int, device) -> torch.Tensor:
+    return lowrank.fallback(n, r, device)  # read only
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

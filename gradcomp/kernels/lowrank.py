@@ -13,7 +13,8 @@ n x m (row-major, the parameter's first dimension by the rest), its P is
 
   * :func:`project`: P = M Q (one program per tile of ``TILE_ROWS`` rows of one matrix)
   * :func:`orthonormalize`: each P's columns orthonormal, in place (one program per matrix):
-    classical Gram-Schmidt with one reorthogonalization, as in the compressor's CPU path
+    classical Gram-Schmidt, each projection taken ``GS_PASSES`` (3) times, as in the
+    compressor's CPU path
   * :func:`back`: Q = M^T P (one program per tile of ``TILE_COLS`` columns of one matrix)
   * :func:`expand`: out[matrix] = P Q^T / W (one program per row tile)
 
@@ -31,6 +32,42 @@ from dataclasses import dataclass
 import torch
 
 from . import _triton_module, backend
+
+# How many times each Gram-Schmidt column's projection on the columns before it is
+# subtracted, on every path (the CPU batch, this reference, the Triton kernel). Two passes
+# ("twice is enough": Giraud, Langou, Rozloznik 2005) hold for a column that is not already
+# in the span of the ones before it; a P whose matrix has rank below r has such columns
+# (a batch smaller than r, a rank-1 gradient, a zero row block): after one pass they are
+# rounding noise, and two more passes are "twice" for that noise. With two, measured: a
+# rank-1 512 x 512 matrix at r = 16 came back 12x off (P^T P far from I); with three,
+# within 7e-6 for every rank below r (tests/test_segmented_terngrad_powersgd.py).
+GS_PASSES = 3
+# Each column is first scaled to norm 1 (a zero column stays zero there), FALLBACK_SCALE times
+# a fixed pseudo-random vector (:func:`fallback`) is added before the projections; the
+# result is divided by its norm, clamped at 1e-30. A column that is rounding noise after its
+# projections becomes a unit vector orthogonal to the columns before it, whatever M's
+# scale: with an absolute ``+ 1e-12`` in the division instead, such columns of 1e-13 were
+# left unnormalized, and the warm start (Q = M^T P) shrank them step after step, P no
+# longer orthonormal (measured: P^T P off by 1, P Q^T off M by 8e-5 in 5 steps of a
+# full-rank run). A ZERO column (M = 0 at a step: an unused layer, a gradient of zeros)
+# becomes the fallback's direction instead of staying zero: with zero, Q's column was zero
+# for good (P = M Q), and the matrix was never sent again, its gradients piling up in the
+# residual. On a column of norm 1 the fallback is below float32's resolution.
+FALLBACK_SCALE = 1e-12
+
+
+def fallback_values(j: torch.Tensor, i: int) -> torch.Tensor:
+    """The fallback vector of column i at rows j (int64): values in [-0.5, 0.5) from an
+    integer hash, the same bits in torch and in the Triton kernel."""
+    h = ((j + 1) * 2654435761 + (i + 1) * 2246822519) & 65535
+    return h.to(torch.float32) / 65536.0 - 0.5
+
+
+def fallback(n: int, r: int, device) -> torch.Tensor:
+    """(n, r) float32: column i is :func:`fallback_values` of rows 0..n-1."""
+    j = torch.arange(n, dtype=torch.int64, device=device)
+    return torch.stack([fallback_values(j, i) for i in range(r)], dim=1)
+
 
 # Tile of a matrix per program: rows for project/expand, columns for back (powers of two).
 TILE_ROWS = 32
@@ -107,16 +144,19 @@ def expand(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor, table: MatrixTab
 
 def orthonormalize(p: torch.Tensor, table: MatrixTable) -> torch.Tensor:
     """Each matrix's P with orthonormal columns, in place: for column i, its projection on
-    columns 0..i-1 is subtracted twice (classical Gram-Schmidt with reorthogonalization),
-    then it is divided by its norm + 1e-12. Returns p."""
+    columns 0..i-1 is subtracted ``GS_PASSES`` times (classical Gram-Schmidt with
+    reorthogonalization), before that it is scaled to norm 1 and gets the fallback (see
+    ``FALLBACK_SCALE``), after that it is divided by its norm. Returns p."""
     tk = _kernels(p)
     if tk:
-        return tk.powersgd_orthonormalize(p, table)
+        return tk.powersgd_orthonormalize(p, table, GS_PASSES, FALLBACK_SCALE)
     for _, n, _m, r, p_off, _ in table.rows:
         P = p[p_off : p_off + n * r].view(n, r)
+        f = fallback(n, r, p.device)
         for i in range(r):
             col = P[:, i]
-            for _ in range(2 if i else 0):
+            col.div_(col.dot(col).sqrt().clamp_min(1e-30)).add_(f[:, i], alpha=FALLBACK_SCALE)
+            for _ in range(GS_PASSES if i else 0):
                 col.sub_(P[:, :i] @ (P[:, :i].t() @ col))
-            col.div_(col.dot(col).sqrt() + 1e-12)
+            col.div_(col.dot(col).sqrt().clamp_min(1e-30))
     return p

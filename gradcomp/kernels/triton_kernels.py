@@ -577,9 +577,10 @@ def _psgd_expand_kernel(
 
 @triton.jit
 def _psgd_orthonormalize_kernel(
-    p_ptr,     # P's, fp32, in place: each read and written 2 (r - 1) + 2 times per column
+    p_ptr,     # P's, fp32, in place: each read PASSES (r - 1) + 4 times per column
     mats_ptr,
-    BN: tl.constexpr, R: tl.constexpr,
+    FALLBACK: tl.constexpr,
+    BN: tl.constexpr, R: tl.constexpr, PASSES: tl.constexpr,
 ):
     row = mats_ptr + 6 * tl.program_id(0)
     n, r, p_off = tl.load(row + 1), tl.load(row + 3), tl.load(row + 4)
@@ -587,7 +588,21 @@ def _psgd_orthonormalize_kernel(
     jmask = js < r
     base = p_ptr + p_off
     for i in range(0, r):
-        for _ in range(0, 2):  # the projection, taken twice (at i = 0 it is zero: no change)
+        # the column scaled to norm 1, plus FALLBACK times lowrank.fallback_values
+        ss = tl.zeros((BN,), tl.float32)
+        for r0 in range(0, n, BN):
+            rows = r0 + tl.arange(0, BN)
+            col = tl.load(base + rows * r + i, mask=rows < n, other=0.0)
+            ss += col * col
+        norm = tl.maximum(tl.sqrt(tl.sum(ss, axis=0)), 1e-30)
+        for r0 in range(0, n, BN):
+            rows = r0 + tl.arange(0, BN)
+            col = tl.load(base + rows * r + i, mask=rows < n, other=0.0)
+            h = ((rows.to(tl.int64) + 1) * 2654435761 + (i + 1) * 2246822519) & 65535
+            f = h.to(tl.float32) / 65536.0 - 0.5
+            tl.store(base + rows * r + i, col / norm + FALLBACK * f, mask=rows < n)
+        tl.debug_barrier()
+        for _ in range(0, PASSES):  # the projection, PASSES times (at i = 0 it is zero)
             dots = tl.zeros((R,), tl.float32)  # dots[j] = P[:, j] . P[:, i]
             for r0 in range(0, n, BN):
                 rows = r0 + tl.arange(0, BN)
@@ -611,7 +626,7 @@ def _psgd_orthonormalize_kernel(
             rows = r0 + tl.arange(0, BN)
             col = tl.load(base + rows * r + i, mask=rows < n, other=0.0)
             ss += col * col
-        norm = tl.sqrt(tl.sum(ss, axis=0)) + 1e-12
+        norm = tl.maximum(tl.sqrt(tl.sum(ss, axis=0)), 1e-30)
         for r0 in range(0, n, BN):
             rows = r0 + tl.arange(0, BN)
             col = tl.load(base + rows * r + i, mask=rows < n, other=0.0)
@@ -660,14 +675,15 @@ def powersgd_expand(p, q, out, table, W):
     return out
 
 
-def powersgd_orthonormalize(p, table):
+def powersgd_orthonormalize(p, table, passes, fallback):
     """See :func:`gradcomp.kernels.lowrank.orthonormalize`: one launch, a program per
     matrix."""
     _check_table(table, p)
     if table.rows:
         from .lowrank import TILE_ROWS
         _psgd_orthonormalize_kernel[(len(table.rows),)](
-            p, table.mats, BN=4 * TILE_ROWS, R=table.rank, num_warps=NUM_WARPS)
+            p, table.mats, fallback, BN=4 * TILE_ROWS, R=table.rank, PASSES=passes,
+            num_warps=NUM_WARPS)
     return p
 
 
