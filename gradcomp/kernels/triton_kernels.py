@@ -588,20 +588,7 @@ def _psgd_orthonormalize_kernel(
     jmask = js < r
     base = p_ptr + p_off
     for i in range(0, r):
-        # the column scaled to norm 1, plus FALLBACK times lowrank.fallback_values
-        ss = tl.zeros((BN,), tl.float32)
-        for r0 in range(0, n, BN):
-            rows = r0 + tl.arange(0, BN)
-            col = tl.load(base + rows * r + i, mask=rows < n, other=0.0)
-            ss += col * col
-        norm = tl.maximum(tl.sqrt(tl.sum(ss, axis=0)), 1e-30)
-        for r0 in range(0, n, BN):
-            rows = r0 + tl.arange(0, BN)
-            col = tl.load(base + rows * r + i, mask=rows < n, other=0.0)
-            h = ((rows.to(tl.int64) + 1) * 2654435761 + (i + 1) * 2246822519) & 65535
-            f = h.to(tl.float32) / 65536.0 - 0.5
-            tl.store(base + rows * r + i, col / norm + FALLBACK * f, mask=rows < n)
-        tl.debug_barrier()
+        _psgd_unit_column(base, i, n, r, FALLBACK, BN, True)  # norm 1, plus the fallback
         for _ in range(0, PASSES):  # the projection, PASSES times (at i = 0 it is zero)
             dots = tl.zeros((R,), tl.float32)  # dots[j] = P[:, j] . P[:, i]
             for r0 in range(0, n, BN):
@@ -621,17 +608,29 @@ def _psgd_orthonormalize_kernel(
                 tl.store(base + rows * r + i, col - tl.sum(blk * dots[None, :], axis=1),
                          mask=rmask)
             tl.debug_barrier()
-        ss = tl.zeros((BN,), tl.float32)
-        for r0 in range(0, n, BN):
-            rows = r0 + tl.arange(0, BN)
-            col = tl.load(base + rows * r + i, mask=rows < n, other=0.0)
-            ss += col * col
-        norm = tl.maximum(tl.sqrt(tl.sum(ss, axis=0)), 1e-30)
-        for r0 in range(0, n, BN):
-            rows = r0 + tl.arange(0, BN)
-            col = tl.load(base + rows * r + i, mask=rows < n, other=0.0)
-            tl.store(base + rows * r + i, col / norm, mask=rows < n)
-        tl.debug_barrier()
+        _psgd_unit_column(base, i, n, r, FALLBACK, BN, False)
+
+
+@triton.jit
+def _psgd_unit_column(base, i, n, r, FALLBACK: tl.constexpr, BN: tl.constexpr,
+                      ADD: tl.constexpr):
+    """Column i of an n x r P divided by its norm (clamped at 1e-30), plus (ADD) FALLBACK
+    times :func:`gradcomp.kernels.lowrank.fallback_values`: its integer hash, whose low 16
+    bits are the same at any integer width."""
+    ss = tl.zeros((BN,), tl.float32)
+    for r0 in range(0, n, BN):
+        rows = r0 + tl.arange(0, BN)
+        col = tl.load(base + rows * r + i, mask=rows < n, other=0.0)
+        ss += col * col
+    norm = tl.maximum(tl.sqrt(tl.sum(ss, axis=0)), 1e-30)
+    for r0 in range(0, n, BN):
+        rows = r0 + tl.arange(0, BN)
+        col = tl.load(base + rows * r + i, mask=rows < n, other=0.0) / norm
+        if ADD:
+            h = ((rows.to(tl.int64) + 1) * 2654435761 + (i + 1) * 2246822519) & 65535
+            col += FALLBACK * (h.to(tl.float32) / 65536.0 - 0.5)
+        tl.store(base + rows * r + i, col, mask=rows < n)
+    tl.debug_barrier()
 
 
 def _check_table(table, *ts):
