@@ -273,9 +273,9 @@ def orthonormalize(P: torch.Tensor) -> torch.Tensor:
     The dot products are bmm's, not ``sum(dim=1)``: a reduction's order depends on the
     batch (a batch of one is reduced as a whole tensor, measured to round differently at
     n = 65), a matrix product's does not (see the module docstring). These products have
-    at most r - 1 in the inner or the outer dimension: plain ``torch.bmm`` (measured: the
-    same bits for a batch of one as for a larger batch, n up to 50257; only the gradient's
-    matrix-vector products need :func:`bmm`)."""
+    at most r in the inner or the outer dimension: plain ``torch.bmm`` and ``baddbmm_``
+    (measured: the same bits for a batch of one as for a larger batch, n up to 50257, and
+    tested; only the gradient's matrix-vector products need :func:`bmm`)."""
     # every column to norm 1 at once (the Gram matrix's diagonal), then the fallback
     norms = torch.bmm(P.transpose(1, 2), P).diagonal(dim1=1, dim2=2).sqrt().clamp_min_(1e-30)
     P.div_(norms.unsqueeze(1)).add_(_fallback(P.shape[1], P.shape[2], P.device),
