@@ -43,7 +43,6 @@ version; older checkpoints load and continue (Q and the residual keep their mean
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -278,7 +277,7 @@ def orthonormalize(P: torch.Tensor) -> torch.Tensor:
     tested; only the gradient's matrix-vector products need :func:`bmm`)."""
     # every column to norm 1 at once (the Gram matrix's diagonal), then the fallback
     norms = torch.bmm(P.transpose(1, 2), P).diagonal(dim1=1, dim2=2).sqrt().clamp_min_(1e-30)
-    P.div_(norms.unsqueeze(1)).add_(_fallback(P.shape[1], P.shape[2], P.device),
+    P.div_(norms.unsqueeze(1)).add_(lowrank.fallback(P.shape[1], P.shape[2], P.device),
                                     alpha=lowrank.FALLBACK_SCALE)
     for i in range(P.shape[2]):
         col = P[:, :, i : i + 1]
@@ -289,11 +288,6 @@ def orthonormalize(P: torch.Tensor) -> torch.Tensor:
                 col.baddbmm_(done, torch.bmm(done_t, col), alpha=-1)
         col.div_(torch.bmm(col.transpose(1, 2), col).sqrt_().clamp_min_(1e-30))
     return P
-
-
-@functools.lru_cache(maxsize=64)
-def _fallback(n: int, r: int, device) -> torch.Tensor:
-    return lowrank.fallback(n, r, device)  # read only
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

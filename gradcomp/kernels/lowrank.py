@@ -27,6 +27,7 @@ a run resumes bit-exactly on the path it was checkpointed on.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -63,8 +64,10 @@ def fallback_values(j: torch.Tensor, i: int) -> torch.Tensor:
     return h.to(torch.float32) / 65536.0 - 0.5
 
 
+@functools.lru_cache(maxsize=64)
 def fallback(n: int, r: int, device) -> torch.Tensor:
-    """(n, r) float32: column i is :func:`fallback_values` of rows 0..n-1."""
+    """(n, r) float32: column i is :func:`fallback_values` of rows 0..n-1. Cached per
+    shape and device, shared by every caller: read only."""
     j = torch.arange(n, dtype=torch.int64, device=device)
     return torch.stack([fallback_values(j, i) for i in range(r)], dim=1)
 
