@@ -11,6 +11,7 @@ from dataclasses import dataclass
 DEFAULT_MIN_NUMEL = 4096
 TOPOLOGIES = ("auto", "flat", "hierarchical")
 WARMUPS = ("auto", "adaptive", "none")
+ADAMS = ("auto", "precondition", "freeze", "off")
 
 
 def check(ok: bool, name: str, value, allowed: str) -> None:
@@ -55,6 +56,12 @@ class MethodConfig:
     outer_lr, outer_momentum: the outer optimizer's learning rate and Nesterov momentum.
     local_delay: 1 overlaps a round's outer exchange with the next round's inner steps and
         applies it one round late (Streaming DiLoCo, Douillard et al. 2025); 0 = at once.
+    adam: with torch.optim.Adam/AdamW (``register(..., optimizer=opt)``): "freeze" keeps
+        Adam's second moment as the dense warm-up left it for every parameter the method
+        compresses, and applies Adam's update with it (1-bit Adam, Tang et al., ICML 2021:
+        hooks/optimizer.py); "off" lets Adam see the compressed gradients as any other (it
+        loses accuracy: its second moment then averages the squares of compressed values);
+        "auto": "freeze" with Adam/AdamW, nothing otherwise.
     With local_steps > 1 the method's step counter (``dense_steps``, the adaptive warm-up
     and its windows, random streams) counts outer rounds.
     """
@@ -74,6 +81,7 @@ class MethodConfig:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     local_delay: int = 0
+    adam: str = "auto"
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -110,6 +118,9 @@ class MethodConfig:
         check(self.local_steps == 1 or self.delay == 0, "delay", self.delay,
               f"0 with local_steps={self.local_steps} (inner steps send nothing to delay; "
               f"local_delay=1 overlaps the outer exchange instead)")
+        check(self.adam in ADAMS, "adam", self.adam,
+              "auto (freeze with Adam/AdamW), freeze (Adam's second moment frozen once "
+              "compression starts) or off")
         self.validate()
 
     @property

@@ -95,3 +95,52 @@ def _crop(padded, dy, dx):
     tmp = padded.gather(2, rows)
     cols = (dx.view(n, 1) + ar).view(n, 1, 1, 32).expand(n, 3, 32, 32)
     return tmp.gather(3, cols)
+
+
+# --------------------------------------------------------------------------- text
+VOCAB = 128  # characters: pycode.txt is ASCII (non-ASCII replaced by '?')
+
+
+def text_dirs() -> list[Path]:
+    """Where the character corpus is looked for: $GRADCOMP_TEXT, then shared/ data."""
+    out = [Path(os.environ["GRADCOMP_TEXT"])] if os.environ.get("GRADCOMP_TEXT") else []
+    here = Path(__file__).resolve().parent.parent
+    for base in (here.parent, Path.cwd().parent, Path.cwd()):
+        out.append(base / "shared" / "data" / "pycode" / "pycode.txt")
+    return out
+
+
+def load_text(path=None, val_fraction: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, validation) uint8 character codes of the corpus: the last ``val_fraction`` of
+    the file is validation. ``path``: a text file; None: the first of :func:`text_dirs`."""
+    cands = [Path(path)] if path is not None else text_dirs()
+    for p in cands:
+        if p.is_file():
+            raw = np.frombuffer(p.read_bytes(), dtype=np.uint8)
+            codes = torch.from_numpy(np.minimum(raw, VOCAB - 1).copy())
+            cut = int(len(codes) * (1 - val_fraction))
+            return codes[:cut], codes[cut:]
+    raise FileNotFoundError("no text corpus found (searched " + ", ".join(map(str, cands)) + ")")
+
+
+def synthetic_text(n=200_000, seed=0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A learnable random character stream (a fixed random bigram chain), for runs without
+    the corpus: (train, validation)."""
+    rng = np.random.default_rng(seed)
+    nxt = rng.integers(0, VOCAB, (VOCAB, 4))
+    choice = rng.integers(0, 4, n)
+    out = np.empty(n, dtype=np.uint8)
+    c = 0
+    for i in range(n):  # a host loop over a short stream, once per run
+        c = nxt[c, choice[i]]
+        out[i] = c
+    out = torch.from_numpy(out)
+    cut = int(n * 0.9)
+    return out[:cut], out[cut:]
+
+
+def windows(codes: torch.Tensor, starts: torch.Tensor, length: int):
+    """(inputs, targets) int64 (len(starts), length): next-character prediction windows."""
+    idx = starts.unsqueeze(1) + torch.arange(length + 1)
+    w = codes[idx].long()
+    return w[:, :-1], w[:, 1:]

@@ -64,3 +64,90 @@ def build(name: str) -> nn.Module:
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}: allowed {', '.join(MODELS)}")
     return MODELS[name]()
+
+
+# --------------------------------------------------------------------------- transformers
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class GPTBlock(nn.Module):
+    """Pre-norm transformer block (GPT-2's layout)."""
+
+    def __init__(self, d, heads):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = CausalSelfAttention(d, heads)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """A GPT-style causal language model (Radford et al., "Language Models are Unsupervised
+    Multitask Learners", 2019): token + learned position embeddings, pre-norm blocks, a
+    final LayerNorm and an untied output head. ``forward(idx) -> logits (B, T, vocab)``."""
+
+    def __init__(self, vocab=128, d=128, layers=4, heads=4, context=128):
+        super().__init__()
+        self.context = context
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(context, d)
+        self.blocks = nn.Sequential(*[GPTBlock(d, heads) for _ in range(layers)])
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.apply(self._init)
+        for name, p in self.named_parameters():  # GPT-2's scaled init of residual projections
+            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+                nn.init.normal_(p, std=0.02 / (2 * layers) ** 0.5)
+
+    @staticmethod
+    def _init(m):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.head(self.ln(self.blocks(self.tok(idx) + self.pos(pos))))
+
+
+def gpt():
+    """0.8M parameters: 4 layers, width 128, 4 heads, 128 characters of context (CPU-sized)."""
+    return GPT()
+
+
+def gpt2_small():
+    """GPT-2 small's shapes (124M parameters in 148 tensors, a 50257 x 768 embedding): for
+    bytes and op counts, too large to train on a CPU."""
+    return GPT(vocab=50257, d=768, layers=12, heads=12, context=1024)
+
+
+def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW param groups by the usual convention: weight decay on the weight matrices of
+    linear layers, none on biases, norms and embeddings."""
+    decay, keep = [], []
+    for mod in model.modules():
+        for name, p in mod.named_parameters(recurse=False):
+            if not p.requires_grad:
+                continue
+            (decay if isinstance(mod, nn.Linear) and name == "weight" else keep).append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": keep, "weight_decay": 0.0}]
+
+
+MODELS.update({"gpt": gpt, "gpt2_small": gpt2_small})
+LANGUAGE_MODELS = ("gpt", "gpt2_small")

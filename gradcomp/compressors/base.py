@@ -15,6 +15,7 @@ step than the uninterrupted job did; this rule is what makes the resumed job bit
 from __future__ import annotations
 
 import functools
+import math
 import threading
 import zlib
 from abc import ABC
@@ -96,6 +97,19 @@ def name_seed(base: int, name: str) -> int:
     return (base * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
+def unwrap_optimizer(optimizer):
+    """The torch optimizer inside a framework's wrapper (Accelerate's AcceleratedOptimizer
+    holds it as ``.optimizer``, Lightning's LightningOptimizer as ``._optimizer``)."""
+    for _ in range(8):
+        if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+            break
+        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        if inner is None:
+            break
+        optimizer = inner
+    return optimizer
+
+
 class Compressor(ABC):
     Config: type[MethodConfig] = MethodConfig
     name: str = ""
@@ -164,6 +178,10 @@ class Compressor(ABC):
         e = ctx.memory("residual")
         x.add_(e)
         return e
+
+    def compresses(self, shape: tuple) -> bool:
+        """Whether a parameter of this shape goes compressed (False: always sent exact)."""
+        return not self.stateless and math.prod(shape) >= self.config.min_numel
 
     def split(self, params) -> tuple[list[ParamSlice], list[ParamSlice]]:
         """(compressed, sent dense): parameters below ``min_numel`` elements go uncompressed."""

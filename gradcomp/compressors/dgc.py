@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import MethodConfig, check
-from .base import Compressor, register_method, zero_dense
+from .base import Compressor, register_method, unwrap_optimizer, zero_dense
 from .topk import check_value_dtype, exchange_sparse, round_values, select, value_dtype
 
 _KEYS = ("momentum", "nesterov", "weight_decay")
@@ -213,7 +213,18 @@ class DGC(Compressor):
             raise TypeError("dgc applies momentum inside the hook (momentum correction): pass "
                             "optimizer=your_SGD so gradcomp reads its momentum at every step and "
                             "it is never applied twice")
+        optimizer = unwrap_optimizer(optimizer)
         groups = optimizer.param_groups
+        if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            # Adam's first moment is its momentum and it applies its own weight decay: dgc
+            # runs as top-k with its accumulation, Adam's variance frozen (adam='freeze')
+            given = {k: options[k] for k in _KEYS if options.get(k, _OFF[k])}
+            if given:
+                raise TypeError(f"dgc's momentum correction needs torch.optim.SGD, got "
+                                f"{type(optimizer).__name__} with {given}: Adam keeps its own "
+                                f"momentum and weight decay; leave them out (dgc then runs as "
+                                f"top-k with its accumulation), or use 'topk'")
+            return options
         held = any(any(g.get(k, _OFF[k]) for k in _KEYS) for g in groups)
         if not isinstance(optimizer, torch.optim.SGD):
             if held or any(options.get(k, _OFF[k]) for k in _KEYS):
@@ -237,6 +248,7 @@ class DGC(Compressor):
         return options
 
     def bind(self, optimizer, names: dict[int, str]) -> None:
+        optimizer = unwrap_optimizer(optimizer)
         if isinstance(optimizer, torch.optim.SGD):
             self.source = OptimizerMomentum(optimizer, names, self.config.fixed())
 

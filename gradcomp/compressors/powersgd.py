@@ -43,13 +43,14 @@ version; older checkpoints load and continue (Q and the residual keep their mean
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from ..config import MethodConfig, check
 from ..kernels import backend, lowrank
-from .base import Compressor, name_seed, register_method
+from .base import Compressor, ParamSlice, name_seed, register_method
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,9 @@ class PowerSGD(Compressor):
     def __init__(self, config):
         super().__init__(config)
         self._layouts = {}
+
+    def compresses(self, shape: tuple) -> bool:
+        return bool(self.plan([ParamSlice("", tuple(shape), 0, math.prod(shape))])[0])
 
     def plan(self, params):
         """Split a bucket's parameters into compressed matrices (p, n, m, r) and dense ones."""

@@ -4,6 +4,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ..compressors import METHODS
+from . import optimizer as optimizer_binding
 from .local import check_local
 from .state import GradcompState
 from .topology import node_size
@@ -132,6 +133,7 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
             state.bind_local(model.module, optimizer, getattr(model, "bucket_bytes_cap", None))
         else:
             state.compressor.bind(optimizer, state._param_names)
+            state.bind_adam(optimizer)
     if log_dir is not None and (log_all_ranks or dist.get_rank(group) == 0):
         from torch.utils.tensorboard import SummaryWriter
         state.attach(SummaryWriter(log_dir), details=log_details)
@@ -142,6 +144,7 @@ def _build_state(model, method, optimizer, group, options) -> GradcompState:
     name, options = merge_options(method, options)
     # what the method needs from the optimizer (DGC: its momentum) is the method's business
     config = METHODS[name].config.from_dict(METHODS[name].compressor.prepare(options, optimizer))
+    _check_adam(name, config, optimizer)
     names, numels = {}, {}
     for pname, p in model.module.named_parameters():
         if not p.requires_grad:
@@ -152,3 +155,29 @@ def _build_state(model, method, optimizer, group, options) -> GradcompState:
         names[id(p)] = pname
         numels[pname] = p.numel()
     return GradcompState(name, config, group=group, param_names=names, param_numels=numels)
+
+
+def _check_adam(name, config, optimizer) -> None:
+    """``adam``: what the frozen-variance Adam step (hooks/optimizer.py) needs."""
+    if METHODS[name].compressor.stateless or config.adam == "off":
+        return
+    adam = optimizer is not None and optimizer_binding.is_adam(optimizer)
+    if config.adam in ("freeze", "precondition") and not adam:
+        raise ValueError(f"adam={config.adam!r} needs optimizer=torch.optim.Adam or AdamW, got "
+                         f"{type(optimizer).__name__}: allowed adam='auto' or 'off' here")
+    if not adam:
+        return
+    if config.local_steps > 1:
+        if config.adam != "auto":
+            raise ValueError(f"adam={config.adam!r} with local_steps={config.local_steps}: the inner "
+                             f"steps are Adam's own and the pseudo-gradient goes through the "
+                             f"method; allowed adam='auto' or 'off'")
+        return
+    optimizer_binding.check_adam(optimizer)
+    if config.dense_steps == 0 or (config.dense_steps is None and config.warmup_rule == "none"):
+        raise ValueError(f"{name} with {type(optimizer_binding.unwrap(optimizer)).__name__}: "
+                         f"Adam's second moment is learned during dense warm-up steps and "
+                         f"frozen once compression starts (adam='freeze'), and this job has "
+                         f"none (dense_steps=0 or warmup='none'); allowed: the adaptive "
+                         f"warm-up (the default), dense_steps=N > 0, or adam='off' (Adam then "
+                         f"sees compressed gradients: measured to lose accuracy)")

@@ -35,6 +35,7 @@ from .checkpoint import Checkpoint
 from .delayed import Delayed, _Pending, _slices
 from .engine import Lane, Sequencer, Ticket
 from .guard import Guard
+from . import optimizer as optimizer_binding
 from .local import Local, _node_average
 from .telemetry import Telemetry, _sq_norm
 from .topology import Shards
@@ -141,6 +142,7 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
         self.scaler = None  # a torch.amp.GradScaler whose scale the gradients carry
         self._params: dict[str, torch.Tensor] = {}
         self.local_size = 0  # ranks per node of a hierarchical topology (0: flat)
+        self._adam = None  # the Adam binding (hooks/optimizer.py), once bound
         self._local_init()
         self._warmup_init()
         self._setup_runtime()
@@ -159,7 +161,7 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
         for k in ("group", "_lane_groups", "_lanes", "_seq", "_lock", "_error", "_shard_cache",
                   "_param_names",
                   "_params", "_writer", "scaler", "_outer_buckets", "_outer_buffers",
-                  "_local_hooks"):
+                  "_local_hooks", "_adam"):
             d.pop(k, None)
         return d
 
@@ -167,6 +169,7 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
         self.__dict__.update(d)
         self.group, self._param_names, self._params, self._writer = None, {}, {}, None
         self._lane_groups, self.scaler, self.local_size = [], None, 0
+        self._adam = None
         self._local_setup()
         self._setup_runtime()
 
@@ -267,7 +270,13 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
                 owed = _sq_norm(x, params, self.memory.peek(slot, names))
             # warm-up: uncompressed (DGC's dense step still moves its velocity: guarded too)
             method = self.compressor.dense if dense else self.compressor.reduce
+            # Adam: compressed in the update's own scale, g / sqrt(v) (hooks/optimizer.py)
+            pre = None if dense or self._adam is None else self._adam.scale(params, buf.device)
+            if pre is not None:
+                x = x * pre
             out = self._guarded(x, ctx, lane.comm, lambda y: run(y, method))
+            if pre is not None:
+                out = out / pre
             if slot and self._skipped != step:
                 kept = _sq_norm(None, params, self.memory.peek(slot, names))
                 self._log_ratio(step, "residual_energy", kept, owed)
@@ -331,6 +340,8 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
         step = self._begin(bucket)
         scale = self._scale()
         self._warmup_observe(step, buf, slices, scale)
+        if self._adam is not None and not self._dense(step):
+            self._adam.scale(slices, buf.device)  # built here, while the optimizer is idle
         live = self.compressor.live(names)
         lane = self._lanes[bucket % len(self._lanes)]
         D = self.config.delay
@@ -388,6 +399,18 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
             return None
         return s._scale.detach().clone()
 
+    def bind_adam(self, optimizer) -> None:
+        """With Adam/AdamW and ``adam`` "auto"/"freeze": freeze Adam's second moment for the
+        compressed parameters once compression starts (hooks/optimizer.py)."""
+        if (self.compressor.stateless or self.config.adam == "off" or self.local
+                or not optimizer_binding.is_adam(optimizer)):
+            return
+        names = self._param_names
+        self._adam = optimizer_binding.FrozenVariance(
+            optimizer, lambda p: id(p) in names and self.compressor.compresses(tuple(p.shape)),
+            lambda: not self._dense(max(self._step, 0)), names,
+            precondition=self.config.adam in ("auto", "precondition"))
+
     def close(self) -> None:
         """Stop the communication threads (after the exchanges queued so far). Called at
         interpreter exit for every state, so no thread still holds a process group while
@@ -397,6 +420,9 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
         for lane in self._lanes:
             lane.close()
         self.compressor.unbind()
+        if self._adam is not None:
+            self._adam.close()
+            self._adam = None
         self._local_close()
         self.group = None
         if self._writer is not None:

@@ -1,0 +1,202 @@
+"""Adam/AdamW with compressed gradients: the second moment frozen at the switch to
+compression (hooks/optimizer.py, after 1-bit Adam). One process: the binding against a
+reference written out from its formula; several ranks: registered on DDP, ranks agree and v
+stays frozen; the refusals."""
+import io
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradcomp
+from conftest import batch, small_net
+from gradcomp.hooks.optimizer import FROZEN_KEY, FrozenVariance
+
+DENSE, COMPRESSED = 3, 4
+
+
+def _grads(step):
+    """The gradient of parameter p at ``step``: fixed by the step and p's size alone."""
+    return lambda p: torch.randn(p.shape, generator=torch.Generator().manual_seed(
+        step * 100_003 + p.numel()))
+
+
+def _opt(kind, net):
+    decay = [p for p in net.parameters() if p.dim() >= 2]
+    rest = [p for p in net.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.1, "lr": 2e-3},
+              {"params": rest, "weight_decay": 0.0}]
+    if kind == "adamw":
+        return torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95))
+    if kind == "adam_l2":
+        return torch.optim.Adam(groups, lr=1e-3, betas=(0.8, 0.99))
+    if kind == "amsgrad":
+        return torch.optim.AdamW(groups, lr=1e-3, amsgrad=True)
+    return torch.optim.AdamW(groups, lr=1e-3, maximize=True)
+
+
+def _run(kind, steps, bind=True, net=None, opt=None, start=0, lr_at=None):
+    net = net or small_net()
+    opt = opt or _opt(kind, net)
+    flag = [False]
+    binding = FrozenVariance(opt, lambda p: p.dim() >= 2, lambda: flag[0]) if bind else None
+    for step in range(start, steps):
+        flag[0] = step >= DENSE
+        make = _grads(step)
+        for p in net.parameters():
+            p.grad = make(p)
+        if lr_at is not None:  # a scheduler's doing, between steps
+            opt.param_groups[0]["lr"] = lr_at(step)
+        opt.step()
+    return net, opt, binding
+
+
+@pytest.mark.parametrize("kind", ["adamw", "adam_l2", "amsgrad", "maximize"])
+def test_frozen_variance_is_adam_with_v_held(kind):
+    """Dense steps: the optimizer's own. Compressed steps: m moves, v is the one of the last
+    dense step with that step's bias correction, the step counter goes on; the vectors (not
+    compressed) keep the optimizer's own update bit for bit."""
+    lr_at = lambda s: 2e-3 * (1 + s) / 8  # noqa: E731
+    net, opt, _ = _run(kind, DENSE, lr_at=lr_at)
+    snap = {p: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state[p].items()}
+            for p in net.parameters()}
+    want = {p: p.detach().clone() for p in net.parameters()}
+    plain_net, plain_opt, _ = _run(kind, DENSE + COMPRESSED, bind=False, lr_at=lr_at)
+    _run(kind, DENSE + COMPRESSED, net=net, opt=opt, start=DENSE, lr_at=lr_at)
+    for (name, p), q in zip(net.named_parameters(), plain_net.parameters()):
+        if p.dim() < 2:
+            assert torch.equal(p, q), name
+            continue
+        g = opt.param_groups[0]
+        b1, b2 = g["betas"]
+        s = snap[p]
+        m, w = s["exp_avg"].double(), want[p].double()
+        vkey = "max_exp_avg_sq" if g["amsgrad"] else "exp_avg_sq"
+        v = s[vkey].double() / (1 - b2 ** DENSE)
+        for step in range(DENSE, DENSE + COMPRESSED):
+            lr = lr_at(step)
+            grad = _grads(step)(p).double()
+            grad = -grad if g["maximize"] else grad
+            if kind == "adam_l2":
+                grad = grad + g["weight_decay"] * w
+            else:
+                w = w * (1 - lr * g["weight_decay"])
+            m = b1 * m + (1 - b1) * grad
+            t = step + 1
+            w = w - lr / (1 - b1 ** t) * m / (v.sqrt() + g["eps"])
+        torch.testing.assert_close(p.double(), w, rtol=1e-5, atol=1e-7)
+        assert torch.equal(opt.state[p][vkey], s[vkey]), "v moved after the switch"
+        torch.testing.assert_close(opt.state[p]["exp_avg"].double(), m, rtol=1e-5, atol=1e-6)
+        assert int(opt.state[p]["step"]) == DENSE + COMPRESSED
+        assert opt.state[p][FROZEN_KEY] == DENSE
+        assert not torch.equal(p, q)  # the frozen update is not the optimizer's own
+
+
+def test_gradients_handed_back_after_step():
+    net, opt, _ = _run("adamw", DENSE + 1)
+    for p in net.parameters():
+        assert p.grad is not None and torch.equal(p.grad, _grads(DENSE)(p))
+
+
+def test_resume_through_the_optimizers_checkpoint_is_bit_exact():
+    """The frozen step travels in the optimizer's own state (and loads with weights_only)."""
+    straight, _, _ = _run("adamw", DENSE + COMPRESSED)
+    net, opt, binding = _run("adamw", DENSE + 1)
+    buf = io.BytesIO()
+    torch.save({"model": net.state_dict(), "opt": opt.state_dict()}, buf)
+    binding.close()
+    buf.seek(0)
+    ck = torch.load(buf, weights_only=True)
+    net2 = small_net()
+    net2.load_state_dict(ck["model"])
+    opt2 = _opt("adamw", net2)
+    opt2.load_state_dict(ck["opt"])
+    _run("adamw", DENSE + COMPRESSED, net=net2, opt=opt2, start=DENSE + 1)
+    for p, q in zip(straight.parameters(), net2.parameters()):
+        assert torch.equal(p, q)
+
+
+def _ddp_adamw(rank, world, spec, steps, options):
+    net = small_net()
+    model = DDP(net, bucket_cap_mb=0.004)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    state = gradcomp.register(model, spec, optimizer=opt, min_numel=1000, **options)
+    seen = {}
+    for step in range(steps):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        if step == options.get("dense_steps", 0) - 1:
+            seen = {n: opt.state[p]["exp_avg_sq"].clone() for n, p in net.named_parameters()}
+    state.close()
+    frozen = {n: torch.equal(opt.state[p]["exp_avg_sq"], seen[n])
+              for n, p in net.named_parameters()}
+    return [p.detach().clone() for p in net.parameters()], frozen, dict(net.named_parameters())
+
+
+@pytest.mark.parametrize("spec", ["onebit", "topk:ratio=0.1", "powersgd:rank=2", "terngrad",
+                                  "threshold", "dgc:ratio=0.1"])
+def test_ddp_adamw_ranks_agree_and_v_frozen_for_compressed_parameters(spawn, spec):
+    out = spawn(_ddp_adamw, 2, args=(spec, 6, {"dense_steps": 2}), timeout=120)
+    for a, b in zip(out[0][0], out[1][0]):
+        assert torch.equal(a, b)
+    params = out[0][2]
+    for name, frozen in out[0][1].items():
+        compressed = params[name].numel() >= 1000 and (not spec.startswith("powersgd")
+                                                        or params[name].dim() >= 2)
+        assert frozen == compressed, name
+        assert all(torch.isfinite(p).all() for p in out[0][0])
+
+
+def test_adam_off_leaves_the_optimizer_alone(spawn):
+    out = spawn(_ddp_adamw, 2, args=("onebit", 5, {"dense_steps": 2, "adam": "off"}),
+                timeout=120)
+    assert not any(out[0][1].values())  # every v moved on
+
+
+def _register(rank, world, spec, opt_kind, options):
+    net = small_net()
+    model = DDP(net)
+    params = net.parameters()
+    opt = {"sgd": lambda: torch.optim.SGD(params, lr=0.1),
+           "adamw": lambda: torch.optim.AdamW(params, lr=1e-3),
+           "capturable": lambda: torch.optim.AdamW(params, lr=1e-3, capturable=True)}[opt_kind]()
+    try:
+        gradcomp.register(model, spec, optimizer=opt, **options)
+    except (TypeError, ValueError) as exc:
+        return type(exc).__name__, str(exc)
+    return None
+
+
+@pytest.mark.parametrize("spec,opt,options,match", [
+    ("onebit", "adamw", {"warmup": "none"}, "dense warm-up steps"),
+    ("topk", "adamw", {"dense_steps": 0}, "dense warm-up steps"),
+    ("onebit", "sgd", {"adam": "freeze"}, "needs optimizer=torch.optim.Adam"),
+    ("topk", "adamw", {"adam": "freeze", "local_steps": 4}, "local_steps=4"),
+    ("onebit", "capturable", {}, "capturable=True"),
+    ("onebit", "adamw", {"adam": "yes"}, "invalid adam='yes'"),
+    ("dgc", "adamw", {"momentum": 0.9}, "use 'topk'"),
+])
+def test_refusals_name_the_problem_on_every_rank(spawn, spec, opt, options, match):
+    out = spawn(_register, 2, args=(spec, opt, options), timeout=60)
+    for r in out:
+        assert r is not None and r[0] in ("TypeError", "ValueError") and match in r[1], r
+
+
+def test_adam_off_and_sgd_register_without_refusal(spawn):
+    assert spawn(_register, 2, args=("onebit", "adamw", {"warmup": "none", "adam": "off"}),
+                 timeout=60) == [None, None]
+    assert spawn(_register, 2, args=("dgc", "adamw", {}), timeout=60) == [None, None]
+
+
+def test_is_adam_sees_through_framework_wrappers():
+    from gradcomp.hooks.optimizer import is_adam
+
+    class Wrapped:  # Accelerate's AcceleratedOptimizer keeps the torch optimizer here
+        def __init__(self, opt):
+            self.optimizer = opt
+    opt = torch.optim.AdamW([nn.Parameter(torch.zeros(2))])
+    assert is_adam(Wrapped(opt)) and is_adam(opt)
+    assert not is_adam(Wrapped(torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)))
