@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass
 
@@ -89,8 +90,15 @@ class MethodConfig:
             t = _field_type(type(self), f.name)
             if t is float and isinstance(v, int) and not isinstance(v, bool):
                 object.__setattr__(self, f.name, float(v))
-            elif v is not None and not _isinstance(v, t):
+                v = float(v)
+            if v is None and type(None) not in typing.get_args(t):
+                raise TypeError(f"invalid {f.name}=None: expected {_type_name(t)} (None has no "
+                                f"meaning for this option; leave it out for the default "
+                                f"{f.default!r})")
+            if v is not None and not _isinstance(v, t):
                 raise TypeError(f"invalid {f.name}={v!r}: expected {_type_name(t)}")
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ValueError(f"invalid {f.name}={v!r}: allowed a finite number")
         check(self.min_numel >= 0, "min_numel", self.min_numel, "an integer >= 0")
         check(self.delay >= 0, "delay", self.delay, "an integer >= 0 (0 = synchronous)")
         check(self.dense_steps is None or self.dense_steps >= 0, "dense_steps", self.dense_steps,

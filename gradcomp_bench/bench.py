@@ -24,8 +24,8 @@ def run_train(world: int, cfg: TrainConfig, link=None, timeout: float | None = 1
 
 
 # --------------------------------------------------------------------------- analysis
-def model_bytes(model_name: str) -> tuple[int, int]:
-    """(fp32 gradient bytes, bytes torch's PowerSGD rank-2 hook sends) for a model."""
+def model_bytes(model_name: str, rank: int = 2) -> tuple[int, int]:
+    """(fp32 gradient bytes, bytes torch's PowerSGD rank-``rank`` hook sends) for a model."""
     from . import models
     net = models.build(model_name)
     raw, ps = 0, 0
@@ -33,7 +33,7 @@ def model_bytes(model_name: str) -> tuple[int, int]:
         raw += 4 * p.numel()
         if p.dim() >= 2:
             n, m = p.shape[0], p.numel() // p.shape[0]
-            r = min(2, n, m)
+            r = min(rank, n, m)
             ps += 4 * ((n + m) * r if n * m >= 2 * (n + m) * r else n * m)
         else:
             ps += 4 * p.numel()

@@ -317,14 +317,28 @@ def cmd_convergence(args) -> int:
     data_dir = _data(args)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    from .models import LANGUAGE_MODELS, MODELS
+    if args.model not in MODELS:
+        raise UsageError(f"--model {args.model!r}: allowed {', '.join(MODELS)}")
+    lm = args.model in LANGUAGE_MODELS
+    if lm and args.steps < 1:
+        raise UsageError(f"--steps {args.steps}: expected an integer >= 1")
+    if lm and args.data is None:
+        data_dir = None  # the text corpus is found by data.load_text
     scalars = report.Scalars(args.tensorboard)
     results, failed = {}, {}
     for m in _progress(methods, str):
-        cfg = TrainConfig(method=m, model=args.model, data=data_dir, synthetic=args.synthetic,
-                          epochs=args.epochs, batch=args.batch, lr=args.lr, seed=args.seed,
-                          schedule=args.schedule, eval=True,
-                          options={**_delay_opts(m, args), **_hook_log(m, args)},
-                          device=args.device)
+        common = dict(method=m, model=args.model, data=data_dir, synthetic=args.synthetic,
+                      seed=args.seed, eval=True, device=args.device,
+                      options={**_delay_opts(m, args), **_hook_log(m, args)})
+        if lm:  # AdamW on the character corpus (train.train_lm)
+            cfg = TrainConfig(**common, max_steps=args.steps, batch=args.batch or 16,
+                              lr=args.lr or 1e-3, weight_decay=0.1, seq_len=args.seq_len,
+                              optimizer=args.optimizer, bf16=args.bf16)
+        else:
+            cfg = TrainConfig(**common, epochs=args.epochs, batch=args.batch or 64,
+                              lr=args.lr or 0.05, schedule=args.schedule,
+                              optimizer=args.optimizer)
         try:
             res = bench.run_train(worlds[0], cfg, timeout=args.timeout)[0]
         except RankError as exc:
@@ -335,9 +349,9 @@ def cmd_convergence(args) -> int:
         else:
             results[m] = res
             for c in res["curve"]:
-                scalars.add(f"{m}/test_acc", c["test_acc"], c["step"])
-                scalars.add(f"{m}/test_loss", c["test_loss"], c["step"])
-                scalars.add(f"{m}/train_loss", c["train_loss"], c["step"])
+                for key in ("test_acc", "test_loss", "val_loss", "train_loss"):
+                    if key in c:
+                        scalars.add(f"{m}/{key}", c[key], c["step"])
             for s, h in enumerate(res.get("stats_history") or []):
                 scalars.add(f"{m}/compression_ratio", h["ratio"], s)
                 scalars.add(f"{m}/wire_bytes", h["wire_bytes"], s)
@@ -345,10 +359,17 @@ def cmd_convergence(args) -> int:
         doc = _write_json(args, out_dir, "convergence", _convergence_doc(args, results, failed))
     scalars.close()
     rows = json.loads(doc.read_text())["rows"]
-    print(report.table(rows, [("method", "method", ""), ("test_acc", "test acc %", ".2f"),
-                              ("d_acc", "vs allreduce", "+.2f"), ("test_loss", "test loss", ".3f"),
-                              ("ratio", "compression", ".0f"), ("wire_MB", "wire MB/run", ".1f"),
-                              ("step_ms", "step ms", ".0f"), ("failed", "failed", "")]))
+    if lm:
+        cols = [("method", "method", ""), ("val_loss", "val loss", ".4f"),
+                ("d_loss_pct", "vs allreduce %", "+.2f"), ("wire_MB", "wire MB/run", ".1f"),
+                ("run_ratio", "x fewer bytes", ".1f"), ("switch", "first compressed step", ""),
+                ("step_ms", "step ms", ".0f"), ("failed", "failed", "")]
+    else:
+        cols = [("method", "method", ""), ("test_acc", "test acc %", ".2f"),
+                ("d_acc", "vs allreduce", "+.2f"), ("test_loss", "test loss", ".3f"),
+                ("ratio", "compression", ".0f"), ("wire_MB", "wire MB/run", ".1f"),
+                ("step_ms", "step ms", ".0f"), ("failed", "failed", "")]
+    print(report.table(rows, cols))
     if results:
         _plot(doc, out_dir)
     return 1 if failed else 0
@@ -371,13 +392,39 @@ def _run_wire_MB(history) -> float | None:
     return sum(r["wire_bytes"] for r in step_records(history)) / 1e6
 
 
+def _run_MB(method: str, res: dict, model: str) -> float | None:
+    """The run's wire MB: measured for gradcomp methods; for torch's PowerSGD hook computed
+    from the model (its first ``start`` steps dense, then rank-r factors every step)."""
+    measured = _run_wire_MB(res.get("stats_history"))
+    if measured is not None or not method.startswith("torch-powersgd"):
+        return measured
+    from .bench import model_bytes
+    from .train import parse_method
+    opts = parse_method(method)[1]
+    raw, ps = model_bytes(model, rank=opts["rank"])
+    steps = len(res["step_times"])
+    return (raw * min(opts["start"], steps) + ps * max(0, steps - opts["start"])) / 1e6
+
+
 def _convergence_doc(args, results: dict, failed: dict) -> dict:
     base = results.get("allreduce") or results.get("ddp") or next(iter(results.values()), None)
-    rows = [{"method": m, "test_acc": 100 * r["test_acc"], "test_loss": r["test_loss"],
-             "d_acc": 100 * (r["test_acc"] - base["test_acc"]),
-             "ratio": (r.get("stats") or {}).get("ratio"),
-             "wire_MB": _run_wire_MB(r.get("stats_history")),
-             "step_ms": 1e3 * statistics.median(r["step_times"])} for m, r in results.items()]
+    rows = []
+    for m, r in results.items():
+        row = {"method": m, "wire_MB": _run_MB(m, r, args.model),
+               "ratio": (r.get("stats") or {}).get("ratio"),
+               "switch": (r.get("stats") or {}).get("warmup_switch_step"),
+               "step_ms": 1e3 * statistics.median(r["step_times"])}
+        if "val_loss" in r:  # a language model: validation loss, lower is better
+            row.update(val_loss=r["val_loss"], d_loss=r["val_loss"] - base["val_loss"],
+                       d_loss_pct=100 * (r["val_loss"] / base["val_loss"] - 1))
+        else:
+            row.update(test_acc=100 * r["test_acc"], test_loss=r["test_loss"],
+                       d_acc=100 * (r["test_acc"] - base["test_acc"]))
+        rows.append(row)
+    base_MB = next((row["wire_MB"] for row in rows if row["method"] == "allreduce"), None)
+    for row in rows:
+        if base_MB and row["wire_MB"]:
+            row["run_ratio"] = base_MB / row["wire_MB"]
     rows += [{"method": m, "failed": why} for m, why in failed.items()]
     return {"seed": args.seed, "rows": rows, "curves": {m: r["curve"] for m, r in results.items()}}
 
@@ -462,7 +509,8 @@ def cmd_seeds(args) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     fmt = report.markdown if args.markdown else report.table
-    print(fmt(rows, report.SEED_COLUMNS))
+    lm = any(r.get("val_loss") is not None for d in docs for r in d["rows"])
+    print(fmt(rows, report.LM_SEED_COLUMNS if lm else report.SEED_COLUMNS))
     return 0
 
 
@@ -476,7 +524,8 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--model", default=model)
         s.add_argument("--data", default=None, help="CIFAR-10 python-layout directory")
         s.add_argument("--synthetic", action="store_true", help="use synthetic data")
-        s.add_argument("--batch", type=int, default=batch, help="per rank")
+        s.add_argument("--batch", type=int, default=batch,
+                       help="per rank" + ("" if batch else " (default: 64 images, 16 sequences)"))
         s.add_argument("--seed", type=int, default=0)
         s.add_argument("--delay", type=int, default=0, help="delayed averaging steps")
         s.add_argument("--lanes", type=int, default=4,
@@ -511,11 +560,20 @@ def parser() -> argparse.ArgumentParser:
                         "LOCAL_WORLD_SIZE is set, so topology=auto goes hierarchical")
     d.add_argument("--steps", type=int, default=12, help="measured steps after warm-up")
     d.add_argument("--warmup", type=int, default=4)
-    c = sub.add_parser("convergence", help="CIFAR-10 accuracy per method")
-    common(c, CONVERGENCE_METHODS, "resnet18", 64)
+    c = sub.add_parser("convergence", help="accuracy per method: CIFAR-10 (SGD), or a GPT's "
+                                            "validation loss (AdamW) with --model gpt")
+    common(c, CONVERGENCE_METHODS, "resnet18", None)
     c.add_argument("--world", type=int, default=2)
     c.add_argument("--epochs", type=float, default=10)
-    c.add_argument("--lr", type=float, default=0.05, help="per rank: the optimizer gets lr x world")
+    c.add_argument("--lr", type=float, default=None,
+                   help="CNNs: per rank, the optimizer gets lr x world (default 0.05); language "
+                        "models: AdamW's peak lr (default 1e-3)")
+    c.add_argument("--steps", type=int, default=2000, help="language models: optimizer steps")
+    c.add_argument("--seq-len", type=int, default=64, help="language models: characters of context")
+    c.add_argument("--optimizer", choices=("auto", "sgd", "adamw"), default="auto",
+                   help="auto: SGD for CNNs, AdamW (betas 0.9/0.95, decay 0.1 on matrices) "
+                        "for language models")
+    c.add_argument("--bf16", action="store_true", help="language models: bf16 autocast")
     c.add_argument("--schedule", choices=("cosine", "onecycle"), default="cosine",
                    help="cosine: linear warm-up then cosine; onecycle: torch's OneCycleLR "
                         "(it also cycles momentum), created after register")

@@ -103,6 +103,27 @@ def convergence(doc: dict, acc_path, loss_path):
     return figs
 
 
+def lm_convergence(doc: dict, loss_path, bytes_path):
+    """A language model's run: validation loss per step, one line per method; and the
+    picture a user decides from, validation loss against the run's wire MB (log), one point
+    per method (several documents' rows, e.g. seeds, are all drawn)."""
+    fig = _figure()
+    ax = fig.add_subplot()
+    for (method, curve), st in zip(doc["curves"].items(), styles()):
+        ax.plot([c["step"] for c in curve], [c["val_loss"] for c in curve], label=method,
+                markersize=5, **st)
+    _finish(fig, ax, loss_path, "validation loss (nats per character)", "optimizer step", "nats")
+    fig = _figure()
+    ax = fig.add_subplot()
+    for r, st in zip([r for r in doc["rows"] if r.get("val_loss") is not None and r.get("wire_MB")],
+                     styles()):
+        ax.plot([r["wire_MB"]], [r["val_loss"]], label=r["method"], markersize=9, **st)
+    ax.set_xscale("log")
+    return _finish(fig, ax, bytes_path, "validation loss against the bytes each rank sent over "
+                   "the run (lower left is better)", "wire MB per rank per run (log)",
+                   "validation loss (nats per character)")
+
+
 def overlap(doc: dict, path):
     """One row per method: backward (grey; dark while gradients are computed) and each
     bucket's exchange on the communication thread (coloured), in ms."""
@@ -133,6 +154,9 @@ def plot(doc, out_dir) -> list[Path]:
     if k == "ddp":
         ddp(doc, out / "ddp_step_time.png")
         return [out / "ddp_step_time.png"]
+    if k == "convergence" and any("val_loss" in r for r in doc["rows"]):
+        lm_convergence(doc, out / "convergence_val_loss.png", out / "convergence_loss_vs_bytes.png")
+        return [out / "convergence_val_loss.png", out / "convergence_loss_vs_bytes.png"]
     if k == "convergence":
         convergence(doc, out / "convergence_acc.png", out / "convergence_loss.png")
         return [out / "convergence_acc.png", out / "convergence_loss.png"]

@@ -52,7 +52,7 @@ def over_seeds(docs: list[dict], base: str = "allreduce") -> list[dict]:
     for doc in docs:
         rows = by_seed.setdefault(doc_seed(doc), {})
         for r in doc["rows"]:
-            if r.get("test_acc") is None:  # a failed run: counted, not averaged
+            if r.get("test_acc") is None and r.get("val_loss") is None:  # failed: counted
                 failed[r["method"]] = failed.get(r["method"], 0) + 1
                 continue
             if r["method"] in rows:
@@ -66,20 +66,30 @@ def over_seeds(docs: list[dict], base: str = "allreduce") -> list[dict]:
         if not got:
             out.append({"method": m, "failed": failed[m]})
             continue
-        accs = [r["test_acc"] for r in got.values()]
-        diffs = [r["test_acc"] - by_seed[s][base]["test_acc"]
-                 for s, r in got.items() if base in by_seed[s]]
+        key = "val_loss" if "val_loss" in next(iter(got.values())) else "test_acc"
+        accs = [r[key] for r in got.values()]
+        diffs = [r[key] - by_seed[s][base][key] for s, r in got.items() if base in by_seed[s]]
         wire = [r["wire_MB"] for r in got.values() if r.get("wire_MB") is not None]
-        out.append({
+        row = {
             "method": m, "seeds": ", ".join(str(s) for s in got),
-            "per_seed": " / ".join(f"{a:.2f}" for a in accs),
+            "per_seed": " / ".join(f"{a:.2f}" if key == "test_acc" else f"{a:.4f}" for a in accs),
             "mean_acc": sum(accs) / len(accs),
             "d_mean": sum(diffs) / len(diffs) if diffs else None,
             "d_min": min(diffs) if diffs else None, "d_max": max(diffs) if diffs else None,
-            "test_loss": sum(r["test_loss"] for r in got.values()) / len(got),
             "wire_MB": sum(wire) / len(wire) if wire else None,
             "failed": failed.get(m),
-        })
+        }
+        if key == "test_acc":
+            row["test_loss"] = sum(r["test_loss"] for r in got.values()) / len(got)
+        else:  # relative to the base's mean, and how many times fewer bytes than it sent
+            base_rows = [by_seed[s][base] for s in got if base in by_seed[s]]
+            if base_rows:
+                b = sum(r[key] for r in base_rows) / len(base_rows)
+                row["d_pct"] = 100 * (row["mean_acc"] / b - 1)
+                bw = [r["wire_MB"] for r in base_rows if r.get("wire_MB")]
+                if bw and row["wire_MB"]:
+                    row["x_fewer"] = (sum(bw) / len(bw)) / row["wire_MB"]
+        out.append(row)
     return out
 
 
@@ -88,6 +98,14 @@ SEED_COLUMNS = [("method", "method", ""), ("seeds", "seeds", ""), ("per_seed", "
                 ("d_min", "min", "+.2f"), ("d_max", "max", "+.2f"),
                 ("test_loss", "test loss", ".3f"), ("wire_MB", "wire MB/run", ".1f"),
                 ("failed", "runs failed", "d")]
+
+
+LM_SEED_COLUMNS = [("method", "method", ""), ("seeds", "seeds", ""),
+                   ("per_seed", "val loss per seed", ""), ("mean_acc", "mean", ".4f"),
+                   ("d_mean", "vs base (mean)", "+.4f"), ("d_pct", "vs base %", "+.2f"),
+                   ("d_min", "min", "+.4f"), ("d_max", "max", "+.4f"),
+                   ("wire_MB", "wire MB/run", ".1f"), ("x_fewer", "x fewer bytes", ".1f"),
+                   ("failed", "runs failed", "d")]
 
 
 def markdown(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:

@@ -150,8 +150,14 @@ def train(rank: int, world: int, cfg: TrainConfig | dict) -> dict:
     device = _device(cfg, rank)
     net = models.build(cfg.model).to(device)
     model = _ddp(net, cfg, device)
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr * world, momentum=cfg.momentum,
-                          weight_decay=cfg.weight_decay, nesterov=cfg.momentum > 0)
+    if cfg.optimizer in ("auto", "sgd"):
+        opt = torch.optim.SGD(model.parameters(), lr=cfg.lr * world, momentum=cfg.momentum,
+                              weight_decay=cfg.weight_decay, nesterov=cfg.momentum > 0)
+    elif cfg.optimizer == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
+                                weight_decay=cfg.weight_decay)
+    else:
+        raise ValueError(f"optimizer={cfg.optimizer!r}: allowed 'auto', 'adamw', 'sgd'")
     state = attach(model, cfg.method, opt, **cfg.options)
     per_rank = len(xtr) // world
     steps_per_epoch = max(1, per_rank // cfg.batch)
@@ -264,7 +270,7 @@ def train_lm(rank: int, world: int, cfg: TrainConfig) -> dict:
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
     val_starts = torch.linspace(0, len(val_codes) - T - 2, 128).long()
     every = cfg.eval_every or max(1, total // 10)
-    losses, times, curve, hist = [], [], [], []
+    losses, times, curve, hist, norms = [], [], [], [], []
     model.train()
     for step in range(total):
         starts = torch.randint(0, len(train_codes) - T - 1, (cfg.batch,), generator=gen)
@@ -278,7 +284,7 @@ def train_lm(rank: int, world: int, cfg: TrainConfig) -> dict:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)))
         opt.step()
         sched.step()
         if device.type == "cuda":
@@ -294,7 +300,7 @@ def train_lm(rank: int, world: int, cfg: TrainConfig) -> dict:
     if state is not None and hasattr(state, "flush"):
         state.flush()
     out = {"config": asdict(cfg), "losses": losses, "step_times": times, "curve": curve,
-           "world": world, "steps": total, **curve[-1]}
+           "world": world, "steps": total, "grad_norms": norms, **curve[-1]}
     if state is not None:
         out["stats"] = state.stats()
         out["stats_history"] = hist

@@ -17,7 +17,11 @@ def hook(state: GradcompState, bucket: dist.GradBucket) -> torch.futures.Future[
 
 
 def parse_spec(spec: str) -> tuple[str, dict]:
-    """``"name:key=value,key=value"`` -> (name, {key: value}) with values typed per option."""
+    """``"name:key=value,key=value"`` -> (name, {key: value}) with values typed per option;
+    a key given twice is refused."""
+    if not isinstance(spec, str):
+        raise TypeError(f"method must be a name or spec string such as 'onebit' or "
+                        f"'powersgd:rank=4', got {spec!r}: allowed {', '.join(sorted(METHODS))}")
     name, _, rest = spec.strip().partition(":")
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}: allowed {', '.join(sorted(METHODS))}")
@@ -30,6 +34,8 @@ def parse_spec(spec: str) -> tuple[str, dict]:
         key = key.strip()
         if key not in cfg.options():
             raise ValueError(f"unknown option {key!r} for {name}: allowed {', '.join(cfg.options())}")
+        if key in opts:
+            raise ValueError(f"option {key!r} given twice in {spec!r}: give each option once")
         opts[key] = cfg.parse_value(key, value.strip())
     return name, opts
 
