@@ -60,9 +60,13 @@ class MethodConfig:
     adam: with torch.optim.Adam/AdamW (``register(..., optimizer=opt)``): "freeze" keeps
         Adam's second moment as the dense warm-up left it for every parameter the method
         compresses, and applies Adam's update with it (1-bit Adam, Tang et al., ICML 2021:
-        hooks/optimizer.py); "off" lets Adam see the compressed gradients as any other (it
-        loses accuracy: its second moment then averages the squares of compressed values);
-        "auto": "freeze" with Adam/AdamW, nothing otherwise.
+        hooks/optimizer.py); "precondition" also compresses g / sqrt(v) instead of g
+        (measured slightly worse on the GPT, kept for comparison); "off" lets Adam see the
+        compressed gradients as any other (its second moment then averages the squares of
+        compressed values: measured to lose accuracy); "auto" (the default): "freeze" with
+        Adam/AdamW, nothing otherwise.
+    exact: parameters sent uncompressed whatever their size: "|"-separated name patterns
+        (fnmatch: "tok.weight|head.*"); "" (the default): none.
     With local_steps > 1 the method's step counter (``dense_steps``, the adaptive warm-up
     and its windows, random streams) counts outer rounds.
     """
@@ -83,6 +87,7 @@ class MethodConfig:
     outer_momentum: float = 0.9
     local_delay: int = 0
     adam: str = "auto"
+    exact: str = ""
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -128,7 +133,7 @@ class MethodConfig:
               f"local_delay=1 overlaps the outer exchange instead)")
         check(self.adam in ADAMS, "adam", self.adam,
               "auto (freeze with Adam/AdamW), freeze (Adam's second moment frozen once "
-              "compression starts) or off")
+              "compression starts), precondition (frozen, and g / sqrt(v) compressed) or off")
         self.validate()
 
     @property

@@ -136,18 +136,24 @@ def _ddp_adamw(rank, world, spec, steps, options):
     return [p.detach().clone() for p in net.parameters()], frozen, dict(net.named_parameters())
 
 
-@pytest.mark.parametrize("spec", ["onebit", "topk:ratio=0.1", "powersgd:rank=2", "terngrad",
-                                  "threshold", "dgc:ratio=0.1"])
-def test_ddp_adamw_ranks_agree_and_v_frozen_for_compressed_parameters(spawn, spec):
-    out = spawn(_ddp_adamw, 2, args=(spec, 6, {"dense_steps": 2}), timeout=120)
-    for a, b in zip(out[0][0], out[1][0]):
-        assert torch.equal(a, b)
-    params = out[0][2]
-    for name, frozen in out[0][1].items():
-        compressed = params[name].numel() >= 1000 and (not spec.startswith("powersgd")
-                                                        or params[name].dim() >= 2)
-        assert frozen == compressed, name
-        assert all(torch.isfinite(p).all() for p in out[0][0])
+SPECS = ["onebit", "topk:ratio=0.1", "powersgd:rank=2", "terngrad", "threshold", "dgc:ratio=0.1"]
+
+
+def _ddp_adamw_all(rank, world, specs, steps, options):
+    return [_ddp_adamw(rank, world, spec, steps, options) for spec in specs]
+
+
+def test_ddp_adamw_ranks_agree_and_v_frozen_for_compressed_parameters(spawn):
+    outs = spawn(_ddp_adamw_all, 2, args=(SPECS, 6, {"dense_steps": 2}), timeout=240)
+    for spec, r0, r1 in zip(SPECS, *outs):
+        for a, b in zip(r0[0], r1[0]):
+            assert torch.equal(a, b), spec
+            assert torch.isfinite(a).all(), spec
+        params = r0[2]
+        for name, frozen in r0[1].items():
+            compressed = params[name].numel() >= 1000 and (not spec.startswith("powersgd")
+                                                            or params[name].dim() >= 2)
+            assert frozen == compressed, (spec, name)
 
 
 def test_adam_off_leaves_the_optimizer_alone(spawn):
@@ -156,39 +162,46 @@ def test_adam_off_leaves_the_optimizer_alone(spawn):
     assert not any(out[0][1].values())  # every v moved on
 
 
-def _register(rank, world, spec, opt_kind, options):
-    net = small_net()
-    model = DDP(net)
-    params = net.parameters()
-    opt = {"sgd": lambda: torch.optim.SGD(params, lr=0.1),
-           "adamw": lambda: torch.optim.AdamW(params, lr=1e-3),
-           "capturable": lambda: torch.optim.AdamW(params, lr=1e-3, capturable=True)}[opt_kind]()
-    try:
-        gradcomp.register(model, spec, optimizer=opt, **options)
-    except (TypeError, ValueError) as exc:
-        return type(exc).__name__, str(exc)
-    return None
+def _register(rank, world, cases):
+    out = []
+    for spec, opt_kind, options in cases:
+        net = small_net()
+        model = DDP(net)
+        params = net.parameters()
+        opt = {"sgd": lambda: torch.optim.SGD(params, lr=0.1),
+               "adamw": lambda: torch.optim.AdamW(params, lr=1e-3),
+               "capturable": lambda: torch.optim.AdamW(params, lr=1e-3, capturable=True)
+               }[opt_kind]()
+        try:
+            gradcomp.register(model, spec, optimizer=opt, **options).close()
+        except (TypeError, ValueError) as exc:
+            out.append((type(exc).__name__, str(exc)))
+        else:
+            out.append(None)
+    return out
 
 
-@pytest.mark.parametrize("spec,opt,options,match", [
+REFUSALS = [
     ("onebit", "adamw", {"warmup": "none"}, "dense warm-up steps"),
     ("topk", "adamw", {"dense_steps": 0}, "dense warm-up steps"),
     ("onebit", "sgd", {"adam": "freeze"}, "needs optimizer=torch.optim.Adam"),
-    ("topk", "adamw", {"adam": "freeze", "local_steps": 4}, "local_steps=4"),
+    ("topk", "adamw", {"adam": "precondition", "local_steps": 4}, "local_steps=4"),
     ("onebit", "capturable", {}, "capturable=True"),
     ("onebit", "adamw", {"adam": "yes"}, "invalid adam='yes'"),
     ("dgc", "adamw", {"momentum": 0.9}, "use 'topk'"),
-])
-def test_refusals_name_the_problem_on_every_rank(spawn, spec, opt, options, match):
-    out = spawn(_register, 2, args=(spec, opt, options), timeout=60)
-    for r in out:
-        assert r is not None and r[0] in ("TypeError", "ValueError") and match in r[1], r
+]
+ACCEPTED = [("onebit", "adamw", {"warmup": "none", "adam": "off"}), ("dgc", "adamw", {}),
+            ("topk", "adamw", {"local_steps": 4}), ("onebit", "sgd", {})]
 
 
-def test_adam_off_and_sgd_register_without_refusal(spawn):
-    assert spawn(_register, 2, args=("onebit", "adamw", {"warmup": "none", "adam": "off"}),
-                 timeout=60) == [None, None]
-    assert spawn(_register, 2, args=("dgc", "adamw", {}), timeout=60) == [None, None]
+def test_refusals_name_the_problem_on_every_rank_and_the_rest_register(spawn):
+    cases = [c[:3] for c in REFUSALS] + ACCEPTED
+    out = spawn(_register, 2, args=(cases,), timeout=120)
+    for rank_out in out:
+        for (spec, opt, options, match), r in zip(REFUSALS, rank_out):
+            assert r is not None and r[0] in ("TypeError", "ValueError") and match in r[1], \
+                (spec, opt, options, r)
+        assert rank_out[len(REFUSALS):] == [None] * len(ACCEPTED)
 
 
 def test_is_adam_sees_through_framework_wrappers():
@@ -200,3 +213,29 @@ def test_is_adam_sees_through_framework_wrappers():
     opt = torch.optim.AdamW([nn.Parameter(torch.zeros(2))])
     assert is_adam(Wrapped(opt)) and is_adam(opt)
     assert not is_adam(Wrapped(torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)))
+
+
+def test_precondition_scale_is_the_frozen_adam_denominator():
+    """s = 1 / (sqrt(v / (1 - beta2**k)) + eps) at each compressed parameter's place in the
+    bucket, 1 elsewhere (gaps, uncompressed parameters), k the Adam step v froze at."""
+    from conftest import lay_out
+    net, opt, _ = _run("adamw", DENSE)
+    named = dict(net.named_parameters())
+    names = {id(p): n for n, p in named.items()}
+    binding = FrozenVariance(opt, lambda p: p.dim() >= 2, lambda: True, names,
+                             precondition=True)
+    slices = lay_out([(n, tuple(p.shape)) for n, p in named.items()])
+    s = binding.scale(slices, torch.device("cpu"))
+    g = opt.param_groups[0]
+    for sl in slices:
+        got = s[sl.offset : sl.offset + sl.numel]
+        p = named[sl.name]
+        if p.dim() < 2:
+            assert torch.equal(got, torch.ones_like(got))
+            continue
+        v = opt.state[p]["exp_avg_sq"].reshape(-1) / (1 - g["betas"][1] ** DENSE)
+        torch.testing.assert_close(got, 1 / (v.sqrt() + g["eps"]))
+    assert binding.scale(slices, torch.device("cpu")) is s  # cached: v no longer moves
+    binding.close()
+    off = FrozenVariance(opt, lambda p: p.dim() >= 2, lambda: True, names)
+    assert off.scale(slices, torch.device("cpu")) is None

@@ -14,6 +14,7 @@ step than the uninterrupted job did; this rule is what makes the resumed job bit
 """
 from __future__ import annotations
 
+import fnmatch
 import functools
 import math
 import threading
@@ -95,6 +96,12 @@ class BucketContext(Protocol):
 def name_seed(base: int, name: str) -> int:
     """A seed from a config seed and a parameter name, equal on every rank."""
     return (base * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+@functools.lru_cache(maxsize=4096)
+def exact_match(patterns: str, name: str) -> bool:
+    """Whether ``name`` matches one of the "|"-separated fnmatch ``patterns``."""
+    return any(fnmatch.fnmatchcase(name, p.strip()) for p in patterns.split("|") if p.strip())
 
 
 def unwrap_optimizer(optimizer):
@@ -179,14 +186,19 @@ class Compressor(ABC):
         x.add_(e)
         return e
 
-    def compresses(self, shape: tuple) -> bool:
-        """Whether a parameter of this shape goes compressed (False: always sent exact)."""
-        return not self.stateless and math.prod(shape) >= self.config.min_numel
+    def compresses(self, name: str, shape: tuple) -> bool:
+        """Whether parameter ``name`` of this shape goes compressed (False: sent exact)."""
+        return not self.stateless and self.big(name, math.prod(shape))
+
+    def big(self, name: str, size: int) -> bool:
+        """The size rule: at least ``min_numel`` elements and not named in ``exact``."""
+        return size >= self.config.min_numel and not exact_match(self.config.exact, name)
 
     def split(self, params) -> tuple[list[ParamSlice], list[ParamSlice]]:
-        """(compressed, sent dense): parameters below ``min_numel`` elements go uncompressed."""
-        big = [p for p in params if p.size >= self.config.min_numel]
-        return big, [p for p in params if p.size < self.config.min_numel]
+        """(compressed, sent dense): parameters below ``min_numel`` elements, or named in
+        ``exact``, go uncompressed."""
+        big = [p for p in params if self.big(p.name, p.size)]
+        return big, [p for p in params if not self.big(p.name, p.size)]
 
 
 _scratch = threading.local()

@@ -81,15 +81,15 @@ class PowerSGD(Compressor):
         super().__init__(config)
         self._layouts = {}
 
-    def compresses(self, shape: tuple) -> bool:
-        return bool(self.plan([ParamSlice("", tuple(shape), 0, math.prod(shape))])[0])
+    def compresses(self, name: str, shape: tuple) -> bool:
+        return bool(self.plan([ParamSlice(name, tuple(shape), 0, math.prod(shape))])[0])
 
     def plan(self, params):
         """Split a bucket's parameters into compressed matrices (p, n, m, r) and dense ones."""
         cfg = self.config
         mats, dense = [], []
         for p in params:
-            if len(p.shape) >= 2 and p.size >= cfg.min_numel:
+            if len(p.shape) >= 2 and self.big(p.name, p.size):
                 n, m = p.shape[0], p.numel // p.shape[0]
                 r = min(cfg.rank, n, m)
                 if n * m >= cfg.min_compression_rate * (n + m) * r:

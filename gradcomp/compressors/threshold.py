@@ -157,7 +157,8 @@ class Threshold(Compressor):
     def exchange(self, x, ctx, big, dense):
         cfg = self.config
         e = self.add_residual(x, ctx)
-        tb = _tables(tuple((p.offset, p.numel, p.size) for p in ctx.params), x.numel(), cfg,
+        tb = _tables(tuple((p.offset, p.numel, p.size if self.big(p.name, p.size) else -1)
+                           for p in ctx.params), x.numel(), cfg,
                      x.device)
         pl = tb.plan
         params = [ctx.params[i] for i in tb.big]

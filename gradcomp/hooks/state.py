@@ -407,9 +407,10 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
             return
         names = self._param_names
         self._adam = optimizer_binding.FrozenVariance(
-            optimizer, lambda p: id(p) in names and self.compressor.compresses(tuple(p.shape)),
+            optimizer, lambda p: id(p) in names and self.compressor.compresses(names[id(p)],
+                                                                               tuple(p.shape)),
             lambda: not self._dense(max(self._step, 0)), names,
-            precondition=self.config.adam in ("auto", "precondition"))
+            precondition=self.config.adam == "precondition")
 
     def close(self) -> None:
         """Stop the communication threads (after the exchanges queued so far). Called at
