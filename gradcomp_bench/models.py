@@ -130,6 +130,12 @@ def gpt():
     return GPT()
 
 
+def gpt_tiny():
+    """0.1M parameters (2 layers, width 64, 32 characters of context): the suite's
+    convergence test, seconds per run on a CPU."""
+    return GPT(d=64, layers=2, heads=4, context=32)
+
+
 def gpt2_small():
     """GPT-2 small's shapes (124M parameters in 148 tensors, a 50257 x 768 embedding): for
     bytes and op counts, too large to train on a CPU."""
@@ -149,5 +155,5 @@ def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             {"params": keep, "weight_decay": 0.0}]
 
 
-MODELS.update({"gpt": gpt, "gpt2_small": gpt2_small})
-LANGUAGE_MODELS = ("gpt", "gpt2_small")
+MODELS.update({"gpt": gpt, "gpt_tiny": gpt_tiny, "gpt2_small": gpt2_small})
+LANGUAGE_MODELS = ("gpt", "gpt_tiny", "gpt2_small")

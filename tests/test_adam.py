@@ -239,3 +239,64 @@ def test_precondition_scale_is_the_frozen_adam_denominator():
     binding.close()
     off = FrozenVariance(opt, lambda p: p.dim() >= 2, lambda: True, names)
     assert off.scale(slices, torch.device("cpu")) is None
+
+
+# --------------------------------------------------------------------------- resume under DDP
+K = 4
+RESUME = ["onebit:chunk=64,dense_steps=2", "topk:ratio=0.05,dense_steps=6",
+          "powersgd:rank=1,dense_steps=2", "dgc:ratio=0.05,dense_steps=1,delay=1"]
+
+
+def _job(spec):
+    net = small_net()
+    model = DDP(net, bucket_cap_mb=0.004)
+    groups = [{"params": [p for p in net.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in net.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95))
+    state = gradcomp.register(model, spec, optimizer=opt, min_numel=0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))
+    return net, model, opt, sched, state
+
+
+def _train(model, opt, sched, rank, steps):
+    for step in steps:
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        sched.step()
+
+
+def _resume_phase(rank, world, phase, path):
+    out = []
+    for i, spec in enumerate(RESUME):
+        net, model, opt, sched, state = _job(spec)
+        if phase == "straight":
+            _train(model, opt, sched, rank, range(2 * K))
+        elif phase == "first":
+            _train(model, opt, sched, rank, range(K))
+            torch.save({"model": net.state_dict(), "opt": opt.state_dict(),
+                        "sched": sched.state_dict(), "gradcomp": state.state_dict()},
+                       f"{path}/{i}_rank{rank}.pt")
+        else:
+            ck = torch.load(f"{path}/{i}_rank{rank}.pt", weights_only=True)
+            net.load_state_dict(ck["model"])
+            opt.load_state_dict(ck["opt"])
+            sched.load_state_dict(ck["sched"])
+            state.load_state_dict(ck["gradcomp"])
+            _train(model, opt, sched, rank, range(K, 2 * K))
+        state.close()
+        out.append([p.detach().clone() for p in net.parameters()])
+    return out
+
+
+def test_adamw_resume_in_fresh_processes_is_bit_exact(spawn, tmp_path):
+    """Checkpoint before the switch (topk: frozen in the resumed job) and after it (the
+    frozen step travels in the optimizer's state), a scheduler, param groups, delay."""
+    straight = spawn(_resume_phase, 2, args=("straight", str(tmp_path)), timeout=240)
+    spawn(_resume_phase, 2, args=("first", str(tmp_path)), timeout=240)
+    resumed = spawn(_resume_phase, 2, args=("second", str(tmp_path)), timeout=240)
+    for rank in range(2):
+        for spec, a, b in zip(RESUME, straight[rank], resumed[rank]):
+            for p, q in zip(a, b):
+                assert torch.equal(p, q), spec
