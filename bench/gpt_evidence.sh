@@ -7,6 +7,6 @@
 set -euo pipefail
 seed=${1:-0}
 methods=${2:-"allreduce,onebit,topk,powersgd,terngrad,threshold,dgc,torch-powersgd:rank=2,ordered=1,onebit:adam=off"}
-tag=$(echo "$methods" | tr ',:=' '_--' | cut -c1-60)
+tag=$(echo "$methods" | sed 's/[,:=]/_/g' | cut -c1-60)
 gradcomp-bench convergence --model gpt --steps 2000 --seed "$seed" --methods "$methods" \
   --out bench/out/gpt --json "bench/results/gpt/gpt2000_s${seed}_${tag}.json"
