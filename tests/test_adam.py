@@ -300,3 +300,4 @@ def test_adamw_resume_in_fresh_processes_is_bit_exact(spawn, tmp_path):
         for spec, a, b in zip(RESUME, straight[rank], resumed[rank]):
             for p, q in zip(a, b):
                 assert torch.equal(p, q), spec
+

@@ -5,9 +5,130 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+
+import torch
 
 from .delayed import _Pending
 from .topology import base_name
+
+# the layout of state_dict(); checkpoints without a "format" key (gradcomp <= 0.1) are format 1
+# and load the same way
+FORMAT = 2
+_MAX_STEP = 2**53
+
+
+def tensor_digest(sd: dict) -> str:
+    """SHA-256 over every tensor of a checkpoint (key path, dtype, shape, bytes), in key
+    order: flipped bytes in a saved file do not load silently."""
+    h = hashlib.sha256()
+
+    def walk(path, v):
+        if isinstance(v, dict):
+            for k in sorted(v, key=str):
+                if k != "digest" or path:
+                    walk(f"{path}/{k}", v[k])
+        elif isinstance(v, (list, tuple)):
+            for i, x in enumerate(v):
+                walk(f"{path}/{i}", x)
+        elif isinstance(v, torch.Tensor):
+            t = v.detach().cpu().contiguous()
+            h.update(f"{path}|{t.dtype}|{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    walk("", sd)
+    return h.hexdigest()
+
+
+def _bad(what: str, value, allowed: str) -> ValueError:
+    text = repr(value)
+    return ValueError(f"gradcomp checkpoint: {what} is {text[:80]}; allowed {allowed}")
+
+
+def _check_int(what, v, low=0, high=_MAX_STEP):
+    if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+        raise _bad(what, v, f"an integer in [{low}, {high}]")
+
+
+def _check_tensor(what, t, numel=None):
+    if not isinstance(t, torch.Tensor):
+        raise _bad(what, type(t).__name__, "a tensor")
+    if not t.dtype.is_floating_point:
+        raise _bad(f"{what}'s dtype", t.dtype, "a floating-point dtype")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"gradcomp checkpoint: {what} holds {t.numel()} elements; this model's "
+                         f"parameter has {numel}")
+    if not bool(torch.isfinite(t).all()):
+        raise _bad(what, "a tensor holding inf/NaN", "finite values")
+
+
+def check_checkpoint(sd, state) -> None:
+    """Every check of a load, before anything is changed: raises naming the first problem."""
+    if not isinstance(sd, dict):
+        raise TypeError(f"gradcomp checkpoint: expected the dict of state_dict(), got "
+                        f"{type(sd).__name__}")
+    fmt = sd.get("format", 1)
+    if fmt not in (1, FORMAT):
+        raise _bad("format", fmt, f"1 or {FORMAT} (this gradcomp writes {FORMAT})")
+    missing = [k for k in ("method", "config", "world_size", "step", "memory") if k not in sd]
+    if missing:
+        raise ValueError(f"gradcomp checkpoint: missing key(s) {', '.join(missing)}: not a "
+                         f"checkpoint of GradcompState.state_dict(), or a partial one")
+    if "digest" in sd and sd["digest"] != tensor_digest(sd):
+        raise ValueError("gradcomp checkpoint: its tensors do not match the digest saved with "
+                         "them: the file was changed or damaged after it was written")
+    if not isinstance(sd["config"], dict):
+        raise _bad("config", sd["config"], "a dict of options")
+    rank = state._lanes[0].comm.rank
+    if "rank" in sd and sd["rank"] != rank:
+        raise ValueError(f"gradcomp checkpoint was written by rank {sd['rank']!r}; this is rank "
+                         f"{rank}: each rank's residuals are its own, so every rank saves and "
+                         f"loads its own state_dict() (e.g. a file per rank, or "
+                         f"torch.distributed.checkpoint)")
+    _check_int("step", sd["step"])
+    mem = sd["memory"]
+    if not isinstance(mem, dict) or not isinstance(mem.get("flat"), dict) \
+            or not isinstance(mem.get("tensors"), dict):
+        raise _bad("memory", type(mem).__name__, "a dict with 'flat' and 'tensors' dicts")
+    known = set(state._param_names.values())
+    for part in ("flat", "tensors"):
+        for slot, d in mem[part].items():
+            if not isinstance(d, dict):
+                raise _bad(f"memory slot {slot!r}", type(d).__name__, "a dict by parameter name")
+            for name, t in d.items():
+                _check_tensor(f"memory slot {slot!r} of {name!r}", t)
+    pending = sd.get("pending", [])
+    if not isinstance(pending, list):
+        raise _bad("pending", type(pending).__name__, "a list")
+    for i, p in enumerate(pending):
+        if not isinstance(p, dict) or not isinstance(p.get("corrections"), dict):
+            raise _bad(f"pending[{i}]", p, "a dict with 'step' and 'corrections'")
+        _check_int(f"pending[{i}] step", p.get("step"))
+        for name, c in p["corrections"].items():
+            if known and base_name(name) not in known:
+                raise ValueError(f"gradcomp checkpoint: pending[{i}] holds a correction for "
+                                 f"parameter {name!r}, which this model lacks")
+            want = state._param_numels.get(name) if not state.local_size else None
+            _check_tensor(f"pending[{i}] correction of {name!r}", c, want)
+    wu = sd.get("warmup")
+    if wu is not None:
+        if not isinstance(wu, dict) or not all(k in wu for k in ("entries", "next", "prev",
+                                                                 "ratio", "switch")):
+            raise _bad("warmup", wu, "a dict with entries, next, prev, ratio, switch")
+        _check_int("warmup next", wu["next"])
+        if wu["switch"] is not None:
+            _check_int("warmup switch", wu["switch"])
+        for key in ("prev", "ratio"):
+            v = wu[key]
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                  or not math.isfinite(v) or v < 0):
+                raise _bad(f"warmup {key}", v, "None or a finite number >= 0")
+        if not isinstance(wu["entries"], list):
+            raise _bad("warmup entries", wu["entries"], "a list")
+        for e in wu["entries"]:
+            if not (isinstance(e, (list, tuple)) and len(e) == 3
+                    and isinstance(e[2], torch.Tensor)):
+                raise _bad("a warmup entry", e, "(step, parameter names, squared norms)")
+    state._check_compatible(sd)
 
 
 class Checkpoint:
@@ -20,15 +141,31 @@ class Checkpoint:
     def state_dict(self) -> dict:
         """Everything needed to resume exactly: memory by parameter name, the step counter,
         the delayed exchanges still to be applied (waited for first) and, with local_steps,
-        the rounds' state (hooks/local.py) and the adaptive warm-up's (hooks/warmup.py)."""
+        the rounds' state (hooks/local.py) and the adaptive warm-up's (hooks/warmup.py).
+        ``format`` names this layout; ``rank`` the rank that wrote it (each rank's memory is
+        its own: a checkpoint loads into the rank that wrote it); ``digest`` a SHA-256 of
+        every tensor, checked on load."""
         pending = [{"step": e.step, "corrections": {n: c.clone() for n, c in e.owed()}}
                    for e in self._pending]
-        return {"method": self.method, "config": self.config.to_dict(), "world_size": self.world_size,
-                "ranks_per_node": self.local_size,
-                "step": self.step, "memory": self.memory.state_dict(), "pending": pending,
-                "local": self.local_state_dict(), "warmup": self.warmup_state_dict()}
+        sd = {"format": FORMAT, "method": self.method, "config": self.config.to_dict(),
+              "world_size": self.world_size, "rank": self._lanes[0].comm.rank,
+              "ranks_per_node": self.local_size,
+              "step": self.step, "memory": self.memory.state_dict(), "pending": pending,
+              "local": self.local_state_dict(), "warmup": self.warmup_state_dict()}
+        sd["digest"] = tensor_digest(sd)
+        return sd
 
     def load_state_dict(self, sd: dict) -> None:
+        """Load a checkpoint of :meth:`state_dict`: all of it, or (ValueError/TypeError naming
+        what is wrong) nothing: every part is checked before the state is touched. Exchanges
+        still in flight are waited for first, so loading into a state that has run steps is
+        a fresh-process resume."""
+        check_checkpoint(sd, self)
+        self.drain()
+        self._load(sd)
+
+    def _check_compatible(self, sd: dict) -> None:
+        """Method, options, world size, topology and model: those of this state."""
         # options added since a checkpoint was written take their defaults; the topology is
         # compared as resolved (ranks per node), below, and the warm-up as the rule that runs
         # (a checkpoint's "adaptive" is today's "auto" at local_steps=1)
@@ -65,7 +202,11 @@ class Checkpoint:
                 if want is not None and v.numel() != want:
                     raise ValueError(f"checkpoint slot {slot!r} holds {v.numel()} elements for "
                                      f"parameter {name!r}; this model's has {want}")
+
+    def _load(self, sd: dict) -> None:
         self.memory.load_state_dict(sd["memory"])
+        if getattr(self, "_adam", None) is not None:
+            self._adam.reset()
         self._step = sd["step"] - 1
         self._written = max(self._written, self._step)
         self._pending = [_Pending.done(p["step"], p["corrections"]) for p in sd.get("pending", [])]

@@ -151,6 +151,12 @@ def _build_state(model, method, optimizer, group, options) -> GradcompState:
     # what the method needs from the optimizer (DGC: its momentum) is the method's business
     config = METHODS[name].config.from_dict(METHODS[name].compressor.prepare(options, optimizer))
     _check_adam(name, config, optimizer)
+    for mname, mod in model.module.named_modules():
+        if isinstance(mod, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and mod.sparse:
+            raise ValueError(f"module {mname!r} is {type(mod).__name__}(sparse=True): its "
+                             f"sparse gradients cannot go through a DDP comm hook's flat "
+                             f"bucket; allowed sparse=False (dense gradients, compressed as "
+                             f"any other)")
     names, numels = {}, {}
     for pname, p in model.module.named_parameters():
         if not p.requires_grad:

@@ -93,6 +93,11 @@ class FrozenVariance:
                         self.optimizer.register_step_post_hook(self._post)]
         self.optimizer._gradcomp_adam_hooks = self.handles
 
+    def reset(self) -> None:
+        """Forget the cached preconditioners: a loaded checkpoint (gradcomp's or the
+        optimizer's) brings its own variance."""
+        self._scales.clear()
+
     def close(self) -> None:
         self._post()
         for h in self.handles:

@@ -1,0 +1,120 @@
+"""Bad options are refused by name before anything runs: None where it means nothing,
+non-finite numbers, a key given twice in a spec, a method that is not a string, sparse
+embeddings (on every rank)."""
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradcomp
+
+
+@pytest.mark.parametrize("spec,options,match", [
+    ("topk", {"ratio": None}, "invalid ratio=None"),
+    ("powersgd", {"rank": None}, "invalid rank=None"),
+    ("onebit", {"delay": None}, "invalid delay=None"),
+    ("onebit", {"error_feedback": None}, "invalid error_feedback=None"),
+    ("onebit", {"seed": None}, "invalid seed=None"),
+    ("dgc", {"weight_decay": float("inf")}, "invalid weight_decay=inf"),
+    ("topk", {"ratio": float("nan")}, "invalid ratio=nan"),
+    ("threshold", {"tau": 1e308 * 10}, "invalid tau=inf"),
+    ("topk:ratio=0.1,ratio=0.2", {}, "given twice"),
+    (None, {}, "method must be a name or spec string"),
+    (3, {}, "method must be a name or spec string"),
+])
+def test_refused_by_name(spec, options, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        gradcomp.build_config(spec, **options)
+
+
+def test_none_still_means_the_default_where_it_is_documented():
+    assert gradcomp.build_config("onebit", dense_steps=None)[1].dense_steps is None
+    assert gradcomp.build_config("threshold", tau=None)[1].tau is None
+
+
+def _sparse_embedding(rank, world):
+    net = nn.Sequential(nn.Embedding(100, 8, sparse=True), nn.Linear(8, 2))
+    try:
+        gradcomp.register(DDP(net), "onebit")
+    except ValueError as exc:
+        return str(exc)
+
+
+def test_sparse_embedding_is_refused_by_name_on_every_rank(spawn):
+    for msg in spawn(_sparse_embedding, 2, timeout=60):
+        assert msg and "'0'" in msg and "sparse=True" in msg
+
+
+def _damaged_checkpoints(rank, world):
+    """Every damaged checkpoint is refused by name and leaves the state as it was."""
+    import copy
+    from gradcomp.hooks.checkpoint import tensor_digest
+    from conftest import batch, small_net
+    net = small_net()
+    model = DDP(net, bucket_cap_mb=0.004)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    state = gradcomp.register(model, "topk:ratio=0.05,delay=1,warmup=none", optimizer=opt,
+                              min_numel=0)
+    for step in range(3):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    good = state.state_dict()
+    before, step = tensor_digest(good), state.step
+    assert good["pending"], "a delayed exchange is owed at the checkpoint"
+    name = next(iter(good["memory"]["flat"]["residual"]))
+
+    def edit(fn):
+        sd = copy.deepcopy(good)
+        fn(sd)
+        return sd
+
+    def flip(sd):
+        sd["memory"]["flat"]["residual"][name].view(-1)[0] += 1.0
+
+    def nan(sd):
+        sd["memory"]["flat"]["residual"][name].view(-1)[0] = float("nan")
+        sd.pop("digest")
+
+    other = good["rank"] ^ 1
+    cases = {
+        "not a dict": ([1, 2], "expected the dict"),
+        "partial": (edit(lambda sd: sd.pop("memory")), "missing key"),
+        "future format": (edit(lambda sd: sd.update(format=99)), "format is 99"),
+        "flipped bytes": (edit(flip), "do not match the digest"),
+        "non-finite memory": (edit(nan), "inf/NaN"),
+        "another rank's": (edit(lambda sd: sd.update(rank=other)), f"written by rank {other}"),
+        "negative step": (edit(lambda sd: sd.update(step=-3)), "step is -3"),
+        "step a float": (edit(lambda sd: sd.update(step=2.5)), "step is 2.5"),
+        "another method": (edit(lambda sd: sd.update(method="onebit")), "for method 'onebit'"),
+        "pending wrong size": (edit(lambda sd: (
+            sd["pending"][0]["corrections"].update(
+                {k: torch.zeros(3) for k in sd["pending"][0]["corrections"]}),
+            sd.pop("digest"))), "holds 3 elements"),
+        "pending unknown parameter": (edit(lambda sd: (
+            sd["pending"][0]["corrections"].update({"nope.weight": torch.zeros(3)}),
+            sd.pop("digest"))), "'nope.weight'"),
+    }
+    out = {}
+    for label, (sd, match) in cases.items():
+        try:
+            state.load_state_dict(sd)
+            out[label] = "loaded"
+        except (TypeError, ValueError) as exc:
+            out[label] = "ok" if match in str(exc) else f"wrong message: {exc}"
+        now = state.state_dict()
+        if tensor_digest(now) != before or state.step != step or len(now["pending"]) != len(good["pending"]):
+            out[label] += " / state changed"
+    state.load_state_dict(good)  # the intact one still loads
+    out["intact"] = "ok" if tensor_digest(state.state_dict()) == before else "differs"
+    legacy = {k: v for k, v in good.items() if k not in ("format", "rank", "digest")}
+    state.load_state_dict(legacy)  # a checkpoint of gradcomp <= 0.1 (format 1) loads
+    out["format 1"] = "ok" if tensor_digest(state.state_dict()) == before else "differs"
+    return out
+
+
+def test_a_damaged_checkpoint_is_refused_by_name_and_changes_nothing(spawn):
+    for out in spawn(_damaged_checkpoints, 2, timeout=120):
+        bad = {k: v for k, v in out.items() if v != "ok"}
+        assert not bad, bad
