@@ -13,6 +13,12 @@ DEFAULT_MIN_NUMEL = 4096
 TOPOLOGIES = ("auto", "flat", "hierarchical")
 WARMUPS = ("auto", "adaptive", "none")
 ADAMS = ("auto", "precondition", "freeze", "off")
+# bounds on what an option costs, checked before anything is allocated or sent: a value past
+# them is a typo far more often than a plan (each delayed step holds a copy of the gradients
+# in flight; a run syncs once per local_steps steps; a window's norms are kept until it ends)
+MAX_DELAY = 64
+MAX_LOCAL_STEPS = 100_000
+MAX_STEPS = 2**53  # a step count that is still an exact float64
 
 
 def check(ok: bool, name: str, value, allowed: str) -> None:
@@ -104,24 +110,29 @@ class MethodConfig:
                 raise TypeError(f"invalid {f.name}={v!r}: expected {_type_name(t)}")
             if isinstance(v, float) and not math.isfinite(v):
                 raise ValueError(f"invalid {f.name}={v!r}: allowed a finite number")
-        check(self.min_numel >= 0, "min_numel", self.min_numel, "an integer >= 0")
-        check(self.delay >= 0, "delay", self.delay, "an integer >= 0 (0 = synchronous)")
-        check(self.dense_steps is None or self.dense_steps >= 0, "dense_steps", self.dense_steps,
-              "an integer >= 0, or None (the warm-up rule decides)")
+        check(0 <= self.min_numel <= 2**62, "min_numel", self.min_numel,
+              "an integer in [0, 2**62]")
+        check(0 <= self.delay <= MAX_DELAY, "delay", self.delay,
+              f"an integer in [0, {MAX_DELAY}] (0 = synchronous; each delayed step keeps a "
+              f"copy of the gradients in flight)")
+        check(0 <= self.seed < 2**63, "seed", self.seed, "an integer in [0, 2**63)")
+        check(self.dense_steps is None or 0 <= self.dense_steps <= MAX_STEPS, "dense_steps",
+              self.dense_steps, "an integer >= 0, or None (the warm-up rule decides); at most 2**53")
         check(self.warmup in WARMUPS, "warmup", self.warmup,
               "auto (adaptive, or none with local_steps > 1), adaptive (dense until the "
               "gradient norm settles) or none")
-        check(self.warmup_window >= 1, "warmup_window", self.warmup_window, "an integer >= 1")
+        check(1 <= self.warmup_window <= MAX_LOCAL_STEPS, "warmup_window", self.warmup_window,
+              f"an integer >= 1 and <= {MAX_LOCAL_STEPS}")
         check(0 < self.warmup_threshold < float("inf"), "warmup_threshold",
               self.warmup_threshold, "a finite number > 0")
-        check(self.warmup_max_steps >= 0, "warmup_max_steps", self.warmup_max_steps,
-              "an integer >= 0 (0: no cap)")
+        check(0 <= self.warmup_max_steps <= MAX_STEPS, "warmup_max_steps",
+              self.warmup_max_steps, "an integer >= 0 (0: no cap) and <= 2**53")
         check(self.topology in TOPOLOGIES, "topology", self.topology, ", ".join(TOPOLOGIES))
-        check(self.local_size >= 0, "local_size", self.local_size,
-              "an integer >= 0 (0: LOCAL_WORLD_SIZE)")
-        check(self.local_steps >= 1, "local_steps", self.local_steps,
-              "an integer >= 1 (1 = sync every step)")
-        check(self.outer_lr > 0, "outer_lr", self.outer_lr, "a number > 0")
+        check(0 <= self.local_size <= 2**20, "local_size", self.local_size,
+              "an integer in [0, 2**20] (0: LOCAL_WORLD_SIZE)")
+        check(1 <= self.local_steps <= MAX_LOCAL_STEPS, "local_steps", self.local_steps,
+              f"an integer >= 1 and <= {MAX_LOCAL_STEPS} (1 = sync every step)")
+        check(0 < self.outer_lr <= 10, "outer_lr", self.outer_lr, "a number > 0 and <= 10")
         check(0 <= self.outer_momentum < 1, "outer_momentum", self.outer_momentum,
               "a number in [0, 1)")
         check(self.local_delay in (0, 1), "local_delay", self.local_delay,

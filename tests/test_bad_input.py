@@ -1,6 +1,9 @@
 """Bad options are refused by name before anything runs: None where it means nothing,
 non-finite numbers, a key given twice in a spec, a method that is not a string, sparse
 embeddings (on every rank)."""
+import re
+from collections import OrderedDict
+
 import pytest
 import torch
 from torch import nn
@@ -118,3 +121,86 @@ def test_a_damaged_checkpoint_is_refused_by_name_and_changes_nothing(spawn):
     for out in spawn(_damaged_checkpoints, 2, timeout=120):
         bad = {k: v for k, v in out.items() if v != "ok"}
         assert not bad, bad
+
+
+@pytest.mark.parametrize("spec,options,match", [
+    ("onebit", {"delay": 10**12}, "invalid delay=1000000000000: allowed an integer in [0, 64]"),
+    ("topk", {"local_steps": 10**12}, "invalid local_steps=1000000000000"),
+    ("onebit", {"chunk": 2**40}, "invalid chunk=1099511627776: allowed a positive multiple of 8, at most"),
+    ("powersgd", {"rank": 10**9}, "invalid rank=1000000000"),
+    ("threshold", {"tau": 1e308, "adaptive": False}, "invalid tau=1e+308"),
+    ("onebit", {"seed": -1}, "invalid seed=-1"),
+])
+def test_values_past_what_they_cost_are_refused(spec, options, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        gradcomp.build_config(spec, **options)
+
+
+def _disagree(rank, world, case):
+    from conftest import small_net
+    torch.manual_seed(0)
+    net = small_net()
+    if case == "model" and rank == 1:  # the same shapes (DDP's own check), other names
+        net = nn.Sequential(OrderedDict((f"layer{i}", m) for i, m in enumerate(net)))
+    if case == "embedding":
+        net.append(nn.Embedding(3, 2, sparse=rank == 1))
+    model = DDP(net)
+    momentum = 0.9 if rank == 0 or case != "momentum" else 0.8
+    cls = torch.optim.Adam if case == "optimizer" and rank == 1 else torch.optim.SGD
+    kw = {"momentum": momentum} if cls is torch.optim.SGD else {}
+    opt = cls(model.parameters(), lr=0.1, **kw)
+    lanes = 10**6 if case == "lanes" and rank == 1 else 2
+    try:
+        gradcomp.register(model, "onebit", optimizer=opt, lanes=lanes)
+    except ValueError as exc:
+        return str(exc)
+
+
+@pytest.mark.parametrize("case,match", [
+    ("momentum", "optimizer group 0: rank 0: {"),
+    ("optimizer", "optimizer: rank 0: SGD, rank 1: Adam"),
+    ("model", "parameters (names, shapes, dtypes): rank 0:"),
+    ("lanes", "invalid lanes=1000000: allowed an integer in [1, 32]"),
+    ("embedding", "(sparse=True)"),
+])
+def test_ranks_that_disagree_all_refuse_naming_what(case, match, spawn):
+    for msg in spawn(_disagree, 2, args=(case,), timeout=90):
+        assert msg and match in msg, msg
+
+
+def _by_hand(rank, world):
+    """The documented path for a hook registered by hand: gradcomp.State(..., model=)."""
+    from conftest import batch, small_net
+    net = small_net()
+    model = DDP(net)
+    _, config = gradcomp.build_config("topk:ratio=0.1,warmup=none,min_numel=0")
+    state = gradcomp.State("topk", config, model=net)
+    model.register_comm_hook(state, gradcomp.hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    stats = state.stats()
+    bare = DDP(small_net())
+    bare.register_comm_hook(gradcomp.State("topk", config), gradcomp.hook)
+    try:
+        bare(batch(rank, 0)[0]).sum().backward()
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    return [p.detach().clone() for p in net.parameters()], stats, error
+
+
+def test_a_state_registered_by_hand_runs_and_a_nameless_one_says_how(spawn):
+    (p0, s0, e0), (p1, _, _) = spawn(_by_hand, 2, timeout=90)
+    assert s0["step"] == 3 and 0 < s0["sent_bytes"] < s0["raw_bytes"]  # it compressed
+    for a, b in zip(p0, p1):
+        assert torch.equal(a, b)
+    assert "gradcomp.State(method, config, model=net)" in e0
+
+
+def test_register_without_a_process_group_says_so():
+    with pytest.raises(RuntimeError, match="needs torch.distributed initialized"):
+        gradcomp.register(DDP.__new__(DDP), "onebit")

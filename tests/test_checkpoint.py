@@ -155,3 +155,34 @@ def test_a_checkpoint_is_compared_by_the_warm_up_that_runs():
     sd["config"]["warmup"] = "adaptive"
     with pytest.raises(ValueError, match="checkpoint is for method 'topk'"):
         loc.load_state_dict(sd)
+
+
+ROLLBACK = ["onebit:chunk=64,delay=1,warmup=none", "dgc:ratio=0.05,delay=1,warmup=none",
+            "topk:ratio=0.05,delay=2,warmup=none", "powersgd:rank=1,warmup=none",
+            "topk:ratio=0.05,local_steps=3,local_delay=1",
+            "onebit:chunk=64,warmup_window=1,warmup_threshold=100"]
+
+
+def _rollback(rank, world, spec):
+    """A checkpoint loaded into a state that has run on past it (a rollback, a retry after a
+    bad step) is a fresh-process resume: the run then equals one that never left it."""
+    import copy
+    net, model, opt, state = _job(spec)
+    _steps(model, opt, rank, range(2 * K))
+    ref = [p.detach().clone() for p in net.parameters()]
+    net, model, opt, state = _job(spec)
+    _steps(model, opt, rank, range(K))
+    saved = copy.deepcopy({"model": net.state_dict(), "opt": opt.state_dict(),
+                           "gradcomp": state.state_dict()})
+    _steps(model, opt, rank, range(100, 103))  # the steps rolled back
+    net.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    state.load_state_dict(saved["gradcomp"])
+    _steps(model, opt, rank, range(K, 2 * K))
+    return [float((a - p).abs().max()) for a, p in zip(ref, net.parameters())]
+
+
+@pytest.mark.parametrize("spec", ROLLBACK)
+def test_loading_into_a_running_state_equals_a_fresh_resume(spec, spawn):
+    for diffs in spawn(_rollback, 2, args=(spec,), timeout=120):
+        assert max(diffs) == 0, f"{spec}: max diff {max(diffs):.3g}"

@@ -191,8 +191,8 @@ class Compressor(ABC):
         return not self.stateless and self.big(name, math.prod(shape))
 
     def big(self, name: str, size: int) -> bool:
-        """The size rule: at least ``min_numel`` elements and not named in ``exact``."""
-        return size >= self.config.min_numel and not exact_match(self.config.exact, name)
+        """The size rule: at least ``min_numel`` elements (and one), not named in ``exact``."""
+        return size >= max(self.config.min_numel, 1) and not exact_match(self.config.exact, name)
 
     def split(self, params) -> tuple[list[ParamSlice], list[ParamSlice]]:
         """(compressed, sent dense): parameters below ``min_numel`` elements, or named in

@@ -37,8 +37,8 @@ class OneBitConfig(MethodConfig):
     chunk: int = 256
 
     def validate(self):
-        check(self.chunk >= 8 and self.chunk % 8 == 0, "chunk", self.chunk,
-              "a positive multiple of 8")
+        check(8 <= self.chunk <= 2**24 and self.chunk % 8 == 0, "chunk", self.chunk,
+              "a positive multiple of 8, at most 2**24")
 
 
 def encode(y: torch.Tensor, residual, chunk: int) -> torch.Tensor:

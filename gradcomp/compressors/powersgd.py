@@ -64,7 +64,8 @@ class PowerSGDConfig(MethodConfig):
     min_compression_rate: float = 2.0
 
     def validate(self):
-        check(self.rank >= 1, "rank", self.rank, "an integer >= 1")
+        check(1 <= self.rank <= 4096, "rank", self.rank,
+              "an integer >= 1 and <= 4096 (P and Q hold rank columns per matrix)")
         check(self.min_compression_rate >= 0, "min_compression_rate",
               self.min_compression_rate, "a number >= 0")
 

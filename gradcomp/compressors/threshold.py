@@ -76,8 +76,10 @@ class ThresholdConfig(MethodConfig):
             if isinstance(v, int):
                 object.__setattr__(self, name, float(v))
         check(0 < self.max_ratio <= 1, "max_ratio", self.max_ratio, "a number in (0, 1]")
-        check(self.tau is None or (math.isfinite(self.tau) and self.tau > 0), "tau", self.tau,
-              "a finite number > 0 (with adaptive=false), or None")
+        f32 = torch.finfo(torch.float32)
+        check(self.tau is None or f32.tiny <= self.tau <= f32.max, "tau", self.tau,
+              f"a finite number > 0 (with adaptive=false; at least {f32.tiny:.3g} and at most "
+              f"{f32.max:.3g}: a float32 the codec can hold), or None")
         check(self.tau is None or not self.adaptive, "tau", self.tau,
               "only with adaptive=false (a fixed threshold); adaptive=true estimates tau "
               "per parameter")

@@ -9,6 +9,11 @@ from .local import check_local
 from .state import GradcompState
 from .topology import node_size
 
+MAX_LANES = 32
+# what the ranks must agree on from the optimizer: its class and the hyperparameters a
+# method or the Adam binding reads, per param group
+_OPT_KEYS = ("lr", "momentum", "dampening", "nesterov", "betas", "eps", "weight_decay",
+             "amsgrad", "maximize", "decoupled_weight_decay")
 
 
 def hook(state: GradcompState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -89,8 +94,17 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
     if not isinstance(model, DistributedDataParallel):
         raise TypeError(f"register() needs a torch.nn.parallel.DistributedDataParallel model, "
                         f"got {type(model).__name__}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("gradcomp.register needs torch.distributed initialized (it is not, or "
+                           "destroy_process_group() was called): call "
+                           "torch.distributed.init_process_group() first, on every rank")
     pg = process_group if process_group is not None else model.process_group
-    ranks = dist.get_process_group_ranks(pg)
+    try:
+        ranks = dist.get_process_group_ranks(pg)
+    except (KeyError, ValueError, RuntimeError) as exc:
+        raise RuntimeError(f"gradcomp.register: the model's process group is not a live group "
+                           f"of this job ({type(exc).__name__}); wrap the model in DDP after "
+                           f"init_process_group() and register it in the same job") from None
     # A group of our own: DDP issues collectives of its own on its group (unused-parameter
     # maps, bucket rebuilds) that must not interleave with our exchanges.
     group = dist.new_group(ranks=ranks, backend=dist.get_backend(pg))
@@ -98,8 +112,9 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
     # options are bad cannot leave the others waiting in a collective.
     error, state = None, None
     try:
-        if isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1:
-            raise ValueError(f"invalid lanes={lanes!r}: allowed an integer >= 1")
+        if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= MAX_LANES:
+            raise ValueError(f"invalid lanes={lanes!r}: allowed an integer in [1, {MAX_LANES}] "
+                             f"(each lane is a process group and a thread)")
         state = _build_state(model, method, optimizer, group, options)
         if scaler is not None:
             if state.config.delay:
@@ -110,17 +125,29 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
             state.scaler = scaler
         check_local(state, optimizer, scaler)
         local = node_size(state.config, len(ranks))
-        mine = (f"{state.digest()}/{lanes}/{local}", state.method,
-                {**state.config.to_dict(), "lanes": lanes, "ranks per node": local})
+        mine = {"method": state.method, **state.config.to_dict(), "lanes": lanes,
+                "ranks per node": local, **_fingerprint(model, optimizer, scaler)}
     except (TypeError, ValueError) as exc:
-        error, mine = exc, ("error", type(exc).__name__, str(exc))
-    digests = [None] * len(ranks)
-    dist.all_gather_object(digests, mine, group=group)
+        error, mine = exc, {"error": f"{type(exc).__name__}: {exc}"}
+    everyone = [None] * len(ranks)
+    dist.all_gather_object(everyone, mine, group=group)
     if error is not None:
         raise error
-    if any(d[0] != mine[0] for d in digests):
-        detail = "; ".join(f"rank {r}: {d[1]} {d[2]}" for r, d in zip(ranks, digests))
-        raise ValueError(f"ranks registered different gradcomp methods or options: {detail}")
+    failed = [(r, d["error"]) for r, d in zip(ranks, everyone) if "error" in d]
+    if failed:
+        raise ValueError(f"gradcomp.register refused on rank(s) {', '.join(str(r) for r, _ in failed)}"
+                         f", so on every rank (ranks registered different gradcomp methods or "
+                         f"options, or invalid ones): "
+                         + "; ".join(f"rank {r}: {e}" for r, e in failed))
+    differ = [k for k in mine if any(d.get(k) != mine[k] for d in everyone)]
+    if differ:
+        def show(v):
+            return v if isinstance(v, str) else repr(v)
+        detail = "; ".join(f"{k}: " + ", ".join(f"rank {r}: {show(d.get(k))}"
+                                                 for r, d in zip(ranks, everyone))
+                           for k in differ[:4])
+        raise ValueError(f"ranks registered different gradcomp methods, options, models or "
+                         f"optimizers (every rank must register the same ones): {detail}")
     # every rank agreed on `lanes`: each creates the same groups in the same order
     backend = dist.get_backend(pg)
     state.add_lanes([dist.new_group(ranks=ranks, backend=backend) for _ in range(lanes - 1)])
@@ -167,6 +194,31 @@ def _build_state(model, method, optimizer, group, options) -> GradcompState:
         names[id(p)] = pname
         numels[pname] = p.numel()
     return GradcompState(name, config, group=group, param_names=names, param_numels=numels)
+
+
+def _fingerprint(model, optimizer, scaler) -> dict:
+    """What must be the same on every rank besides the options: the model's trainable
+    parameters (names, shapes, dtypes: a digest) and the optimizer's class and the
+    hyperparameters of its groups."""
+    import hashlib
+    h = hashlib.sha256()
+    for n, p in model.module.named_parameters():
+        if p.requires_grad:
+            h.update(f"{n}|{tuple(p.shape)}|{p.dtype};".encode())
+    out = {"parameters (names, shapes, dtypes)": h.hexdigest()[:16],
+           "scaler": scaler is not None}
+    if optimizer is not None:
+        opt = optimizer_binding.unwrap(optimizer)
+        out["optimizer"] = type(opt).__name__
+        for i, g in enumerate(getattr(opt, "param_groups", ())):
+            out[f"optimizer group {i}"] = {k: _plain(g[k]) for k in _OPT_KEYS if k in g}
+    return out
+
+
+def _plain(v):
+    if isinstance(v, torch.Tensor):  # a tensor lr/beta: its value
+        return v.detach().cpu().tolist()
+    return list(v) if isinstance(v, tuple) else v
 
 
 def _check_adam(name, config, optimizer) -> None:

@@ -25,6 +25,7 @@ import zlib
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 
 from ..comm import Comm, Traffic
 from ..compressors import METHODS
@@ -114,7 +115,24 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
 
     def __init__(self, method: str, config: MethodConfig | None = None, *, group=None,
                  lane_groups: Sequence = (), param_names: dict[int, str] | None = None,
-                 param_numels: dict[str, int] | None = None):
+                 param_numels: dict[str, int] | None = None, model=None):
+        """``model``: the module (DDP-wrapped or not) whose parameters the state will see;
+        their names key its memory. Needed where the hook is registered by hand
+        (``ddp.register_comm_hook(gradcomp.State("onebit", model=net), gradcomp.hook)``),
+        which then also creates the state's own process group (collective: on every rank).
+        :func:`gradcomp.register` does both itself, and binds the optimizer (``dgc``, Adam)."""
+        if model is not None:
+            module = getattr(model, "module", model)
+            if not isinstance(module, torch.nn.Module):
+                raise TypeError(f"model= must be a torch.nn.Module, got {type(model).__name__}")
+            trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+            param_names = {id(p): n for n, p in trainable}
+            param_numels = {n: p.numel() for n, p in trainable}
+            if group is None and dist.is_initialized():
+                # a group of its own (collective: every rank builds its state): DDP's own
+                # collectives on the default group must not interleave with the exchanges
+                group = dist.new_group(ranks=dist.get_process_group_ranks(
+                    getattr(model, "process_group", None) or dist.group.WORLD))
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}: allowed {', '.join(sorted(METHODS))}")
         spec = METHODS[method]
@@ -318,8 +336,10 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
         for p in params:
             name = self._param_names.get(id(p))
             if name is None:
-                raise RuntimeError("a bucket holds a parameter the state does not know; "
-                                   "register the state on the model it was built for")
+                raise RuntimeError(
+                    "a bucket holds a parameter the state does not know: build the state with "
+                    "the model it serves, gradcomp.State(method, config, model=net), or use "
+                    "gradcomp.register(ddp_model, method, optimizer=opt)")
             names.append(name)
         slices = _slices(zip(names, params))
         devices = [buf.device] if buf.is_cuda else None
