@@ -204,3 +204,39 @@ def test_a_state_registered_by_hand_runs_and_a_nameless_one_says_how(spawn):
 def test_register_without_a_process_group_says_so():
     with pytest.raises(RuntimeError, match="needs torch.distributed initialized"):
         gradcomp.register(DDP.__new__(DDP), "onebit")
+
+
+def _register_close_loop(rank, world, n):
+    import gc
+    import os
+    import threading
+    from conftest import batch, small_net
+
+    def usage():
+        gc.collect()
+        rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return threading.active_count(), len(os.listdir("/proc/self/fd")), rss / 2**20
+
+    net = small_net()
+    seen = []
+    for i in range(n):
+        model = DDP(net)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        state = gradcomp.register(model, "topk:warmup=none,min_numel=0,delay=1", optimizer=opt)
+        for step in range(2):
+            x, y = batch(rank, step)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        state.close()
+        del model, opt, state
+        if i in (1, n - 1):
+            seen.append(usage())
+    return seen
+
+
+def test_register_train_close_100_times_leaks_no_threads_groups_or_memory(spawn):
+    for (t0, f0, m0), (t1, f1, m1) in spawn(_register_close_loop, 2, args=(100,), timeout=300):
+        assert t1 == t0, f"threads {t0} -> {t1}"
+        assert f1 == f0, f"open files {f0} -> {f1} (process groups not destroyed?)"
+        assert m1 - m0 < 32, f"RSS {m0:.0f} -> {m1:.0f} MiB"

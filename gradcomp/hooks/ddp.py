@@ -6,7 +6,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..compressors import METHODS
 from . import optimizer as optimizer_binding
 from .local import check_local
-from .state import GradcompState
+from .state import GradcompState, destroy_groups
 from .topology import node_size
 
 MAX_LANES = 32
@@ -107,7 +107,15 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
                            f"init_process_group() and register it in the same job") from None
     # A group of our own: DDP issues collectives of its own on its group (unused-parameter
     # maps, bucket rebuilds) that must not interleave with our exchanges.
-    group = dist.new_group(ranks=ranks, backend=dist.get_backend(pg))
+    backend = dist.get_backend(pg)
+    made = []  # every group created here: the state destroys them at close()
+
+    def new_group(members):
+        g = dist.new_group(ranks=members, backend=backend)
+        made.append(g)
+        return g
+
+    group = new_group(ranks)
     # Validate locally, then compare with every rank before raising anything, so a rank whose
     # options are bad cannot leave the others waiting in a collective.
     error, state = None, None
@@ -131,6 +139,8 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
         error, mine = exc, {"error": f"{type(exc).__name__}: {exc}"}
     everyone = [None] * len(ranks)
     dist.all_gather_object(everyone, mine, group=group)
+    if error is not None or "error" in everyone[0] or any("error" in d for d in everyone):
+        destroy_groups(made)
     if error is not None:
         raise error
     failed = [(r, d["error"]) for r, d in zip(ranks, everyone) if "error" in d]
@@ -141,6 +151,7 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
                          + "; ".join(f"rank {r}: {e}" for r, e in failed))
     differ = [k for k in mine if any(d.get(k) != mine[k] for d in everyone)]
     if differ:
+        destroy_groups(made)
         def show(v):
             return v if isinstance(v, str) else repr(v)
         detail = "; ".join(f"{k}: " + ", ".join(f"rank {r}: {show(d.get(k))}"
@@ -149,15 +160,14 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
         raise ValueError(f"ranks registered different gradcomp methods, options, models or "
                          f"optimizers (every rank must register the same ones): {detail}")
     # every rank agreed on `lanes`: each creates the same groups in the same order
-    backend = dist.get_backend(pg)
-    state.add_lanes([dist.new_group(ranks=ranks, backend=backend) for _ in range(lanes - 1)])
+    state._owned_groups = made
+    state.add_lanes([new_group(ranks) for _ in range(lanes - 1)])
     if local:  # ... and the same node and cross-node groups, one pair per lane
         me = ranks.index(dist.get_rank())
         pairs = []
         for _ in range(lanes):
-            nodes = [dist.new_group(ranks=ranks[n : n + local], backend=backend)
-                     for n in range(0, len(ranks), local)]
-            across = [dist.new_group(ranks=ranks[j::local], backend=backend) for j in range(local)]
+            nodes = [new_group(ranks[n : n + local]) for n in range(0, len(ranks), local)]
+            across = [new_group(ranks[j::local]) for j in range(local)]
             pairs.append((nodes[me // local], across[me % local]))
         state.set_topology(local, pairs)
     model.register_comm_hook(state, hook)

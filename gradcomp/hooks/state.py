@@ -121,6 +121,7 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
         (``ddp.register_comm_hook(gradcomp.State("onebit", model=net), gradcomp.hook)``),
         which then also creates the state's own process group (collective: on every rank).
         :func:`gradcomp.register` does both itself, and binds the optimizer (``dgc``, Adam)."""
+        owned = []
         if model is not None:
             module = getattr(model, "module", model)
             if not isinstance(module, torch.nn.Module):
@@ -133,6 +134,7 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
                 # collectives on the default group must not interleave with the exchanges
                 group = dist.new_group(ranks=dist.get_process_group_ranks(
                     getattr(model, "process_group", None) or dist.group.WORLD))
+                owned = [group]
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}: allowed {', '.join(sorted(METHODS))}")
         spec = METHODS[method]
@@ -144,6 +146,7 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
         self.compressor = spec.compressor(config)
         self.memory = ParamMemory()
         self.group = group
+        self._owned_groups = owned  # process groups created for this state: destroyed at close()
         self._lane_groups = list(lane_groups)  # more process groups: more buckets in flight
         self._param_names = param_names or {}
         self._param_numels = param_numels or {}
@@ -179,7 +182,7 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
         for k in ("group", "_lane_groups", "_lanes", "_seq", "_lock", "_error", "_shard_cache",
                   "_param_names",
                   "_params", "_writer", "scaler", "_outer_buckets", "_outer_buffers",
-                  "_local_hooks", "_adam"):
+                  "_local_hooks", "_adam", "_owned_groups"):
             d.pop(k, None)
         return d
 
@@ -187,7 +190,7 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
         self.__dict__.update(d)
         self.group, self._param_names, self._params, self._writer = None, {}, {}, None
         self._lane_groups, self.scaler, self.local_size = [], None, 0
-        self._adam = None
+        self._adam, self._owned_groups = None, []
         self._local_setup()
         self._setup_runtime()
 
@@ -440,6 +443,7 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
         flushed."""
         for lane in self._lanes:
             lane.close()
+        destroy_groups(self._owned_groups)
         self.compressor.unbind()
         if self._adam is not None:
             self._adam.close()
@@ -490,3 +494,14 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
             finally:
                 ticket.close()
                 lane.set_ticket(None)
+
+
+def destroy_groups(groups) -> None:
+    """Destroy the process groups register created (a refusal, or the state's close())."""
+    for g in groups:
+        if isinstance(g, dist.ProcessGroup) and dist.is_initialized():
+            try:
+                dist.destroy_process_group(g)
+            except (RuntimeError, ValueError, KeyError):
+                pass  # already gone with the default group
+    groups.clear()
