@@ -511,6 +511,19 @@ def cmd_seeds(args) -> int:
     fmt = report.markdown if args.markdown else report.table
     lm = any(r.get("val_loss") is not None for d in docs for r in d["rows"])
     print(fmt(rows, report.LM_SEED_COLUMNS if lm else report.SEED_COLUMNS))
+    if args.plot and lm:
+        from . import plots
+        out = Path(args.plot)
+        out.mkdir(parents=True, exist_ok=True)
+        # one curve per method (its lowest seed's), every run's point on the bytes figure
+        curves = {}
+        for doc in sorted(docs, key=lambda d: d.get("seed", 0)):
+            for method, curve in doc.get("curves", {}).items():
+                curves.setdefault(method, curve)
+        merged = {"curves": curves, "rows": [r for d in docs for r in d["rows"]]}
+        paths = [out / "convergence_val_loss.png", out / "convergence_loss_vs_bytes.png"]
+        plots.lm_convergence(merged, *paths)
+        print("plots: " + ", ".join(str(p) for p in paths))
     return 0
 
 
@@ -602,6 +615,9 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--base", default="allreduce",
                    help="the method each seed's differences are taken against")
     e.add_argument("--markdown", action="store_true", help="a Markdown table")
+    e.add_argument("--plot", default=None, metavar="DIR",
+                   help="language-model runs: the val-loss and val-loss-vs-bytes figures of "
+                        "all the files together, into DIR")
     return p
 
 

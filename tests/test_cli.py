@@ -1,4 +1,5 @@
 """gradcomp-bench: bad input is one clear line and exit code 2, never a traceback."""
+import json
 import subprocess
 import sys
 
@@ -177,3 +178,19 @@ def test_ddp_wire_bytes_per_step_spread_a_round_over_its_steps():
     assert bench.wire_bytes("topk:local_steps=4", {"stats_history": hist}, 2, "resnet_small") == (1e6, True)
     plain = [{"step": s, "wire_bytes": 3e6} for s in range(16)]
     assert bench.wire_bytes("topk", {"stats_history": plain}, 2, "resnet_small") == (3e6, True)
+
+
+def test_seeds_plot_draws_every_file_together(tmp_path, capsys):
+    files = []
+    for seed in (0, 1):
+        rows = [{"method": m, "val_loss": v + seed / 100, "wire_MB": mb}
+                for m, v, mb in (("allreduce", 2.0, 100.0), ("onebit", 2.1, 10.0))]
+        doc = {"kind": "convergence", "seed": seed, "rows": rows,
+               "curves": {r["method"]: [{"step": 1, "val_loss": r["val_loss"]}] for r in rows}}
+        files.append(tmp_path / f"s{seed}.json")
+        files[-1].write_text(json.dumps(doc))
+    out = tmp_path / "fig"
+    assert cli.main(["seeds", "--plot", str(out), *map(str, files)]) == 0
+    assert "onebit" in capsys.readouterr().out
+    for name in ("convergence_val_loss.png", "convergence_loss_vs_bytes.png"):
+        assert (out / name).stat().st_size > 1000

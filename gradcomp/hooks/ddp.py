@@ -177,6 +177,8 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
         else:
             state.compressor.bind(optimizer, state._param_names)
             state.bind_adam(optimizer)
+            if dist.get_rank(group) == 0:
+                optimizer_binding.warn_measured(state.method, state.config, optimizer)
     if log_dir is not None and (log_all_ranks or dist.get_rank(group) == 0):
         from torch.utils.tensorboard import SummaryWriter
         state.attach(SummaryWriter(log_dir), details=log_details)
