@@ -139,8 +139,8 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
         error, mine = exc, {"error": f"{type(exc).__name__}: {exc}"}
     everyone = [None] * len(ranks)
     dist.all_gather_object(everyone, mine, group=group)
-    if error is not None or "error" in everyone[0] or any("error" in d for d in everyone):
-        destroy_groups(made)
+    if any("error" in d for d in everyone):
+        _discard(state, made)
     if error is not None:
         raise error
     failed = [(r, d["error"]) for r, d in zip(ranks, everyone) if "error" in d]
@@ -151,7 +151,7 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
                          + "; ".join(f"rank {r}: {e}" for r, e in failed))
     differ = [k for k in mine if any(d.get(k) != mine[k] for d in everyone)]
     if differ:
-        destroy_groups(made)
+        _discard(state, made)
         def show(v):
             return v if isinstance(v, str) else repr(v)
         detail = "; ".join(f"{k}: " + ", ".join(f"rank {r}: {show(d.get(k))}"
@@ -206,6 +206,13 @@ def _build_state(model, method, optimizer, group, options) -> GradcompState:
         names[id(p)] = pname
         numels[pname] = p.numel()
     return GradcompState(name, config, group=group, param_names=names, param_numels=numels)
+
+
+def _discard(state, groups) -> None:
+    """A refused registration leaves nothing behind: its threads and process groups."""
+    if state is not None:
+        state.close()
+    destroy_groups(groups)
 
 
 def _fingerprint(model, optimizer, scaler) -> dict:

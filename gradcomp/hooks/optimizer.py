@@ -77,7 +77,7 @@ def warn_measured(method: str, config, optimizer) -> None:
         f"gradcomp: {method} at its defaults with {type(unwrap(optimizer)).__name__} ended "
         f"{ADAM_GAP_PCT[method]:.1f}% above allreduce's validation loss on our GPT workload "
         f"(2000 steps, bench/RESULTS.md section 8); {ADAM_HELD!r} held allreduce's loss "
-        f"there at 7-8x fewer bytes: gradcomp.register(model, {ADAM_HELD!r}, optimizer=opt). "
+        f"there at 7x fewer bytes: gradcomp.register(model, {ADAM_HELD!r}, optimizer=opt). "
         f"docs/adam.md says more.", UserWarning, stacklevel=3)
 
 
