@@ -9,8 +9,10 @@ Margins from three seeds (validation loss, nats per character; seeds 0 / 1 / 2):
   allreduce           2.2311 / 2.2352 / 2.2126
   onebit (default)    2.2441 / 2.2451 / 2.2551   (+0.013 / +0.010 / +0.042 over allreduce)
   onebit, adam=off    2.2699 / 2.2643 / 2.2881   (+0.026 / +0.019 / +0.033 over the default)
-The test takes seeds 0 and 1 and asks, on their mean, the default within 0.06 of allreduce
-and the ablation at least 0.01 above the default.
+  terngrad (default)  2.2122 / 2.2033 / 2.1947   (-0.019 / -0.032 / -0.018 against allreduce)
+The test takes seeds 0 and 1 and asks, on their mean, onebit within 0.06 of allreduce, the
+ablation at least 0.01 above onebit, and terngrad (what docs/adam.md recommends with AdamW:
+it held on the 2000-step GPT) within 0.02 of allreduce.
 """
 import pytest
 
@@ -37,11 +39,12 @@ def _val(corpus, method, seed):
     return run_train(2, cfg, timeout=300)[0]
 
 
-def test_adamw_gpt_onebit_holds_and_the_ablation_does_not(corpus):
+def test_adamw_gpt_terngrad_and_onebit_hold_and_the_ablation_does_not(corpus):
     runs = {m: [_val(corpus, m, s) for s in (0, 1)]
-            for m in ("allreduce", "onebit", "onebit:adam=off")}
+            for m in ("allreduce", "onebit", "onebit:adam=off", "terngrad")}
     mean = {m: sum(r["val_loss"] for r in rs) / len(rs) for m, rs in runs.items()}
     assert mean["onebit"] - mean["allreduce"] < 0.06, mean
     assert mean["onebit:adam=off"] - mean["onebit"] > 0.01, mean
+    assert mean["terngrad"] - mean["allreduce"] < 0.02, mean
     for r in runs["onebit"]:  # compressed after the adaptive warm-up
         assert r["stats"]["compressing"] and r["stats"]["warmup_switch_step"] >= 100
