@@ -129,9 +129,13 @@ def _dies_mid_training(rank, world, spec):
     return ("finished", None, None)
 
 
-@pytest.mark.parametrize("spec", ["onebit", "powersgd:rank=1"])
-def test_a_dead_rank_makes_the_survivors_fail_not_hang(spec, spawn):
-    got = spawn(_dies_mid_training, 2, args=(spec,), timeout=120, pg_timeout=10, allow_fail=True)
-    status, waited, _ = got[0]
-    assert status == "raised" and waited < 60
+@pytest.mark.parametrize("spec,world", [
+    ("onebit", 2), ("powersgd:rank=1", 2), ("topk:ratio=0.1,delay=1", 2),
+    ("onebit:local_steps=2", 2), ("topk:ratio=0.1,topology=hierarchical,local_size=2", 4)])
+def test_a_dead_rank_makes_the_survivors_fail_not_hang(spec, world, spawn):
+    got = spawn(_dies_mid_training, world, args=(spec,), timeout=120, pg_timeout=10,
+                allow_fail=True)
     assert isinstance(got[1], RankError)
+    for r in [0, *range(2, world)]:  # every survivor raised, soon, and its process ended
+        status, waited, _ = got[r]
+        assert status == "raised" and waited < 60, (r, got[r])
