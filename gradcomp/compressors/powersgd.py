@@ -278,8 +278,11 @@ def orthonormalize(P: torch.Tensor) -> torch.Tensor:
     batch (a batch of one is reduced as a whole tensor, measured to round differently at
     n = 65), a matrix product's does not (see the module docstring). These products have
     at most r in the inner or the outer dimension: plain ``torch.bmm`` and ``baddbmm_``
-    (measured: the same bits for a batch of one as for a larger batch, n up to 50257, and
-    tested; only the gradient's matrix-vector products need :func:`bmm`)."""
+    give the same bits for any batch of two or more; a batch of one runs as a batch of two
+    (measured on an Intel Xeon with torch 2.13: a batch of one rounds differently at
+    n >= 1000, where an AMD EPYC did not; tested)."""
+    if P.shape[0] == 1:  # a batch of one takes other BLAS paths on some CPUs (see bmm)
+        return P.copy_(orthonormalize(P.expand(2, -1, -1).clone())[:1])
     # every column to norm 1 at once (the Gram matrix's diagonal), then the fallback
     norms = torch.bmm(P.transpose(1, 2), P).diagonal(dim1=1, dim2=2).sqrt().clamp_min_(1e-30)
     P.div_(norms.unsqueeze(1)).add_(lowrank.fallback(P.shape[1], P.shape[2], P.device),
@@ -300,7 +303,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     batch of ONE matrix-vector product takes another BLAS path than a larger batch (other
     rounding; measured with torch 2.13/MKL, M Q at r = 1 for n m r >= 400), so it runs as a
     batch of two (the same operands twice, no copy) and keeps the first."""
-    if a.shape[0] == 1 and b.shape[2] == 1:
+    if a.shape[0] == 1:
         return torch.bmm(a.expand(2, -1, -1), b.expand(2, -1, -1))[:1]
     return torch.bmm(a, b)
 
