@@ -106,6 +106,15 @@ def batch(rank, step):
     return torch.randn(16, 20, generator=g), torch.randint(0, 10, (16,), generator=g)
 
 
+def train_steps(model, opt, rank, steps):
+    """Cross-entropy steps of ``model`` on ``batch(rank, step)`` for each step in ``steps``."""
+    for step in steps:
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
 def train_pair(rank, world, spec, sgd, steps, baseline=None):
     """Train ``baseline`` (None: plain DDP) and DDP + ``spec`` side by side from one init;
     return both models' parameters."""

@@ -52,17 +52,13 @@ def _damaged_checkpoints(rank, world):
     """Every damaged checkpoint is refused by name and leaves the state as it was."""
     import copy
     from gradcomp.hooks.checkpoint import tensor_digest
-    from conftest import batch, small_net
+    from conftest import small_net, train_steps
     net = small_net()
     model = DDP(net, bucket_cap_mb=0.004)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     state = gradcomp.register(model, "topk:ratio=0.05,delay=1,warmup=none", optimizer=opt,
                               min_numel=0)
-    for step in range(3):
-        x, y = batch(rank, step)
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+    train_steps(model, opt, rank, range(3))
     good = state.state_dict()
     before, step = tensor_digest(good), state.step
     assert good["pending"], "a delayed exchange is owed at the checkpoint"
@@ -170,18 +166,14 @@ def test_ranks_that_disagree_all_refuse_naming_what(case, match, spawn):
 
 def _by_hand(rank, world):
     """The documented path for a hook registered by hand: gradcomp.State(..., model=)."""
-    from conftest import batch, small_net
+    from conftest import batch, small_net, train_steps
     net = small_net()
     model = DDP(net)
     _, config = gradcomp.build_config("topk:ratio=0.1,warmup=none,min_numel=0")
     state = gradcomp.State("topk", config, model=net)
     model.register_comm_hook(state, gradcomp.hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(3):
-        x, y = batch(rank, step)
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+    train_steps(model, opt, rank, range(3))
     stats = state.stats()
     bare = DDP(small_net())
     bare.register_comm_hook(gradcomp.State("topk", config), gradcomp.hook)
@@ -210,7 +202,7 @@ def _register_close_loop(rank, world, n):
     import gc
     import os
     import threading
-    from conftest import batch, small_net
+    from conftest import small_net, train_steps
 
     def usage():
         gc.collect()
@@ -223,11 +215,7 @@ def _register_close_loop(rank, world, n):
         model = DDP(net)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         state = gradcomp.register(model, "topk:warmup=none,min_numel=0,delay=1", optimizer=opt)
-        for step in range(2):
-            x, y = batch(rank, step)
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
+        train_steps(model, opt, rank, range(2))
         state.close()
         del model, opt, state
         if i in (1, n - 1):

@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
-from conftest import batch, small_net
+from conftest import small_net, train_steps
 
 K = 4
 SGD = {"lr": 0.05, "momentum": 0.9}
@@ -42,12 +42,7 @@ def _job(spec):
     return net, model, opt, state
 
 
-def _steps(model, opt, rank, steps):
-    for step in steps:
-        x, y = batch(rank, step)
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+_steps = train_steps
 
 
 def _uninterrupted(rank, world, spec):

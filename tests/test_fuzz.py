@@ -92,7 +92,7 @@ def _random_accepted(seed, n):
 
 
 def _train_random(rank, world, seed):
-    from conftest import batch, small_net
+    from conftest import small_net, train_steps
     out = []
     for name, opts in _random_accepted(seed, 6):
         net = small_net()
@@ -103,11 +103,7 @@ def _train_random(rank, world, seed):
         except (TypeError, ValueError) as exc:  # needs something this job lacks: named
             out.append((name, opts, "refused", str(exc)[:60]))
             continue
-        for step in range(4):
-            x, y = batch(rank, step)
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
+        train_steps(model, opt, rank, range(4))
         state.flush() if hasattr(state, "flush") else None
         flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
         state.close()

@@ -4,7 +4,6 @@ checkpoint of another method, options, world size or model with a message naming
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 
 import torch
@@ -134,10 +133,6 @@ def check_checkpoint(sd, state) -> None:
 class Checkpoint:
     """Mixin of GradcompState."""
 
-    def digest(self) -> str:
-        blob = json.dumps({"method": self.method, "config": self.config.to_dict()}, sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
     def state_dict(self) -> dict:
         """Everything needed to resume exactly: memory by parameter name, the step counter,
         the delayed exchanges still to be applied (waited for first) and, with local_steps,
@@ -205,7 +200,7 @@ class Checkpoint:
 
     def _load(self, sd: dict) -> None:
         self.memory.load_state_dict(sd["memory"])
-        if getattr(self, "_adam", None) is not None:
+        if self._adam is not None:
             self._adam.reset()
         self._step = sd["step"] - 1
         self._written = max(self._written, self._step)
