@@ -4,16 +4,14 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ..compressors import METHODS
+from . import fsdp
 from . import optimizer as optimizer_binding
+from .agree import agree, discard, fingerprint
 from .local import check_local
-from .state import GradcompState, destroy_groups
+from .state import GradcompState
 from .topology import node_size
 
 MAX_LANES = 32
-# what the ranks must agree on from the optimizer: its class and the hyperparameters a
-# method or the Adam binding reads, per param group
-_OPT_KEYS = ("lr", "momentum", "dampening", "nesterov", "betas", "eps", "weight_decay",
-             "amsgrad", "maximize", "decoupled_weight_decay")
 
 
 def hook(state: GradcompState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -91,13 +89,21 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         state = gradcomp.register(model, "dgc", ratio=0.001, optimizer=opt)
     """
-    if not isinstance(model, DistributedDataParallel):
-        raise TypeError(f"register() needs a torch.nn.parallel.DistributedDataParallel model, "
-                        f"got {type(model).__name__}")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("gradcomp.register needs torch.distributed initialized (it is not, or "
                            "destroy_process_group() was called): call "
                            "torch.distributed.init_process_group() first, on every rank")
+    if fsdp.is_fsdp(model):  # sharded with fully_shard: hooks/fsdp.py
+        if process_group is not None:
+            raise ValueError("process_group= with an FSDP model: allowed None (the groups "
+                             "come from the model's device mesh)")
+        return fsdp.register(model, method, optimizer=optimizer, scaler=scaler, lanes=lanes,
+                             log_dir=log_dir, log_all_ranks=log_all_ranks,
+                             log_details=log_details, **options)
+    if not isinstance(model, DistributedDataParallel):
+        raise TypeError(f"register() needs a torch.nn.parallel.DistributedDataParallel model or "
+                        f"a model sharded with torch.distributed.fsdp.fully_shard, "
+                        f"got {type(model).__name__}")
     pg = process_group if process_group is not None else model.process_group
     try:
         ranks = dist.get_process_group_ranks(pg)
@@ -116,10 +122,8 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
         return g
 
     group = new_group(ranks)
-    # Validate locally, then compare with every rank before raising anything, so a rank whose
-    # options are bad cannot leave the others waiting in a collective.
-    error, state = None, None
-    try:
+
+    def build():
         if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= MAX_LANES:
             raise ValueError(f"invalid lanes={lanes!r}: allowed an integer in [1, {MAX_LANES}] "
                              f"(each lane is a process group and a thread)")
@@ -133,32 +137,13 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
             state.scaler = scaler
         check_local(state, optimizer, scaler)
         local = node_size(state.config, len(ranks))
-        mine = {"method": state.method, **state.config.to_dict(), "lanes": lanes,
-                "ranks per node": local, **_fingerprint(model, optimizer, scaler)}
-    except (TypeError, ValueError) as exc:
-        error, mine = exc, {"error": f"{type(exc).__name__}: {exc}"}
-    everyone = [None] * len(ranks)
-    dist.all_gather_object(everyone, mine, group=group)
-    if any("error" in d for d in everyone):
-        _discard(state, made)
-    if error is not None:
-        raise error
-    failed = [(r, d["error"]) for r, d in zip(ranks, everyone) if "error" in d]
-    if failed:
-        raise ValueError(f"gradcomp.register refused on rank(s) {', '.join(str(r) for r, _ in failed)}"
-                         f", so on every rank (ranks registered different gradcomp methods or "
-                         f"options, or invalid ones): "
-                         + "; ".join(f"rank {r}: {e}" for r, e in failed))
-    differ = [k for k in mine if any(d.get(k) != mine[k] for d in everyone)]
-    if differ:
-        _discard(state, made)
-        def show(v):
-            return v if isinstance(v, str) else repr(v)
-        detail = "; ".join(f"{k}: " + ", ".join(f"rank {r}: {show(d.get(k))}"
-                                                 for r, d in zip(ranks, everyone))
-                           for k in differ[:4])
-        raise ValueError(f"ranks registered different gradcomp methods, options, models or "
-                         f"optimizers (every rank must register the same ones): {detail}")
+        return state, {"method": state.method, **state.config.to_dict(), "lanes": lanes,
+                       "ranks per node": local, **fingerprint(model.module, optimizer, scaler)}
+
+    # Validate locally, then compare with every rank before raising anything, so a rank whose
+    # options are bad cannot leave the others waiting in a collective.
+    state, mine = agree(group, ranks, build, lambda st: discard(st, made))
+    local = mine["ranks per node"]
     # every rank agreed on `lanes`: each creates the same groups in the same order
     state._owned_groups = made
     state.add_lanes([new_group(ranks) for _ in range(lanes - 1)])
@@ -206,38 +191,6 @@ def _build_state(model, method, optimizer, group, options) -> GradcompState:
         names[id(p)] = pname
         numels[pname] = p.numel()
     return GradcompState(name, config, group=group, param_names=names, param_numels=numels)
-
-
-def _discard(state, groups) -> None:
-    """A refused registration leaves nothing behind: its threads and process groups."""
-    if state is not None:
-        state.close()
-    destroy_groups(groups)
-
-
-def _fingerprint(model, optimizer, scaler) -> dict:
-    """What must be the same on every rank besides the options: the model's trainable
-    parameters (names, shapes, dtypes: a digest) and the optimizer's class and the
-    hyperparameters of its groups."""
-    import hashlib
-    h = hashlib.sha256()
-    for n, p in model.module.named_parameters():
-        if p.requires_grad:
-            h.update(f"{n}|{tuple(p.shape)}|{p.dtype};".encode())
-    out = {"parameters (names, shapes, dtypes)": h.hexdigest()[:16],
-           "scaler": scaler is not None}
-    if optimizer is not None:
-        opt = optimizer_binding.unwrap(optimizer)
-        out["optimizer"] = type(opt).__name__
-        for i, g in enumerate(getattr(opt, "param_groups", ())):
-            out[f"optimizer group {i}"] = {k: _plain(g[k]) for k in _OPT_KEYS if k in g}
-    return out
-
-
-def _plain(v):
-    if isinstance(v, torch.Tensor):  # a tensor lr/beta: its value
-        return v.detach().cpu().tolist()
-    return list(v) if isinstance(v, tuple) else v
 
 
 def _check_adam(name, config, optimizer) -> None:

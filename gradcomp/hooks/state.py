@@ -39,7 +39,7 @@ from .guard import Guard
 from . import optimizer as optimizer_binding
 from .local import Local, _node_average
 from .telemetry import Telemetry, _sq_norm
-from .topology import Shards
+from .topology import Shards, base_name
 from .warmup import Warmup
 
 # A collective waiting longer than this for its turn raises instead of hanging (its turn
@@ -146,6 +146,8 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
         self.compressor = spec.compressor(config)
         self.memory = ParamMemory()
         self.group = group
+        self.stats_group = None  # the warm-up's statistics, where not ``group`` (HSDP: the mesh)
+        self._detach: list = []  # undo an adapter's hooks at close() (hooks/fsdp.py)
         self._owned_groups = owned  # process groups created for this state: destroyed at close()
         self._lane_groups = list(lane_groups)  # more process groups: more buckets in flight
         self._param_names = param_names or {}
@@ -179,16 +181,17 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
     def __getstate__(self):
         d = self.__dict__.copy()
         self.drain()
-        for k in ("group", "_lane_groups", "_lanes", "_seq", "_lock", "_error", "_shard_cache",
+        for k in ("group", "stats_group", "_lane_groups", "_lanes", "_seq", "_lock", "_error", "_shard_cache",
                   "_param_names",
                   "_params", "_writer", "scaler", "_outer_buckets", "_outer_buffers",
-                  "_local_hooks", "_adam", "_owned_groups"):
+                  "_local_hooks", "_adam", "_owned_groups", "_detach"):
             d.pop(k, None)
         return d
 
     def __setstate__(self, d):
         self.__dict__.update(d)
         self.group, self._param_names, self._params, self._writer = None, {}, {}, None
+        self.stats_group, self._detach = None, []
         self._lane_groups, self.scaler, self.local_size = [], None, 0
         self._adam, self._owned_groups = None, []
         self._local_setup()
@@ -239,7 +242,7 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
         x's dtype. The DDP hook runs exactly this, on the communication thread."""
         step = self._begin(bucket)
         self._warmup_observe(step, x, params)
-        live = self.compressor.live([p.name for p in params])
+        live = self.compressor.live([base_name(p.name) for p in params])  # (HSDP: pieces)
         return self._reduce(self._lanes[0], x, list(params), bucket, param_tensors, step,
                             live=live)
 
@@ -449,7 +452,10 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
             self._adam.close()
             self._adam = None
         self._local_close()
-        self.group = None
+        for undo in self._detach:  # an adapter's own hooks (hooks/fsdp.py)
+            undo()
+        self._detach = []
+        self.group = self.stats_group = None
         if self._writer is not None:
             for step in range(self._written + 1, self._step + 1):
                 self._write_scalars(step)

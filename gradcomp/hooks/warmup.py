@@ -126,12 +126,15 @@ class Warmup:
                 acc[s % W] = part.sum()
         self.drain()  # no exchange in flight: this collective is the only one issued now
         world = 1
-        if self.group is not None and dist.is_initialized():
-            world = dist.get_world_size(self.group)
+        # HSDP: every rank of the mesh (the exchange's group holds one shard's replicas), so
+        # the whole job switches at one step
+        group = self.stats_group if self.stats_group is not None else self.group
+        if group is not None and dist.is_initialized():
+            world = dist.get_world_size(group)
         if world > 1:
             t = Traffic()
             t.add(acc.numel() * acc.element_size(), 2 * (world - 1) / world)
-            dist.all_reduce(acc, group=self.group)
+            dist.all_reduce(acc, group=group)
             with self._lock:
                 self._records.setdefault(step, [Traffic(), 0])[0].merge(t)
         vals = acc.cpu()  # the one host read of the window

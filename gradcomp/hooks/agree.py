@@ -1,0 +1,84 @@
+"""Registration is collective: every rank validates its own arguments, then the ranks compare
+what they registered before anyone raises, so a rank whose options are bad (or differ) cannot
+leave the others waiting in a collective. Shared by the DDP and FSDP adapters."""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+from . import optimizer as optimizer_binding
+from .state import destroy_groups
+
+# what the ranks must agree on from the optimizer: its class and the hyperparameters a
+# method or the Adam binding reads, per param group
+_OPT_KEYS = ("lr", "momentum", "dampening", "nesterov", "betas", "eps", "weight_decay",
+             "amsgrad", "maximize", "decoupled_weight_decay")
+
+
+def agree(group, ranks, build, discard):
+    """Run ``build() -> (result, mine)`` (``mine``: a dict of what must be equal on every
+    rank) on this rank, gather every rank's ``mine`` over ``group``, and raise on every rank
+    if any rank's build raised TypeError/ValueError or any key differs; ``discard(result)``
+    undoes a refused build. Returns (result, mine)."""
+    error, result = None, None
+    try:
+        result, mine = build()
+    except (TypeError, ValueError) as exc:
+        error, mine = exc, {"error": f"{type(exc).__name__}: {exc}"}
+    everyone = [None] * len(ranks)
+    dist.all_gather_object(everyone, mine, group=group)
+    if any("error" in d for d in everyone):
+        discard(result)
+    if error is not None:
+        raise error
+    failed = [(r, d["error"]) for r, d in zip(ranks, everyone) if "error" in d]
+    if failed:
+        raise ValueError(f"gradcomp.register refused on rank(s) {', '.join(str(r) for r, _ in failed)}"
+                         f", so on every rank (ranks registered different gradcomp methods or "
+                         f"options, or invalid ones): "
+                         + "; ".join(f"rank {r}: {e}" for r, e in failed))
+    differ = [k for k in mine if any(d.get(k) != mine[k] for d in everyone)]
+    if differ:
+        discard(result)
+
+        def show(v):
+            return v if isinstance(v, str) else repr(v)
+        detail = "; ".join(f"{k}: " + ", ".join(f"rank {r}: {show(d.get(k))}"
+                                                 for r, d in zip(ranks, everyone))
+                           for k in differ[:4])
+        raise ValueError(f"ranks registered different gradcomp methods, options, models or "
+                         f"optimizers (every rank must register the same ones): {detail}")
+    return result, mine
+
+
+def discard(state, groups) -> None:
+    """A refused registration leaves nothing behind: its threads and process groups."""
+    if state is not None:
+        state.close()
+    destroy_groups(groups)
+
+
+def fingerprint(module, optimizer, scaler) -> dict:
+    """What must be the same on every rank besides the options: the model's trainable
+    parameters (names, shapes, dtypes: a digest; a sharded parameter's global shape) and the
+    optimizer's class and the hyperparameters of its groups."""
+    h = hashlib.sha256()
+    for n, p in module.named_parameters():
+        if p.requires_grad:
+            h.update(f"{n}|{tuple(p.shape)}|{p.dtype};".encode())
+    out = {"parameters (names, shapes, dtypes)": h.hexdigest()[:16],
+           "scaler": scaler is not None}
+    if optimizer is not None:
+        opt = optimizer_binding.unwrap(optimizer)
+        out["optimizer"] = type(opt).__name__
+        for i, g in enumerate(getattr(opt, "param_groups", ())):
+            out[f"optimizer group {i}"] = {k: _plain(g[k]) for k in _OPT_KEYS if k in g}
+    return out
+
+
+def _plain(v):
+    if isinstance(v, torch.Tensor):  # a tensor lr/beta: its value
+        return v.detach().cpu().tolist()
+    return list(v) if isinstance(v, tuple) else v

@@ -1,0 +1,327 @@
+"""The FSDP2 adapter: ``gradcomp.register(model, method, optimizer=opt)`` on a model sharded
+with ``torch.distributed.fsdp.fully_shard``. Beside the DDP adapter (ddp.py), it reuses the
+hook state's exchange (``GradcompState.reduce``: the method, its per-parameter memory, the
+inf/NaN guard, the adaptive warm-up, the Adam binding, stats and checkpoints) and changes only
+where a gradient enters and leaves it.
+
+Each ``fully_shard`` call makes one FSDP parameter group, whose gradients FSDP reduces as one
+flat buffer (a "bucket" here), laid out per parameter: each parameter cut along dim 0 into as
+many chunks as the shard group has ranks (``torch.chunk``), each chunk padded to the first's
+size; the reduce-scatter input holds rank 0's chunk of every parameter, then rank 1's, ...
+
+* **FSDP** (a 1-D mesh): FSDP's reduce-scatter is replaced
+  (``FSDPModule.set_custom_reduce_scatter``). Each rank gathers its whole contribution per
+  parameter (the real elements, no padding), the method averages it over the ranks exactly as
+  under DDP (error feedback on the rank's full contribution, kept per parameter), and the rank
+  keeps its own chunk. The wire carries the method's message of the whole gradient (its
+  allgather or allreduce), not a 1/W share of it: against FSDP's dense reduce-scatter the
+  bytes fall by the method's ratio divided by W (W ranks in the shard group). It is the setting for a few ranks on a slow link; across
+  many ranks and nodes use HSDP, where the full ratio applies to the slow link.
+* **HSDP** (a 2-D mesh ``(replicate, shard)``: shard inside a node, replicate across nodes):
+  the reduce-scatter inside the node stays FSDP's own (dense, the fast link); the all-reduce of
+  each shard across replicas (the slow link) is the method's: FSDP's native all-reduce runs on
+  a group of one rank (a no-op) and the shard is averaged across its replicas from
+  ``FSDPModule.set_all_reduce_hook``, in place, with error feedback per shard. Each rank's
+  piece of a parameter is kept as ``name#s/S`` (shard s of S), as under DDP's hierarchical
+  topology; the warm-up's statistics and its switch are the whole mesh's.
+
+Exchanges run synchronously in FSDP's reduce step (one lane), in FSDP's module order, which
+is the same on every rank: the collective order needs no tickets here. Every parameter goes
+through every step (``set_reduce_scatter_unused_params(True)``: a parameter without a
+gradient sends zeros, as DDP's ``find_unused_parameters``), so a bucket's layout never changes.
+Refused with a message: ``delay``, ``local_steps``, ``topology=hierarchical`` (HSDP is the
+hierarchy), ``scaler`` (use bf16 mixed precision), ``adam='precondition'``, ``dgc`` with
+weight decay on a 1-D mesh (it reads parameter values a rank does not hold), a parameter
+sharded on a dim other than 0, several FSDP parameter groups in one ``fully_shard``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..compressors.base import ParamSlice
+from ..compressors import METHODS
+from . import optimizer as optimizer_binding
+from .agree import agree, discard, fingerprint
+from .state import GradcompState
+from .topology import SEP
+
+
+def is_fsdp(model) -> bool:
+    """Whether ``model`` was sharded with ``fully_shard`` (FSDP2)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover (torch without FSDP2)
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def _units(model):
+    """(module, its FSDP parameter group) for every ``fully_shard``-ed module, in module
+    order (the order is the same on every rank)."""
+    from torch.distributed.fsdp import FSDPModule
+    out = []
+    for mname, mod in model.named_modules():
+        if not isinstance(mod, FSDPModule):
+            continue
+        groups = mod._get_fsdp_state()._fsdp_param_groups
+        if len(groups) > 1:
+            raise ValueError(f"module {mname or '<root>'!r} has {len(groups)} FSDP parameter "
+                             f"groups (a per-parameter mesh, shard_placement_fn): allowed one "
+                             f"mesh per fully_shard call")
+        if groups:
+            out.append((mname, mod, groups[0]))
+    return out
+
+
+class _Layout:
+    """One FSDP parameter group's place in the flat reduce-scatter input / output (module doc).
+
+    ``full``: the parameters whole, real elements only, end to end (the 1-D mesh's exchange);
+    ``gather`` maps each of them to its input position and ``keep``/``into`` copy this rank's
+    chunk to the output. ``piece``: this rank's shard of each parameter as a ParamSlice of the
+    packed real elements (HSDP's exchange), ``real`` their output positions (None: the shard
+    has no padding, the output is the exchange's buffer itself)."""
+
+    def __init__(self, group, names: dict[int, str], W: int, me: int, hsdp: bool):
+        self.W, self.me, self.hsdp = W, me, hsdp
+        self.names, full, piece = [], [], []
+        keep, into, real = [], [], []
+        o, f, q = 0, 0, 0  # offset in one rank's block (output), in full, in the packed piece
+        for fp in group.fsdp_params:
+            name = names.get(id(fp.sharded_param))
+            if name is None:
+                raise ValueError("an FSDP parameter is not a parameter of the registered "
+                                 "model: register the root module fully_shard returned")
+            dim = fp.fsdp_placement.dim if hasattr(fp, "fsdp_placement") else 0
+            if dim != 0:
+                raise ValueError(f"parameter {name!r} is sharded on dim {dim}: allowed Shard(0) "
+                                 f"(fully_shard's default)")
+            N = fp._orig_size.numel()
+            n = fp.padded_sharded_param_size.numel()  # one rank's padded chunk
+            m = fp.sharded_size.numel()               # this rank's real elements
+            shape = tuple(fp._orig_size)
+            self.names.append(name)
+            full.append(ParamSlice(name, shape, f, N))
+            if not hsdp:
+                keep.append(f + me * n + torch.arange(m))
+                into.append(o + torch.arange(m))
+            if m:
+                piece.append(ParamSlice(f"{name}{SEP}{me}/{W}", tuple(fp.sharded_size), q, m, N))
+                real.append(o + torch.arange(m))
+            o, f, q = o + n, f + N, q + m
+        self.block = o  # one rank's block: the output's numel
+        self.full, self.piece = full, piece
+        if not hsdp:
+            # position of element e of parameter i in the input: its chunk's block, then the
+            # parameter's offset in the block, then the element's offset in its chunk
+            self.gather = torch.cat([self._positions(fp, o_i) for fp, o_i in
+                                     zip(group.fsdp_params, self._offsets(group))]) \
+                if full else torch.zeros(0, dtype=torch.long)
+            self.keep = torch.cat(keep) if keep else torch.zeros(0, dtype=torch.long)
+            self.into = torch.cat(into) if into else torch.zeros(0, dtype=torch.long)
+        self.real = torch.cat(real) if real else torch.zeros(0, dtype=torch.long)
+        if self.real.numel() == self.block:
+            self.real = None  # no padding anywhere: the shard is the packed pieces
+
+    @staticmethod
+    def _offsets(group):
+        out, o = [], 0
+        for fp in group.fsdp_params:
+            out.append(o)
+            o += fp.padded_sharded_param_size.numel()
+        return out
+
+    def _positions(self, fp, o_i):
+        N, n = fp._orig_size.numel(), fp.padded_sharded_param_size.numel()
+        e = torch.arange(N)
+        return (e // n) * self.block + o_i + e % n
+
+
+class _Adapter:
+    """The per-module entry points FSDP calls: the reduce-scatter (1-D mesh) or the
+    all-reduce hook (HSDP), each numbering its calls within one backward as the state's
+    buckets (bucket 0 begins a step)."""
+
+    def __init__(self, state: GradcompState, hsdp: bool):
+        self.state, self.hsdp = state, hsdp
+        self.calls = 0  # exchanges of this backward so far (reset by the root's forward)
+
+    def begin_forward(self, *_):
+        self.calls = 0
+
+    def bucket(self) -> int:
+        b, self.calls = self.calls, self.calls + 1
+        return b
+
+    def full(self, lay: _Layout, output, input, op):
+        """The 1-D mesh: this rank's chunk of the method's average of the whole gradient."""
+        x = input.reshape(-1)[lay.gather]
+        avg = self.state.reduce(x, lay.full, self.bucket())
+        if op == dist.ReduceOp.SUM:  # FSDP asked for a sum (fp16 reduce dtype: it divides)
+            avg = avg * lay.W
+        elif op != dist.ReduceOp.AVG:
+            raise RuntimeError(f"gradcomp's FSDP reduce-scatter got op {op}: allowed AVG or SUM "
+                               f"(leave set_gradient_divide_factor unset)")
+        out = output.reshape(-1)
+        out.zero_()
+        out[lay.into] = avg[lay.keep].to(out.dtype)
+
+    def shard(self, lay: _Layout, out: torch.Tensor, params):
+        """HSDP: the node's average of this rank's shard -> the job's average, in place."""
+        out = out.reshape(-1)
+        if lay.real is None:
+            if lay.piece:
+                self.state.reduce(out, lay.piece, self.bucket(), params())
+            return
+        x = out[lay.real]
+        if lay.piece:
+            x = self.state.reduce(x, lay.piece, self.bucket(), params())
+        out[lay.real] = x
+
+
+def _reduce_scatter(adapter, lay):
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+    class GradcompReduceScatter(ReduceScatter):
+        """FSDP's reduce-scatter through gradcomp (hooks/fsdp.py)."""
+
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            adapter.full(lay, output_tensor, input_tensor, op)
+            return None
+
+    return GradcompReduceScatter()
+
+
+def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
+             log_dir=None, log_all_ranks=False, log_details=False, **options) -> GradcompState:
+    """``gradcomp.register`` for a ``fully_shard``-ed model (see the module doc)."""
+    from .ddp import _check_adam, merge_options  # the method's options, as under DDP
+    units = _units(model)
+    if not units:
+        raise ValueError("the model is an FSDPModule with no parameters to shard")
+    info = units[0][2].mesh_info
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
+    if not isinstance(info, FSDPMeshInfo):
+        raise ValueError(f"gradcomp needs a sharded model (fully_shard with a 1-D or 2-D mesh), "
+                         f"got mesh {type(info).__name__}")
+    hsdp = isinstance(info, HSDPMeshInfo)
+    mesh = info.mesh
+    for mname, _, g in units:
+        if g.mesh_info.mesh != mesh:
+            raise ValueError(f"module {mname or '<root>'!r} is sharded on another mesh than the "
+                             f"root's: allowed one mesh for the whole model")
+    everyone = sorted(mesh.mesh.reshape(-1).tolist())
+    backend = dist.get_backend(info.shard_process_group)
+    made = []
+
+    def new_group(members):
+        g = dist.new_group(ranks=members, backend=backend)
+        made.append(g)
+        return g
+
+    world = new_group(everyone)  # registration's agreement; HSDP: the warm-up's statistics
+    grid = mesh.mesh.reshape(-1, info.shard_mesh_size) if hsdp else mesh.mesh.reshape(1, -1)
+    me = dist.get_rank()
+    # the exchange's group: the whole mesh (1-D), this shard's replicas across nodes (HSDP);
+    # every rank creates every group, in the same order
+    replicas = [new_group(grid[:, s].tolist()) for s in range(grid.shape[1])] if hsdp else None
+    shard_index = info.shard_mesh_rank
+    group = replicas[shard_index] if hsdp else world
+    ranks = dist.get_process_group_ranks(group)
+    W = info.shard_mesh_size
+
+    def build():
+        if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= 32:
+            raise ValueError(f"invalid lanes={lanes!r}: allowed an integer in [1, 32] (FSDP "
+                             f"runs its exchanges in its own reduce step: one lane)")
+        name, opts = merge_options(method, options)
+        config = METHODS[name].config.from_dict(METHODS[name].compressor.prepare(opts, optimizer))
+        _check_adam(name, config, optimizer)
+        _refuse(name, config, scaler, hsdp, optimizer)
+        names, numels = {}, {}
+        for pname, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
+            if not p.dtype.is_floating_point:
+                raise TypeError(f"parameter {pname!r} has dtype {p.dtype}: gradients must be "
+                                f"float (float32, float16 or bfloat16)")
+            names[id(p)] = pname
+            numels[pname] = p.numel()
+        layouts = [_Layout(g, names, W, shard_index, hsdp) for _, _, g in units]
+        if hsdp:  # the memory holds this rank's pieces: their sizes are what a checkpoint holds
+            numels.update({s.name: s.numel for lay in layouts for s in lay.piece})
+        state = GradcompState(name, config, group=group, param_names=names, param_numels=numels)
+        state._fsdp_layouts = layouts
+        return state, {"method": name, **config.to_dict(), "mesh": list(mesh.mesh.shape),
+                       **fingerprint(model, optimizer, scaler)}
+
+    state, _ = agree(world, everyone, build, lambda st: discard(st, made))
+    layouts = state.__dict__.pop("_fsdp_layouts")
+    state._owned_groups = made
+    adapter = _Adapter(state, hsdp)
+    model.set_reduce_scatter_unused_params(True)
+    handle = model.register_forward_pre_hook(adapter.begin_forward)
+    state._detach.append(handle.remove)
+    state._detach.append(lambda: model.set_reduce_scatter_unused_params(False))
+    if hsdp:
+        state.stats_group = world
+        # FSDP's own all-reduce on a group of one (a no-op); ours runs from the hook. Every
+        # rank creates every one-rank group, in the same order.
+        alone = [new_group([r]) for r in everyone][everyone.index(me)]
+        for _, mod, g in units:
+            old = g.mesh_info.replicate_process_group
+            g.mesh_info.replicate_process_group = alone
+            state._detach.append(lambda g=g, old=old: setattr(g.mesh_info,
+                                                              "replicate_process_group", old))
+        for (_, mod, g), lay in zip(units, layouts):
+            tensors = [fp.sharded_param for fp in g.fsdp_params if fp.sharded_size.numel()]
+
+            def params(tensors=tensors):  # this rank's shards (dgc's weight decay reads them)
+                return [t.to_local() for t in tensors]
+            mod.set_all_reduce_hook(lambda out, lay=lay, params=params:
+                                    adapter.shard(lay, out, params))
+            state._detach.append(lambda g=g: setattr(g, "_all_reduce_hook", None))
+    else:
+        for (_, mod, g), lay in zip(units, layouts):
+            old = g._reduce_scatter_comm
+            mod.set_custom_reduce_scatter(_reduce_scatter(adapter, lay))
+            state._detach.append(lambda g=g, old=old: setattr(g, "_reduce_scatter_comm", old))
+    if optimizer is not None:
+        state.compressor.bind(optimizer, state._param_names)
+        state.bind_adam(optimizer)
+        if dist.get_rank(world) == 0:
+            optimizer_binding.warn_measured(state.method, state.config, optimizer)
+    if log_dir is not None and (log_all_ranks or dist.get_rank(world) == 0):
+        from torch.utils.tensorboard import SummaryWriter
+        state.attach(SummaryWriter(log_dir), details=log_details)
+    return state
+
+
+def _refuse(name, config, scaler, hsdp, optimizer) -> None:
+    """What the FSDP adapter does not do, named (ValueError) at registration."""
+    kind = "HSDP" if hsdp else "FSDP"
+    if config.delay:
+        raise ValueError(f"delay={config.delay} under {kind}: FSDP reduces each gradient into "
+                         f"the optimizer's shard in the same backward; allowed delay=0")
+    if config.local_steps > 1:
+        raise ValueError(f"local_steps={config.local_steps} under {kind}: allowed 1 (local steps "
+                         f"run under DDP)")
+    if config.topology == "hierarchical":
+        raise ValueError(f"topology='hierarchical' under {kind}: allowed 'flat' or 'auto'; for "
+                         f"dense traffic inside a node and compressed across nodes shard with a "
+                         f"2-D mesh (HSDP), which is that hierarchy")
+    if scaler is not None:
+        raise ValueError(f"scaler= under {kind}: allowed None; train with "
+                         f"MixedPrecisionPolicy(param_dtype=torch.bfloat16) (no loss scale)")
+    if config.adam == "precondition":
+        raise ValueError(f"adam='precondition' under {kind}: allowed 'auto', 'freeze' or 'off'")
+    if name == "dgc" and not hsdp:
+        groups = getattr(optimizer_binding.unwrap(optimizer), "param_groups", ()) or ()
+        if config.weight_decay or any(g.get("weight_decay") for g in groups):
+            raise ValueError("dgc with weight decay under FSDP (1-D mesh): its weight decay reads "
+                             "every parameter's values in the exchange, and a rank holds only "
+                             "its shard; allowed: weight_decay=0, HSDP (a 2-D mesh), or 'topk'")

@@ -1,0 +1,248 @@
+"""FSDP2 (fully_shard) and HSDP: gradcomp.register on a sharded model (hooks/fsdp.py). Gloo,
+CPU: 2 ranks FSDP (a 1-D mesh), 4 ranks HSDP (2 replicas x 2 shards). Rows of odd sizes make
+FSDP pad some ranks' chunks."""
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gradcomp
+from gradcomp.hooks.optimizer import FROZEN_KEY
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+EF_METHODS = ["onebit", "topk", "threshold", "terngrad:error_feedback=true"]
+
+
+def _net(world, hsdp, mp=None):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(20, 63), nn.ReLU(), nn.Linear(63, 47), nn.Tanh(),
+                        nn.Linear(47, 10))
+    mesh = (init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+            if hsdp else init_device_mesh("cpu", (world,), mesh_dim_names=("shard",)))
+    kw = {"mesh": mesh}
+    if mp:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                               reduce_dtype=torch.float32)
+    for m in net[::2]:
+        fully_shard(m, **kw)
+    return fully_shard(net, **kw)
+
+
+def _batch(rank, step):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, 20, generator=g), torch.randint(0, 10, (8,), generator=g)
+
+
+def _backward(net, rank, step, micro=1):
+    for k in range(micro):
+        if micro > 1:
+            net.set_requires_gradient_sync(k == micro - 1)
+        x, y = _batch(rank, step * micro + k)
+        nn.functional.cross_entropy(net(x).float(), y).backward()
+
+
+def _train(net, opt, rank, steps, micro=1):
+    for step in steps:
+        opt.zero_grad()
+        _backward(net, rank, step, micro)
+        opt.step()
+
+
+def _local(net):
+    return [p.detach().to_local().clone() for p in net.parameters()]
+
+
+def _same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _replicas_agree(net, state):
+    """HSDP: every replica of this shard holds the same values (bit for bit)."""
+    group = state.group
+    for t in _local(net):
+        got = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(got, t, group=group)
+        if not all(torch.equal(g, t) for g in got):
+            return False
+    return True
+
+
+def _sgd(net):
+    return torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+
+
+def _equal_to_plain(rank, world, hsdp):
+    """``allreduce`` is plain FSDP/HSDP bit for bit: fp32, bf16 mixed precision, and
+    gradient accumulation with set_requires_gradient_sync(False)."""
+    out = {}
+    for mp, micro in ((False, 1), (True, 1), (False, 2)):
+        plain = _net(world, hsdp, mp)
+        opt = _sgd(plain)
+        _train(plain, opt, rank, range(4), micro)
+        net = _net(world, hsdp, mp)
+        opt = _sgd(net)
+        state = gradcomp.register(net, "allreduce", optimizer=opt)
+        _train(net, opt, rank, range(4), micro)
+        out[(mp, micro)] = (_same(_local(plain), _local(net)), state.step)
+        state.close()
+    return out
+
+
+def _conserves(rank, world, hsdp):
+    """One compressed step from zero memory: the gradient FSDP hands the optimizer plus the
+    ranks' average residual (this rank's rows of it) is the dense gradient."""
+    plain = _net(world, hsdp)
+    _backward(plain, rank, 0)
+    want = [p.grad.to_local() for p in plain.parameters()]
+    me = plain[0].weight.device_mesh.get_local_rank("shard")
+    W = plain[0].weight.device_mesh.size(-1)
+    names = [n for n, _ in plain.named_parameters()]
+    out = {}
+    for spec in EF_METHODS:
+        net = _net(world, hsdp)
+        state = gradcomp.register(net, spec, warmup="none", min_numel=0)
+        _backward(net, rank, 0)
+        mem = state.state_dict()["memory"]["flat"]
+        group = dist.get_world_size(state.group)
+        # what memory holds back: the residual, and onebit's second (owner's) memory, which
+        # holds W ranks' worth of its part
+        weights = {"residual": 1.0, "accumulation": 1.0, "server_residual": float(group)}
+        worst = 0.0
+        for name, p, g in zip(names, net.parameters(), want):
+            key = f"{name}#{me}/{W}" if hsdp else name
+            if not any(key in mem.get(slot, {}) for slot in weights):  # no rows of it here
+                assert g.numel() == 0, (spec, name)
+                continue
+            res = sum(w * mem[slot][key] for slot, w in weights.items() if key in mem.get(slot, {}))
+            dist.all_reduce(res, group=state.group)
+            res /= group
+            if not hsdp:  # the whole parameter's residual: this rank's chunk of rows
+                rows = torch.chunk(res.view(p.shape), W)
+                res = rows[me] if me < len(rows) else res[:0]
+            worst = max(worst, (p.grad.to_local() + res.view(g.shape) - g).abs().max().item())
+        out[spec] = (worst, state.stats()["wire_bytes"] < state.stats()["raw_wire_bytes"])
+        state.close()
+    return out
+
+
+def _resume(rank, world, hsdp, spec):
+    """Stop after 3 steps, reload model, optimizer and gradcomp state into fresh objects
+    (weights_only), go on: bit for bit the uninterrupted run; HSDP replicas agree."""
+    def fresh():
+        net = _net(world, hsdp)
+        opt = _sgd(net)
+        return net, opt, gradcomp.register(net, spec, optimizer=opt, warmup="none",
+                                           min_numel=0)
+    net, opt, state = fresh()
+    _train(net, opt, rank, range(3))
+    buf = io.BytesIO()
+    torch.save(state.state_dict(), buf)
+    saved_model = {k: v.clone() for k, v in net.state_dict().items()}
+    saved_opt = opt.state_dict()
+    import copy
+    saved_opt = copy.deepcopy(saved_opt)
+    _train(net, opt, rank, range(3, 6))
+    whole = _local(net)
+    agree = _replicas_agree(net, state) if hsdp else True
+    moved = not _same(whole, _local(_net(world, hsdp)))
+    state.close()
+    net2, opt2, state2 = fresh()
+    net2.load_state_dict(saved_model)
+    opt2.load_state_dict(saved_opt)
+    buf.seek(0)
+    state2.load_state_dict(torch.load(buf, weights_only=True))
+    _train(net2, opt2, rank, range(3, 6))
+    exact = _same(whole, _local(net2))
+    state2.close()
+    return exact, agree, moved
+
+
+def _adamw(rank, world, hsdp):
+    """AdamW at the recommended default (terngrad) with a short dense phase: Adam's variance
+    freezes at the switch for the compressed (sharded) parameters; replicas agree."""
+    net = _net(world, hsdp)
+    decay = [p for n, p in net.named_parameters() if n.endswith("weight")]
+    rest = [p for n, p in net.named_parameters() if not n.endswith("weight")]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": rest, "weight_decay": 0.0}], lr=1e-3, betas=(0.9, 0.95))
+    state = gradcomp.register(net, "terngrad", optimizer=opt, dense_steps=2, min_numel=0)
+    _train(net, opt, rank, range(5))
+    frozen = sorted({opt.state[p].get(FROZEN_KEY) for p in decay})
+    finite = all(torch.isfinite(t).all() for t in _local(net))
+    agree = _replicas_agree(net, state) if hsdp else True
+    stats = state.stats()
+    state.close()
+    return frozen, finite, agree, stats["compressing"]
+
+
+def _refusals(rank, world, hsdp):
+    out = []
+    for spec, kw in (("onebit:delay=1", {}), ("onebit:local_steps=2", {}),
+                     ("onebit:topology=hierarchical", {}), ("onebit:adam=precondition", {}),
+                     ("dgc", {"wd": 1e-4}), ("onebit", {"scaler": True}),
+                     ("onebit", {"differ": True})):
+        net = _net(world, hsdp)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9,
+                              weight_decay=kw.get("wd", 0.0))
+        if "precondition" in spec:
+            opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        extra = {}
+        if kw.get("scaler"):
+            extra["scaler"] = torch.amp.GradScaler("cpu")
+        if kw.get("differ"):
+            extra["ratio"] = 0.01 if rank == 0 else 0.02
+            spec = "topk"
+        try:
+            gradcomp.register(net, spec, optimizer=opt, **extra)
+            out.append((spec, None))
+        except ValueError as exc:
+            out.append((spec, str(exc)))
+    return out
+
+
+@pytest.mark.parametrize("hsdp", [False, True], ids=["fsdp2", "hsdp2x2"])
+def test_allreduce_is_plain_fsdp_bit_for_bit(spawn, hsdp):
+    world = 4 if hsdp else 2
+    for r in spawn(_equal_to_plain, world, args=(hsdp,), timeout=240):
+        assert r == {(False, 1): (True, 4), (True, 1): (True, 4), (False, 2): (True, 4)}, r
+
+
+@pytest.mark.parametrize("hsdp", [False, True], ids=["fsdp2", "hsdp2x2"])
+def test_error_feedback_conserves_every_gradient(spawn, hsdp):
+    world = 4 if hsdp else 2
+    for r in spawn(_conserves, world, args=(hsdp,), timeout=240):
+        for spec, (worst, fewer) in r.items():
+            assert worst < 1e-5, (spec, worst)
+            assert fewer, spec  # and it was compressed
+
+
+@pytest.mark.parametrize("hsdp,spec", [(False, "onebit"), (False, "powersgd"),
+                                       (True, "topk"), (True, "dgc")],
+                         ids=["fsdp2-onebit", "fsdp2-powersgd", "hsdp2x2-topk", "hsdp2x2-dgc"])
+def test_resume_is_bit_exact(spawn, hsdp, spec):
+    world = 4 if hsdp else 2
+    for exact, agree, moved in spawn(_resume, world, args=(hsdp, spec), timeout=240):
+        assert moved and exact and agree, (exact, agree, moved)
+
+
+@pytest.mark.parametrize("hsdp", [False, True], ids=["fsdp2", "hsdp2x2"])
+def test_adamw_freezes_the_variance_of_sharded_parameters(spawn, hsdp):
+    world = 4 if hsdp else 2
+    for frozen, finite, agree, compressing in spawn(_adamw, world, args=(hsdp,), timeout=240):
+        assert frozen == [2] and finite and agree and compressing
+
+
+def test_unsupported_settings_are_refused_on_every_rank(spawn):
+    results = spawn(_refusals, 2, args=(False,), timeout=240)
+    want = {"onebit:delay=1": "delay=1", "onebit:local_steps=2": "local_steps=2",
+            "onebit:topology=hierarchical": "HSDP", "onebit:adam=precondition": "precondition",
+            "dgc": "weight decay", "onebit": "scaler", "topk": "ratio"}
+    for r in results:
+        assert [s for s, _ in r] == list(want)
+        for spec, msg in r:
+            assert msg is not None and want[spec] in msg, (spec, msg)
