@@ -130,9 +130,15 @@ def _conserves(rank, world, hsdp):
     return out
 
 
-def _resume(rank, world, hsdp, spec):
-    """Stop after 3 steps, reload model, optimizer and gradcomp state into fresh objects
-    (weights_only), go on: bit for bit the uninterrupted run; HSDP replicas agree."""
+def _resume(rank, world, hsdp, spec, where=None):
+    """Stop after 3 steps, reload model, optimizer and gradcomp state into fresh objects, go
+    on: bit for bit the uninterrupted run; HSDP replicas agree. ``where``: a directory for
+    torch.distributed.checkpoint (model and optimizer through its get/set_state_dict, the
+    state as ``state.stateful()``); None: torch.save of each (weights_only)."""
+    import copy
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     def fresh():
         net = _net(world, hsdp)
         opt = _sgd(net)
@@ -140,22 +146,31 @@ def _resume(rank, world, hsdp, spec):
                                            min_numel=0)
     net, opt, state = fresh()
     _train(net, opt, rank, range(3))
-    buf = io.BytesIO()
-    torch.save(state.state_dict(), buf)
-    saved_model = {k: v.clone() for k, v in net.state_dict().items()}
-    saved_opt = opt.state_dict()
-    import copy
-    saved_opt = copy.deepcopy(saved_opt)
+    if where:
+        msd, osd = get_state_dict(net, opt)
+        dcp.save({"model": msd, "optim": osd, "gradcomp": state.stateful()}, checkpoint_id=where)
+    else:
+        buf = io.BytesIO()
+        torch.save(state.state_dict(), buf)
+        saved_model = {k: v.clone() for k, v in net.state_dict().items()}
+        saved_opt = copy.deepcopy(opt.state_dict())
     _train(net, opt, rank, range(3, 6))
     whole = _local(net)
     agree = _replicas_agree(net, state) if hsdp else True
     moved = not _same(whole, _local(_net(world, hsdp)))
     state.close()
     net2, opt2, state2 = fresh()
-    net2.load_state_dict(saved_model)
-    opt2.load_state_dict(saved_opt)
-    buf.seek(0)
-    state2.load_state_dict(torch.load(buf, weights_only=True))
+    _train(net2, opt2, rank, range(7, 8))  # a state that ran a step: load replaces it all
+    if where:
+        msd, osd = get_state_dict(net2, opt2)
+        sd = {"model": msd, "optim": osd, "gradcomp": state2.stateful()}
+        dcp.load(sd, checkpoint_id=where)
+        set_state_dict(net2, opt2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    else:
+        net2.load_state_dict(saved_model)
+        opt2.load_state_dict(saved_opt)
+        buf.seek(0)
+        state2.load_state_dict(torch.load(buf, weights_only=True))
     _train(net2, opt2, rank, range(3, 6))
     exact = _same(whole, _local(net2))
     state2.close()
@@ -221,12 +236,14 @@ def test_error_feedback_conserves_every_gradient(spawn, hsdp):
             assert fewer, spec  # and it was compressed
 
 
-@pytest.mark.parametrize("hsdp,spec", [(False, "onebit"), (False, "powersgd"),
-                                       (True, "topk"), (True, "dgc")],
-                         ids=["fsdp2-onebit", "fsdp2-powersgd", "hsdp2x2-topk", "hsdp2x2-dgc"])
-def test_resume_is_bit_exact(spawn, hsdp, spec):
+@pytest.mark.parametrize("hsdp,spec,dcp", [(False, "onebit", False), (False, "powersgd", True),
+                                           (True, "topk", True), (True, "dgc", False)],
+                         ids=["fsdp2-onebit", "fsdp2-powersgd-dcp", "hsdp2x2-topk-dcp",
+                              "hsdp2x2-dgc"])
+def test_resume_is_bit_exact(spawn, tmp_path, hsdp, spec, dcp):
     world = 4 if hsdp else 2
-    for exact, agree, moved in spawn(_resume, world, args=(hsdp, spec), timeout=240):
+    where = str(tmp_path / "ckpt") if dcp else None
+    for exact, agree, moved in spawn(_resume, world, args=(hsdp, spec, where), timeout=240):
         assert moved and exact and agree, (exact, agree, moved)
 
 

@@ -4,12 +4,14 @@ checkpoint of another method, options, world size or model with a message naming
 from __future__ import annotations
 
 import hashlib
+import io
 import math
 
 import torch
+import torch.distributed as dist
 
 from .delayed import _Pending
-from .topology import base_name
+from .topology import SEP, base_name
 
 # the layout of state_dict(); checkpoints without a "format" key (gradcomp <= 0.1) are format 1
 # and load the same way
@@ -74,10 +76,12 @@ def check_checkpoint(sd, state) -> None:
                          f"checkpoint of GradcompState.state_dict(), or a partial one")
     if "digest" in sd and sd["digest"] != tensor_digest(sd):
         raise ValueError("gradcomp checkpoint: its tensors do not match the digest saved with "
-                         "them: the file was changed or damaged after it was written")
+                         "them: the file was changed or damaged after it was written, or mixed "
+                         "with another rank's (torch.distributed.checkpoint keeps one rank's "
+                         "copy of equal keys: save state.stateful(), not the state itself)")
     if not isinstance(sd["config"], dict):
         raise _bad("config", sd["config"], "a dict of options")
-    rank = state._lanes[0].comm.rank
+    rank = _rank(state)
     if "rank" in sd and sd["rank"] != rank:
         raise ValueError(f"gradcomp checkpoint was written by rank {sd['rank']!r}; this is rank "
                          f"{rank}: each rank's residuals are its own, so every rank saves and "
@@ -143,7 +147,7 @@ class Checkpoint:
         pending = [{"step": e.step, "corrections": {n: c.clone() for n, c in e.owed()}}
                    for e in self._pending]
         sd = {"format": FORMAT, "method": self.method, "config": self.config.to_dict(),
-              "world_size": self.world_size, "rank": self._lanes[0].comm.rank,
+              "world_size": self.world_size, "rank": _rank(self),
               "ranks_per_node": self.local_size,
               "step": self.step, "memory": self.memory.state_dict(), "pending": pending,
               "local": self.local_state_dict(), "warmup": self.warmup_state_dict()}
@@ -186,6 +190,10 @@ class Checkpoint:
                              f"that topology; set topology=/local_size= as when it was saved")
         known = set(self._param_names.values())
         unknown = self.memory_names(sd) - known if known else set()
+        pieces = {n for n in self._param_numels if SEP in n}  # HSDP: this rank's shards
+        if pieces:
+            unknown |= {n for part in sd["memory"].values() for d in part.values() for n in d
+                        if SEP in n and n not in pieces}
         if unknown:
             raise ValueError(f"checkpoint holds state for parameters this model lacks: "
                              f"{', '.join(sorted(unknown)[:5])}")
@@ -208,6 +216,49 @@ class Checkpoint:
         self.load_local_state_dict(sd.get("local"))
         self.load_warmup_state_dict(sd.get("warmup"))
 
+    def stateful(self) -> "DistributedCheckpoint":
+        """This state for ``torch.distributed.checkpoint`` (a ``Stateful``)::
+
+            dcp.save({"model": model, "optim": opt, "gradcomp": state.stateful()}, ...)
+
+        Each rank's state is its own (residuals of its own gradients), so it goes in under a
+        key of its rank, as one opaque entry (the bytes of ``state_dict()``): DCP would
+        otherwise keep one rank's copy of equal keys, and could not load memory a fresh state
+        has not created yet."""
+        return DistributedCheckpoint(self)
+
     @staticmethod
     def memory_names(sd: dict) -> set:
         return {base_name(n) for part in sd["memory"].values() for d in part.values() for n in d}
+
+
+def _rank(state) -> int:
+    """The rank a checkpoint belongs to: the job's rank (under HSDP a state's group holds
+    one shard's replicas, whose group ranks repeat across shards)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return state._lanes[0].comm.rank
+
+
+class DistributedCheckpoint:
+    """A GradcompState as a ``torch.distributed.checkpoint`` Stateful (see ``stateful()``)."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def _key(self) -> str:
+        return f"rank{_rank(self.state)}"
+
+    def state_dict(self) -> dict:
+        buf = io.BytesIO()
+        torch.save(self.state.state_dict(), buf)
+        return {self._key(): buf.getvalue()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        key = self._key()
+        blob = sd.get(key) if isinstance(sd, dict) else None
+        if not isinstance(blob, (bytes, bytearray)):
+            raise ValueError(f"gradcomp: the distributed checkpoint holds no gradcomp state for "
+                             f"{key} (found {sorted(sd)[:4] if isinstance(sd, dict) else sd!r}): "
+                             f"save and load with state.stateful() and the same ranks")
+        self.state.load_state_dict(torch.load(io.BytesIO(blob), weights_only=True))
