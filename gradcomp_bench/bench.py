@@ -58,6 +58,13 @@ def wire_bytes(method: str, res: dict, world: int, model_name: str) -> tuple[flo
     raw, ps = model_bytes(model_name)
     ring = 2 * (world - 1) / world
     name, opts = parse_method(method)
+    cfg = res.get("config") or {}
+    if cfg.get("parallel") == "fsdp" and name == "ddp":  # FSDP's reduce-scatter
+        return (world - 1) / world * raw, False
+    if cfg.get("parallel") == "hsdp" and name == "ddp":  # each shard's all-reduce across nodes
+        L = cfg["ranks_per_node"]
+        R = world // L
+        return 2 * (R - 1) / R * raw / L, False
     if name == "noop":
         return 0.0, False
     if name == "fp16":

@@ -178,9 +178,16 @@ def cmd_ddp(args) -> int:
     elif args.latency:
         raise UsageError("--latency needs --link (the delay is added on the shaped link)")
     data_dir = _data(args)
-    from .models import MODELS
+    from .models import LANGUAGE_MODELS, MODELS
     if args.model not in MODELS:
         raise UsageError(f"--model {args.model!r}: allowed {', '.join(MODELS)}")
+    if args.model in LANGUAGE_MODELS and args.data is None:
+        data_dir = None  # the text corpus is found by data.load_text
+    if args.parallel != "ddp" and args.model not in LANGUAGE_MODELS:
+        raise UsageError(f"--parallel {args.parallel}: for language models (--model gpt)")
+    if args.parallel == "hsdp" and (per_node < 2 or any(w // per_node < 2 for w in worlds)):
+        raise UsageError(f"--parallel hsdp: needs --ranks-per-node >= 2 (the shard group) and "
+                         f"at least 2 nodes (--nodes, or --world)")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     jobs = [(w, r, m) for w in worlds for r in rates for m in methods]
@@ -193,9 +200,11 @@ def cmd_ddp(args) -> int:
                                 disable=quiet):
         cfg = TrainConfig(method=m, model=args.model, data=data_dir, synthetic=args.synthetic,
                           epochs=0, max_steps=args.steps + args.warmup, batch=args.batch,
-                          eval=False, seed=args.seed, options={**_delay_opts(m, args), **_steady(m)},
+                          eval=False, seed=args.seed,
+                          options={**_delay_opts(m, args), **_steady(m, args.model)},
                           device=args.device, broadcast_buffers=args.broadcast_buffers,
-                          barrier=args.barrier)
+                          barrier=args.barrier, parallel=args.parallel,
+                          ranks_per_node=per_node if args.parallel == "hsdp" else 0)
         if torchrun:
             res = _torchrun_ranks(cfg)[0]
         elif rate is None:
@@ -230,11 +239,16 @@ def _delay_opts(method, args):
     return {"lanes": args.lanes, **({"delay": args.delay} if args.delay else {})}
 
 
-def _steady(method) -> dict:
+def _steady(method, model=None) -> dict:
     """A step-time run measures the compressed exchange: the adaptive warm-up (dense for at
-    least its first two windows) is off unless the spec sets a warm-up itself."""
+    least its first two windows) is off unless the spec sets a warm-up itself. A language
+    model (AdamW) takes one dense step instead: Adam's variance is frozen from it
+    (hooks/optimizer.py), then every step is compressed."""
     if not _is_gradcomp(method) or "warmup=" in method or "dense_steps=" in method:
         return {}
+    from .models import LANGUAGE_MODELS
+    if model in LANGUAGE_MODELS and method.split(":")[0] != "allreduce":
+        return {"dense_steps": 1}
     return {"warmup": "none"}
 
 
@@ -325,6 +339,16 @@ def cmd_convergence(args) -> int:
         raise UsageError(f"--steps {args.steps}: expected an integer >= 1")
     if lm and args.data is None:
         data_dir = None  # the text corpus is found by data.load_text
+    if args.parallel != "ddp" and not lm:
+        raise UsageError(f"--parallel {args.parallel}: for language models (--model gpt); CNNs "
+                         f"train under DDP")
+    if args.parallel == "hsdp":
+        w = worlds[0]
+        args.ranks_per_node = args.ranks_per_node or w // 2
+        if not (1 < args.ranks_per_node < w and w % args.ranks_per_node == 0):
+            raise UsageError(f"--parallel hsdp --world {w} --ranks-per-node "
+                             f"{args.ranks_per_node}: needs a world of at least 4 and a "
+                             f"ranks-per-node dividing it, between 2 and world/2")
     scalars = report.Scalars(args.tensorboard)
     results, failed = {}, {}
     for m in _progress(methods, str):
@@ -334,7 +358,8 @@ def cmd_convergence(args) -> int:
         if lm:  # AdamW on the character corpus (train.train_lm)
             cfg = TrainConfig(**common, max_steps=args.steps, batch=args.batch or 16,
                               lr=args.lr or 1e-3, weight_decay=0.1, seq_len=args.seq_len,
-                              optimizer=args.optimizer, bf16=args.bf16)
+                              optimizer=args.optimizer, bf16=args.bf16, parallel=args.parallel,
+                              ranks_per_node=args.ranks_per_node)
         else:
             cfg = TrainConfig(**common, epochs=args.epochs, batch=args.batch or 64,
                               lr=args.lr or 0.05, schedule=args.schedule,
@@ -571,6 +596,9 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--ranks-per-node", type=int, default=1,
                    help="ranks sharing a node: traffic between them stays off the shaped link; "
                         "LOCAL_WORLD_SIZE is set, so topology=auto goes hierarchical")
+    d.add_argument("--parallel", choices=("ddp", "fsdp", "hsdp"), default="ddp",
+                   help="language models: DDP, FSDP2 (1-D mesh) or HSDP (shards inside a node "
+                        "of --ranks-per-node ranks, replicas across nodes)")
     d.add_argument("--steps", type=int, default=12, help="measured steps after warm-up")
     d.add_argument("--warmup", type=int, default=4)
     c = sub.add_parser("convergence", help="accuracy per method: CIFAR-10 (SGD), or a GPT's "
@@ -586,7 +614,13 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--optimizer", choices=("auto", "sgd", "adamw"), default="auto",
                    help="auto: SGD for CNNs, AdamW (betas 0.9/0.95, decay 0.1 on matrices) "
                         "for language models")
-    c.add_argument("--bf16", action="store_true", help="language models: bf16 autocast")
+    c.add_argument("--bf16", action="store_true", help="language models: bf16 autocast (and "
+                   "bf16 parameters with fp32 reduction under --parallel fsdp/hsdp)")
+    c.add_argument("--parallel", choices=("ddp", "fsdp", "hsdp"), default="ddp",
+                   help="language models: DDP, FSDP2 (fully_shard, 1-D mesh) or HSDP (2-D mesh: "
+                        "shards inside a node of --ranks-per-node ranks, replicas across)")
+    c.add_argument("--ranks-per-node", type=int, default=0,
+                   help="--parallel hsdp: ranks per node (the shard group); 0: world/2")
     c.add_argument("--schedule", choices=("cosine", "onecycle"), default="cosine",
                    help="cosine: linear warm-up then cosine; onecycle: torch's OneCycleLR "
                         "(it also cycles momentum), created after register")

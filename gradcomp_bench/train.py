@@ -79,6 +79,9 @@ def attach(model: DDP, spec: str, optimizer, **options):
     name, opts = parse_method(spec)
     if name == "ddp":
         return None
+    if not isinstance(model, DDP):
+        raise ValueError(f"baseline {name!r} is a DDP comm hook: allowed with a sharded model "
+                         f"are 'ddp' (plain FSDP/HSDP) and gradcomp's methods")
     if name == "noop":
         model.register_comm_hook(None, _noop_hook)
         return None
@@ -133,6 +136,10 @@ class TrainConfig:
     seq_len: int = 128
     warmup_steps: int = 0            # language models: linear warm-up (0: 5% of the steps)
     eval_every: int = 0              # language models: validation every N steps (0: 10 times)
+    # language models: "ddp"; "fsdp": fully_shard on a 1-D mesh (each block, then the root);
+    # "hsdp": a 2-D mesh, shards inside a node of ranks_per_node ranks, replicas across nodes
+    parallel: str = "ddp"
+    ranks_per_node: int = 0          # hsdp: ranks per node (0: LOCAL_WORLD_SIZE)
 
 
 def train(rank: int, world: int, cfg: TrainConfig | dict) -> dict:
@@ -239,6 +246,30 @@ def _ddp(net, cfg: TrainConfig, device) -> DDP:
                    device_ids=[device.index] if device.type == "cuda" else None)
 
 
+def _shard(net, cfg: TrainConfig, world: int, device):
+    """FSDP2 (``fully_shard``): each block, then the root; ``hsdp``: a (nodes, ranks per
+    node) mesh, replicated across nodes; bf16 parameters with fp32 reduction under ``bf16``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    if cfg.parallel == "hsdp":
+        L = cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE") or 0)
+        if not (1 < L < world and world % L == 0):
+            raise ValueError(f"parallel='hsdp' with {L} ranks per node in a world of {world}: "
+                             f"allowed a divisor of the world between 2 and world/2")
+        mesh = init_device_mesh(device.type, (world // L, L), mesh_dim_names=("replicate", "shard"))
+    elif cfg.parallel == "fsdp":
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    else:
+        raise ValueError(f"parallel={cfg.parallel!r}: allowed 'ddp', 'fsdp', 'hsdp'")
+    kw = {"mesh": mesh}
+    if cfg.bf16:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                               reduce_dtype=torch.float32)
+    for block in net.blocks:
+        fully_shard(block, **kw)
+    return fully_shard(net, **kw)
+
+
 def train_lm(rank: int, world: int, cfg: TrainConfig) -> dict:
     """A GPT on the character corpus, as a transformer user trains it: AdamW (decay on the
     weight matrices only), linear warm-up then cosine to 10%, gradient clipping, optional
@@ -250,7 +281,7 @@ def train_lm(rank: int, world: int, cfg: TrainConfig) -> dict:
                               else data.load_text(cfg.data))
     device = _device(cfg, rank)
     net = models.build(cfg.model).to(device)
-    model = _ddp(net, cfg, device)
+    model = _ddp(net, cfg, device) if cfg.parallel == "ddp" else _shard(net, cfg, world, device)
     opt_name = "adamw" if cfg.optimizer == "auto" else cfg.optimizer
     if opt_name == "adamw":
         opt = torch.optim.AdamW(models.decay_groups(net, cfg.weight_decay), lr=cfg.lr,
@@ -284,7 +315,8 @@ def train_lm(rank: int, world: int, cfg: TrainConfig) -> dict:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.clip:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)))
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+            norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
         opt.step()
         sched.step()
         if device.type == "cuda":
