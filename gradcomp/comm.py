@@ -113,17 +113,17 @@ class Comm:
         return out
 
     def flag(self, bad: torch.Tensor) -> None:
-        """Send ``bad`` (a (1,) float tensor, 1.0 where this rank's bucket is not finite)
+        """Send ``bad`` (a small float tensor, e.g. 1.0 where this rank's bucket is not finite)
         with this exchange's first collective (MAX over ranks, in place): no turn, no round
         trip and no host sync of its own. Read it with :meth:`flag_result` after the
         exchange's last collective."""
         W = dist.get_world_size(self.rider.group) if self.rider.group is not None else 1
-        self.traffic.add(4, 2 * (W - 1) / W)
+        self.traffic.add(bad.numel() * bad.element_size(), 2 * (W - 1) / W)
         if W > 1:
             self.rider.tensor, self.rider.work = bad, None
 
-    def flag_result(self, bad: torch.Tensor) -> bool:
-        """Whether any rank's flag was set: the one host read of the flag, once per exchange
+    def flag_result(self, bad: torch.Tensor) -> list[float]:
+        """The flag's values, MAX over ranks: the one host read of the flag, once per exchange
         after its last collective (its own turn only if the exchange issued none)."""
         rider = self.rider
         if rider.tensor is not None:
@@ -133,7 +133,7 @@ class Comm:
             rider.work.wait()
             self.traffic.comm_s += time.perf_counter() - t0
             rider.tensor = rider.work = None
-        return bool(bad.item() > 0)
+        return bad.tolist()
 
     def allgather(self, t: torch.Tensor) -> torch.Tensor:
         """(W, *t.shape): every rank's t, in rank order."""

@@ -132,6 +132,42 @@ def test_values_past_what_they_cost_are_refused(spec, options, match):
         gradcomp.build_config(spec, **options)
 
 
+def _one_rank_loads(rank, world, spec, fsdp):
+    """Rank 0 rolls back to its step-3 checkpoint alone; then (if nothing raised) both do."""
+    from conftest import small_net, train_steps
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+        model = fully_shard(small_net())
+        net = model
+    else:
+        net = small_net()
+        model = DDP(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    state = gradcomp.register(model, spec, optimizer=opt, warmup="none", min_numel=0)
+    train_steps(model, opt, rank, range(3))
+    sd = state.state_dict()
+    train_steps(model, opt, rank, range(3, 5))
+    out = []
+    for who in ((0,), (0, 1)):
+        if rank in who:
+            state.load_state_dict(sd)
+        try:
+            train_steps(model, opt, rank, range(5, 6))
+            out.append(None)
+        except RuntimeError as exc:
+            out.append(str(exc))
+            break
+    return out
+
+
+@pytest.mark.parametrize("spec,fsdp", [("onebit", False), ("topk", True)], ids=["ddp", "fsdp2"])
+def test_a_checkpoint_loaded_on_one_rank_only_makes_every_rank_raise(spec, fsdp, spawn):
+    """The step check rides with every exchange's inf/NaN flag: a rank rolled back alone
+    makes every rank raise at the next exchange, naming the steps."""
+    for r in spawn(_one_rank_loads, 2, args=(spec, fsdp), timeout=120, pg_timeout=30):
+        assert len(r) == 1 and "different steps" in r[0] and "step 3 to 5" in r[0], r
+
+
 def _disagree(rank, world, case):
     from conftest import small_net
     torch.manual_seed(0)

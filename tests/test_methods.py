@@ -84,7 +84,7 @@ def test_stats_count_the_bytes_of_the_tensors_sent():
     }
     for spec, nbytes in expect.items():
         if spec != "allreduce":
-            nbytes += 4  # the "any rank non-finite?" flag that travels beside each exchange
+            nbytes += 12  # the "any rank non-finite?" flag and the step check beside each exchange
         st = state_for(spec)
         st.reduce(x.clone(), params)
         s = st.stats()

@@ -131,13 +131,13 @@ def test_error_feedback_brings_the_outputs_close_to_the_inputs():
 @pytest.mark.parametrize("spec", [ADAPTIVE, FIXED, "threshold:max_ratio=1,quantile=0.5"])
 def test_stats_count_the_fixed_size_message(spec):
     """4 bytes per code slot (cap of them per compressed parameter), 4 per tau, 4 per dense
-    element (+4: the non-finite flag); the same every step, however many elements passed."""
+    element (+12: the non-finite flag and the step check); the same every step, however many elements passed."""
     params = layout(NAMES)
     name, cfg = gradcomp.build_config(spec, min_numel=100, warmup="none")  # fc.bias goes dense
     st = gradcomp.GradcompState(name, cfg)
     big = [p for p in params if p.numel >= 100]
     caps = sum(math.ceil(cfg.max_ratio * p.numel) for p in big)
-    want = 4 * caps + 4 * len(big) + 4 * 48 + 4
+    want = 4 * caps + 4 * len(big) + 4 * 48 + 12
     for scale in (1.0, 1e-6, 1e6):
         st.reduce(scale * torch.randn(_numel(params)), params)
         assert st.stats()["sent_bytes"] == want

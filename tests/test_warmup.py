@@ -72,9 +72,9 @@ def test_switch_at_the_expected_window_boundary_identically_on_two_ranks():
     for step, (compressing, sent, switch) in enumerate(runs[0]):
         assert compressing == (step >= expect), step
         assert switch == (expect if step >= expect else None), step
-        # dense: fp32 + the inf/NaN flag; a window boundary adds its float64 per step
+        # dense: fp32 + the inf/NaN flag and step check; a window boundary adds its float64 per step
         window = 8 * WINDOW if 0 < step <= expect and step % WINDOW == 0 else 0
-        assert sent == (4 * N + 4 + window if step < expect else sent), step
+        assert sent == (4 * N + 12 + window if step < expect else sent), step
     assert runs[0][-1][1] < N  # compressed: ~1 bit per element
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+STEP_MOD = 2**24  # steps travel as float32: exact below this
+
 
 class Guard:
     """Mixin of GradcompState: ``_guarded(x, ctx)`` wraps a stateful compressor's reduce."""
@@ -25,7 +27,11 @@ class Guard:
         ``run(x)`` is the whole exchange (under a hierarchical topology: the node's
         reduce-scatter, the compressed exchange of this rank's shard, the allgather);
         ``flat`` the lane's comm over every rank: the flag and the fallback go over it, so
-        every rank decides alike whatever shard holds the bad values."""
+        every rank decides alike whatever shard holds the bad values.
+
+        The flag also carries the step index (s, -s): ranks whose states are at different
+        steps (a checkpoint loaded on one rank only) all raise at that exchange, the first
+        after the load, instead of training on with memories that do not belong together."""
         names = [p.name for p in ctx.params]
         snap = self.memory.snapshot(names, ctx.bucket)
         orig = x
@@ -40,9 +46,19 @@ class Guard:
             else:  # the compressor must still run (same collectives on every rank)
                 orig = x.clone()
                 x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+        # the step check rides with the flag: MAX of (s, -s) over ranks is (max, -min)
+        s = float(ctx.step % STEP_MOD)
+        bad = torch.cat([bad, torch.tensor([s, -s]).to(bad.device)])
         flat.flag(bad)
         out = run(x)
-        if not flat.flag_result(bad):
+        flagged, hi, neg_lo = flat.flag_result(bad)
+        if hi != -neg_lo:
+            raise RuntimeError(
+                f"gradcomp: the ranks are at different steps of this state (from step "
+                f"{-neg_lo:.0f} to {hi:.0f}, mod 2**24): a checkpoint was loaded on some ranks "
+                f"only, or ranks loaded checkpoints of different steps, or one rank's state was "
+                f"built anew; every rank must load its own state_dict() of the same step")
+        if not flagged:
             return out
         self.memory.restore(snap, names)
         self._skipped = ctx.step
