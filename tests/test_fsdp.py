@@ -220,6 +220,55 @@ def _refusals(rank, world, hsdp):
     return out
 
 
+def _record(rank):
+    """Wrap torch.distributed's collectives (FSDP's too): a random 0-3 ms delay, then record
+    (group, op, numel) and issue."""
+    import random
+    import time
+    log, rng = [], random.Random(99 + 13 * rank)
+
+    def wrap(name, fn):
+        def wrapped(*args, **kw):
+            time.sleep(rng.uniform(0, 0.003))
+            t = next(v for v in (*args, *kw.values()) if torch.is_tensor(v)
+                     or isinstance(v, list))
+            n = sum(x.numel() for x in t) if isinstance(t, list) else t.numel()
+            g = kw.get("group")
+            if g is None or dist.get_world_size(g) > 1:  # (HSDP's no-op: a group of one)
+                log.append((getattr(g, "group_name", str(g)), name, n))
+            return fn(*args, **kw)
+        return wrapped
+    for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all_single",
+                 "reduce_scatter_tensor"):
+        setattr(dist, name, wrap(name, getattr(dist, name)))
+    return log
+
+
+def _order(rank, world, hsdp):
+    log = _record(rank)
+    for spec in ("onebit:warmup_window=1,warmup_threshold=100", "powersgd", "dgc:ratio=0.05"):
+        net = _net(world, hsdp)
+        opt = _sgd(net)
+        state = gradcomp.register(net, spec, optimizer=opt, min_numel=0)
+        _train(net, opt, rank, range(4))
+        state.close()
+    return log
+
+
+@pytest.mark.parametrize("hsdp", [False, True], ids=["fsdp2", "hsdp2x2"])
+def test_every_group_sees_one_order_under_jitter(spawn, hsdp):
+    """Random delays before every collective, different per rank: on every process group,
+    every member issues the same sequence of (op, size), FSDP's own collectives included."""
+    world = 4 if hsdp else 2
+    logs = spawn(_order, world, args=(hsdp,), timeout=300)
+    groups = {g for log in logs for g, _, _ in log}
+    assert len(groups) >= (3 if hsdp else 1)
+    for g in groups:
+        seqs = [[(op, n) for gg, op, n in log if gg == g] for log in logs]
+        members = [q for q in seqs if q]
+        assert len(members) >= 2 and all(q == members[0] for q in members), g
+
+
 @pytest.mark.parametrize("hsdp", [False, True], ids=["fsdp2", "hsdp2x2"])
 def test_allreduce_is_plain_fsdp_bit_for_bit(spawn, hsdp):
     world = 4 if hsdp else 2
