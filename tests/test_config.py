@@ -47,7 +47,8 @@ def test_wrong_option_type_raises_type_error():
 
 
 def test_register_refuses_a_model_that_is_not_ddp():
-    with pytest.raises(TypeError, match=r"DistributedDataParallel model, got Linear"):
+    with pytest.raises(TypeError, match=r"DistributedDataParallel model or a model sharded with "
+                                         r"torch.distributed.fsdp.fully_shard, got Linear"):
         gradcomp.register(torch.nn.Linear(2, 2), "topk")
 
 

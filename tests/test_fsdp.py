@@ -15,12 +15,25 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 EF_METHODS = ["onebit", "topk", "threshold", "terngrad:error_feedback=true"]
 
 
+class _Shift(nn.Module):
+    """A one-row parameter (under HSDP 2 x 2 shard 1 holds none of it: an empty piece, in
+    the unit FSDP reduces first) beside a frozen one (FSDP leaves it out of its reduction)."""
+
+    def __init__(self):
+        super().__init__()
+        self.b = nn.Parameter(torch.zeros(1, 10))
+        self.frozen = nn.Parameter(torch.ones(3), requires_grad=False)
+
+    def forward(self, x):
+        return x + self.b * self.frozen.sum()
+
+
 def _net(world, hsdp, mp=None):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(20, 63), nn.ReLU(), nn.Linear(63, 47), nn.Tanh(),
-                        nn.Linear(47, 10))
+                        nn.Linear(47, 10), _Shift())
     mesh = (init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
             if hsdp else init_device_mesh("cpu", (world,), mesh_dim_names=("shard",)))
     kw = {"mesh": mesh}
@@ -28,7 +41,7 @@ def _net(world, hsdp, mp=None):
         from torch.distributed.fsdp import MixedPrecisionPolicy
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                reduce_dtype=torch.float32)
-    for m in net[::2]:
+    for m in (*net[::2], net[5]):
         fully_shard(m, **kw)
     return fully_shard(net, **kw)
 
@@ -98,10 +111,10 @@ def _conserves(rank, world, hsdp):
     ranks' average residual (this rank's rows of it) is the dense gradient."""
     plain = _net(world, hsdp)
     _backward(plain, rank, 0)
-    want = [p.grad.to_local() for p in plain.parameters()]
+    want = [p.grad.to_local() for p in plain.parameters() if p.requires_grad]
     me = plain[0].weight.device_mesh.get_local_rank("shard")
     W = plain[0].weight.device_mesh.size(-1)
-    names = [n for n, _ in plain.named_parameters()]
+    names = [n for n, p in plain.named_parameters() if p.requires_grad]
     out = {}
     for spec in EF_METHODS:
         net = _net(world, hsdp)
@@ -113,7 +126,8 @@ def _conserves(rank, world, hsdp):
         # holds W ranks' worth of its part
         weights = {"residual": 1.0, "accumulation": 1.0, "server_residual": float(group)}
         worst = 0.0
-        for name, p, g in zip(names, net.parameters(), want):
+        trained = [p for p in net.parameters() if p.requires_grad]
+        for name, p, g in zip(names, trained, want):
             key = f"{name}#{me}/{W}" if hsdp else name
             if not any(key in mem.get(slot, {}) for slot in weights):  # no rows of it here
                 assert g.numel() == 0, (spec, name)
@@ -124,7 +138,8 @@ def _conserves(rank, world, hsdp):
             if not hsdp:  # the whole parameter's residual: this rank's chunk of rows
                 rows = torch.chunk(res.view(p.shape), W)
                 res = rows[me] if me < len(rows) else res[:0]
-            worst = max(worst, (p.grad.to_local() + res.view(g.shape) - g).abs().max().item())
+            if g.numel():
+                worst = max(worst, (p.grad.to_local() + res.view(g.shape) - g).abs().max().item())
         out[spec] = (worst, state.stats()["wire_bytes"] < state.stats()["raw_wire_bytes"])
         state.close()
     return out
@@ -182,7 +197,7 @@ def _adamw(rank, world, hsdp):
     freezes at the switch for the compressed (sharded) parameters; replicas agree."""
     net = _net(world, hsdp)
     decay = [p for n, p in net.named_parameters() if n.endswith("weight")]
-    rest = [p for n, p in net.named_parameters() if not n.endswith("weight")]
+    rest = [p for n, p in net.named_parameters() if not n.endswith("weight") and p.requires_grad]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                              {"params": rest, "weight_decay": 0.0}], lr=1e-3, betas=(0.9, 0.95))
     state = gradcomp.register(net, "terngrad", optimizer=opt, dense_steps=2, min_numel=0)

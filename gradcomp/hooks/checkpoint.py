@@ -191,6 +191,15 @@ class Checkpoint:
         known = set(self._param_names.values())
         unknown = self.memory_names(sd) - known if known else set()
         pieces = {n for n in self._param_numels if SEP in n}  # HSDP: this rank's shards
+        saved_pieces = any(SEP in n for part in sd["memory"].values() for d in part.values()
+                           for n in d)
+        if saved_pieces and not (pieces or self.local_size) or (pieces and sd["memory"]["flat"]
+                                                                and not saved_pieces):
+            def kind(p):
+                return "per shard (HSDP)" if p else "per whole parameter (DDP or 1-D FSDP)"
+            raise ValueError(f"checkpoint holds memory {kind(saved_pieces)}; this state keeps "
+                             f"it {kind(bool(pieces))}: resume with the parallelism it was "
+                             f"saved with")
         if pieces:
             unknown |= {n for part in sd["memory"].values() for d in part.values() for n in d
                         if SEP in n and n not in pieces}

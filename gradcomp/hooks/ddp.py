@@ -89,21 +89,22 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         state = gradcomp.register(model, "dgc", ratio=0.001, optimizer=opt)
     """
+    sharded = fsdp.is_fsdp(model)
+    if not sharded and not isinstance(model, DistributedDataParallel):
+        raise TypeError(f"register() needs a torch.nn.parallel.DistributedDataParallel model or "
+                        f"a model sharded with torch.distributed.fsdp.fully_shard, "
+                        f"got {type(model).__name__}")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("gradcomp.register needs torch.distributed initialized (it is not, or "
                            "destroy_process_group() was called): call "
                            "torch.distributed.init_process_group() first, on every rank")
-    if fsdp.is_fsdp(model):  # sharded with fully_shard: hooks/fsdp.py
+    if sharded:  # sharded with fully_shard: hooks/fsdp.py
         if process_group is not None:
             raise ValueError("process_group= with an FSDP model: allowed None (the groups "
                              "come from the model's device mesh)")
         return fsdp.register(model, method, optimizer=optimizer, scaler=scaler, lanes=lanes,
                              log_dir=log_dir, log_all_ranks=log_all_ranks,
                              log_details=log_details, **options)
-    if not isinstance(model, DistributedDataParallel):
-        raise TypeError(f"register() needs a torch.nn.parallel.DistributedDataParallel model or "
-                        f"a model sharded with torch.distributed.fsdp.fully_shard, "
-                        f"got {type(model).__name__}")
     pg = process_group if process_group is not None else model.process_group
     try:
         ranks = dist.get_process_group_ranks(pg)

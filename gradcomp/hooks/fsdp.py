@@ -75,20 +75,21 @@ def _units(model):
 
 
 class _Layout:
-    """One FSDP parameter group's place in the flat reduce-scatter input / output (module doc).
+    """One FSDP parameter group's place in the flat reduce-scatter input / output (module doc):
+    the parameters that take gradients (FSDP leaves frozen ones out), each at ``o`` in every
+    rank's block of ``block`` elements, ``n`` padded, ``N`` whole, ``m`` of them this rank's.
 
     ``full``: the parameters whole, real elements only, end to end (the 1-D mesh's exchange);
-    ``gather`` maps each of them to its input position and ``keep``/``into`` copy this rank's
-    chunk to the output. ``piece``: this rank's shard of each parameter as a ParamSlice of the
-    packed real elements (HSDP's exchange), ``real`` their output positions (None: the shard
-    has no padding, the output is the exchange's buffer itself)."""
+    ``piece``: this rank's rows of each as a ParamSlice of the packed real elements (HSDP's).
+    Layout moves are views and one ``cat`` / one ``_foreach_copy_``: no index tensors."""
 
     def __init__(self, group, names: dict[int, str], W: int, me: int, hsdp: bool):
         self.W, self.me, self.hsdp = W, me, hsdp
-        self.names, full, piece = [], [], []
-        keep, into, real = [], [], []
-        o, f, q = 0, 0, 0  # offset in one rank's block (output), in full, in the packed piece
+        self.spans, full, piece = [], [], []  # spans: (o, n, N, m, offset in full)
+        o, f, q = 0, 0, 0  # offset in one rank's block, in full, in the packed piece
         for fp in group.fsdp_params:
+            if not fp.sharded_param.requires_grad:
+                continue  # not in FSDP's reduce-scatter
             name = names.get(id(fp.sharded_param))
             if name is None:
                 raise ValueError("an FSDP parameter is not a parameter of the registered "
@@ -100,48 +101,43 @@ class _Layout:
             N = fp._orig_size.numel()
             n = fp.padded_sharded_param_size.numel()  # one rank's padded chunk
             m = fp.sharded_size.numel()               # this rank's real elements
-            shape = tuple(fp._orig_size)
-            self.names.append(name)
-            full.append(ParamSlice(name, shape, f, N))
-            if not hsdp:
-                keep.append(f + me * n + torch.arange(m))
-                into.append(o + torch.arange(m))
+            full.append(ParamSlice(name, tuple(fp._orig_size), f, N))
             if m:
                 piece.append(ParamSlice(f"{name}{SEP}{me}/{W}", tuple(fp.sharded_size), q, m, N))
-                real.append(o + torch.arange(m))
+            self.spans.append((o, n, N, m, f))
             o, f, q = o + n, f + N, q + m
-        self.block = o  # one rank's block: the output's numel
-        self.full, self.piece = full, piece
-        if not hsdp:
-            # position of element e of parameter i in the input: its chunk's block, then the
-            # parameter's offset in the block, then the element's offset in its chunk
-            self.gather = torch.cat([self._positions(fp, o_i) for fp, o_i in
-                                     zip(group.fsdp_params, self._offsets(group))]) \
-                if full else torch.zeros(0, dtype=torch.long)
-            self.keep = torch.cat(keep) if keep else torch.zeros(0, dtype=torch.long)
-            self.into = torch.cat(into) if into else torch.zeros(0, dtype=torch.long)
-        self.real = torch.cat(real) if real else torch.zeros(0, dtype=torch.long)
-        if self.real.numel() == self.block:
-            self.real = None  # no padding anywhere: the shard is the packed pieces
+        self.block, self.full, self.piece = o, full, piece
+        self.padded = q != o  # some of this rank's block is padding
 
-    @staticmethod
-    def _offsets(group):
-        out, o = [], 0
-        for fp in group.fsdp_params:
-            out.append(o)
-            o += fp.padded_sharded_param_size.numel()
-        return out
+    def check(self, numel: int, per_rank: bool) -> None:
+        want = self.block if per_rank else self.block * self.W
+        if numel != want:
+            raise RuntimeError(f"gradcomp: FSDP reduced {numel} elements where the registered "
+                               f"layout has {want}: parameters were frozen or unfrozen after "
+                               f"gradcomp.register; register again after changing requires_grad")
 
-    def _positions(self, fp, o_i):
-        N, n = fp._orig_size.numel(), fp.padded_sharded_param_size.numel()
-        e = torch.arange(N)
-        return (e // n) * self.block + o_i + e % n
+    def gather(self, inp: torch.Tensor) -> torch.Tensor:
+        """The reduce-scatter input (W blocks) -> each parameter whole, end to end."""
+        rows = inp.reshape(self.W, self.block)
+        return torch.cat([rows[:, o : o + n].reshape(-1)[:N] for o, n, N, _, _ in self.spans])
+
+    def mine(self, buf: torch.Tensor, whole: bool):
+        """This rank's real elements of each parameter in ``buf``: (its block's views, the
+        matching views of ``buf``) where ``buf`` is the whole layout (``whole``) or the packed
+        pieces."""
+        out, src, q = [], [], 0
+        for o, n, N, m, f in self.spans:
+            if m:
+                out.append((o, m))
+                src.append(buf[f + self.me * n : f + self.me * n + m] if whole else buf[q : q + m])
+                q += m
+        return out, src
 
 
 class _Adapter:
     """The per-module entry points FSDP calls: the reduce-scatter (1-D mesh) or the
     all-reduce hook (HSDP), each numbering its calls within one backward as the state's
-    buckets (bucket 0 begins a step)."""
+    buckets (bucket 0 begins a step, on every rank at the same unit)."""
 
     def __init__(self, state: GradcompState, hsdp: bool):
         self.state, self.hsdp = state, hsdp
@@ -156,28 +152,57 @@ class _Adapter:
 
     def full(self, lay: _Layout, output, input, op):
         """The 1-D mesh: this rank's chunk of the method's average of the whole gradient."""
-        x = input.reshape(-1)[lay.gather]
-        avg = self.state.reduce(x, lay.full, self.bucket())
-        if op == dist.ReduceOp.SUM:  # FSDP asked for a sum (fp16 reduce dtype: it divides)
-            avg = avg * lay.W
-        elif op != dist.ReduceOp.AVG:
+        lay.check(input.numel(), per_rank=False)
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
             raise RuntimeError(f"gradcomp's FSDP reduce-scatter got op {op}: allowed AVG or SUM "
                                f"(leave set_gradient_divide_factor unset)")
+        avg = self.state.reduce(lay.gather(input), lay.full, self.bucket())
+        if op == dist.ReduceOp.SUM:  # FSDP asked for a sum (fp16 reduce dtype: it divides)
+            avg = avg * lay.W
         out = output.reshape(-1)
         out.zero_()
-        out[lay.into] = avg[lay.keep].to(out.dtype)
+        spans, src = lay.mine(avg.to(out.dtype), whole=True)
+        if spans:
+            torch._foreach_copy_([out[o : o + m] for o, m in spans], src)
 
-    def shard(self, lay: _Layout, out: torch.Tensor, params):
-        """HSDP: the node's average of this rank's shard -> the job's average, in place."""
+    def shard(self, lay: _Layout, group, out: torch.Tensor, params):
+        """HSDP: the node's sum of this rank's shard -> the job's average over replicas (in
+        place; FSDP then divides by the node's size: set_force_sum_reduction_for_comms)."""
+        if group.gradient_divide_factor is not None:
+            raise RuntimeError("gradcomp under HSDP: set_gradient_divide_factor is not "
+                               "supported (the cross-node exchange averages); leave it unset")
         out = out.reshape(-1)
-        if lay.real is None:
-            if lay.piece:
-                self.state.reduce(out, lay.piece, self.bucket(), params())
+        lay.check(out.numel(), per_rank=True)
+        b = self.bucket()
+        if not lay.piece:  # no rows of this unit here (nor on this shard's replicas): the
+            self.state._begin(b)  # step still begins at bucket 0 on every rank
             return
-        x = out[lay.real]
-        if lay.piece:
-            x = self.state.reduce(x, lay.piece, self.bucket(), params())
-        out[lay.real] = x
+        # FSDP hands over the node's sum over its pre-divide factor and divides by ``post``
+        # afterwards: the method sees (and its memory keeps) the node's average, as under DDP
+        post = _post_factor(group, out)
+        if not lay.padded:
+            x = out if post == 1 else out.div_(post)
+            self.state.reduce(x, lay.piece, b, params())
+            if post != 1:
+                out.mul_(post)
+            return
+        spans, _ = lay.mine(out, whole=False)
+        x = torch.cat([out[o : o + m] for o, m in spans])
+        if post != 1:
+            x.div_(post)
+        x = self.state.reduce(x, lay.piece, b, params())
+        if post != 1:
+            x = x * post
+        torch._foreach_copy_([out[o : o + m] for o, m in spans], lay.mine(x, whole=False)[1])
+
+
+def _post_factor(group, out) -> float:
+    """What FSDP divides the all-reduce's output by (its own rule, for this reduce dtype)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
+    _, post, _, _ = _get_gradient_divide_factors(
+        group._reduce_scatter_process_group, group.mesh_info.replicate_process_group, out.dtype,
+        out.device.type, group.gradient_divide_factor, group.force_sum_reduction_for_comms)
+    return 1.0 if post is None else float(post)
 
 
 def _reduce_scatter(adapter, lay):
@@ -215,6 +240,11 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
             raise ValueError(f"module {mname or '<root>'!r} is sharded on another mesh than the "
                              f"root's: allowed one mesh for the whole model")
     everyone = sorted(mesh.mesh.reshape(-1).tolist())
+    if everyone != list(range(dist.get_world_size())):
+        raise ValueError(f"the model's FSDP mesh holds ranks {everyone[:8]}{'...' if len(everyone) > 8 else ''}"
+                         f" of a world of {dist.get_world_size()}: allowed a mesh over every "
+                         f"rank (FSDP or HSDP alone; not combined with tensor or pipeline "
+                         f"parallelism)")
     backend = dist.get_backend(info.shard_process_group)
     made = []
 
@@ -263,28 +293,38 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
     layouts = state.__dict__.pop("_fsdp_layouts")
     state._owned_groups = made
     adapter = _Adapter(state, hsdp)
-    model.set_reduce_scatter_unused_params(True)
+    # no GradScaler here: a step with inf/NaN is not run again under the same index (under
+    # HSDP only the affected shard's replicas would know of it)
+    state._reuse_skipped = False
     handle = model.register_forward_pre_hook(adapter.begin_forward)
     state._detach.append(handle.remove)
-    state._detach.append(lambda: model.set_reduce_scatter_unused_params(False))
+    for _, mod, g in units:  # every parameter in every reduce-scatter: a fixed layout
+        old = g.reduce_scatter_unused_params
+        g.reduce_scatter_unused_params = True
+        state._detach.append(lambda g=g, old=old: setattr(g, "reduce_scatter_unused_params", old))
     if hsdp:
         state.stats_group = world
-        # FSDP's own all-reduce on a group of one (a no-op); ours runs from the hook. Every
-        # rank creates every one-rank group, in the same order.
+        # FSDP's own all-reduce on a group of one (a no-op), as a sum (FSDP divides by the
+        # node's size after the hook); ours runs from the hook. Every rank creates every
+        # one-rank group, in the same order.
         alone = [new_group([r]) for r in everyone][everyone.index(me)]
-        for _, mod, g in units:
-            old = g.mesh_info.replicate_process_group
-            g.mesh_info.replicate_process_group = alone
-            state._detach.append(lambda g=g, old=old: setattr(g.mesh_info,
-                                                              "replicate_process_group", old))
         for (_, mod, g), lay in zip(units, layouts):
-            tensors = [fp.sharded_param for fp in g.fsdp_params if fp.sharded_size.numel()]
+            old = (g.mesh_info.replicate_process_group, g.force_sum_reduction_for_comms,
+                   g._all_reduce_hook)
+            g.mesh_info.replicate_process_group = alone
+            g.force_sum_reduction_for_comms = True
+            tensors = [fp.sharded_param for fp in g.fsdp_params
+                       if fp.sharded_param.requires_grad and fp.sharded_size.numel()]
 
             def params(tensors=tensors):  # this rank's shards (dgc's weight decay reads them)
                 return [t.to_local() for t in tensors]
-            mod.set_all_reduce_hook(lambda out, lay=lay, params=params:
-                                    adapter.shard(lay, out, params))
-            state._detach.append(lambda g=g: setattr(g, "_all_reduce_hook", None))
+            mod.set_all_reduce_hook(lambda out, lay=lay, g=g, params=params:
+                                    adapter.shard(lay, g, out, params))
+
+            def undo(g=g, old=old):
+                g.mesh_info.replicate_process_group, g.force_sum_reduction_for_comms, \
+                    g._all_reduce_hook = old
+            state._detach.append(undo)
     else:
         for (_, mod, g), lay in zip(units, layouts):
             old = g._reduce_scatter_comm

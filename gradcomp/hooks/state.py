@@ -163,6 +163,7 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
         self._pending: list[_Pending] = []   # delayed exchanges, oldest first
         self._skipped: int | None = None     # index of a step whose gradients were not finite
         self.scaler = None  # a torch.amp.GradScaler whose scale the gradients carry
+        self._reuse_skipped = True  # a skipped step's index is taken again (not under FSDP)
         self._params: dict[str, torch.Tensor] = {}
         self.local_size = 0  # ranks per node of a hierarchical topology (0: flat)
         self._adam = None  # the Adam binding (hooks/optimizer.py), once bound
@@ -190,6 +191,7 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
 
     def __setstate__(self, d):
         self.__dict__.update(d)
+        self.__dict__.setdefault("_reuse_skipped", True)
         self.group, self._param_names, self._params, self._writer = None, {}, {}, None
         self.stats_group, self._detach = None, []
         self._lane_groups, self.scaler, self.local_size = [], None, 0
@@ -225,7 +227,8 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
         never happened. Here, before any bucket of a step is queued, the adaptive warm-up
         decides whether the step is compressed (warmup.py)."""
         if bucket == 0:
-            if self._skipped is not None and self._skipped == self._step and not self.config.delay:
+            if (self._skipped is not None and self._skipped == self._step and not self.config.delay
+                    and self._reuse_skipped):
                 self._skipped = None
                 with self._lock:
                     self._records.pop(self._step, None)
