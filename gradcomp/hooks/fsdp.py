@@ -334,7 +334,7 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
         state.compressor.bind(optimizer, state._param_names)
         state.bind_adam(optimizer)
         if dist.get_rank(world) == 0:
-            optimizer_binding.warn_measured(state.method, state.config, optimizer)
+            optimizer_binding.warn_measured(state.method, state.config, optimizer, stacklevel=4)
     if log_dir is not None and (log_all_ranks or dist.get_rank(world) == 0):
         from torch.utils.tensorboard import SummaryWriter
         state.attach(SummaryWriter(log_dir), details=log_details)

@@ -61,9 +61,9 @@ _warned: set = set()
 FROZEN_KEY = "gradcomp_frozen_step"  # in optimizer.state[p]: the Adam step v was frozen at
 
 
-def warn_measured(method: str, config, optimizer) -> None:
+def warn_measured(method: str, config, optimizer, stacklevel: int = 3) -> None:
     """Once per method and process: a method whose measured defaults did not hold with
-    Adam/AdamW, run at those defaults with Adam/AdamW."""
+    Adam/AdamW, run at those defaults with Adam/AdamW (``stacklevel``: the user's call)."""
     if method not in ADAM_GAP_PCT or method in _warned or not is_adam(optimizer):
         return
     defaults = type(config)().to_dict()
@@ -78,7 +78,7 @@ def warn_measured(method: str, config, optimizer) -> None:
         f"{ADAM_GAP_PCT[method]:.1f}% above allreduce's validation loss on our GPT workload "
         f"(2000 steps, bench/RESULTS.md section 8); {ADAM_HELD!r} held allreduce's loss "
         f"there at 7x fewer bytes: gradcomp.register(model, {ADAM_HELD!r}, optimizer=opt). "
-        f"docs/adam.md says more.", UserWarning, stacklevel=3)
+        f"docs/adam.md says more.", UserWarning, stacklevel=stacklevel)
 
 
 def is_adam(optimizer) -> bool:
