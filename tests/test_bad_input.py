@@ -136,9 +136,14 @@ def _one_rank_loads(rank, world, spec, fsdp):
     """Rank 0 rolls back to its step-3 checkpoint alone; then (if nothing raised) both do."""
     from conftest import small_net, train_steps
     if fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-        model = fully_shard(small_net())
-        net = model
+        mesh = (init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+                if world > 2 else init_device_mesh("cpu", (world,)))
+        net = small_net()
+        for m in net[::2]:
+            fully_shard(m, mesh=mesh)
+        model = fully_shard(net, mesh=mesh)
     else:
         net = small_net()
         model = DDP(net)
@@ -160,11 +165,13 @@ def _one_rank_loads(rank, world, spec, fsdp):
     return out
 
 
-@pytest.mark.parametrize("spec,fsdp", [("onebit", False), ("topk", True)], ids=["ddp", "fsdp2"])
-def test_a_checkpoint_loaded_on_one_rank_only_makes_every_rank_raise(spec, fsdp, spawn):
-    """The step check rides with every exchange's inf/NaN flag: a rank rolled back alone
-    makes every rank raise at the next exchange, naming the steps."""
-    for r in spawn(_one_rank_loads, 2, args=(spec, fsdp), timeout=120, pg_timeout=30):
+@pytest.mark.parametrize("spec,fsdp,world", [("onebit", False, 2), ("topk", True, 2),
+                                             ("terngrad", True, 4)], ids=["ddp", "fsdp2", "hsdp2x2"])
+def test_a_checkpoint_loaded_on_one_rank_only_makes_every_rank_raise(spec, fsdp, world, spawn):
+    """The step check rides with every exchange's inf/NaN flag (under HSDP over the whole
+    mesh): a rank rolled back alone makes every rank raise at the next exchange, naming the
+    steps."""
+    for r in spawn(_one_rank_loads, world, args=(spec, fsdp), timeout=120, pg_timeout=30):
         assert len(r) == 1 and "different steps" in r[0] and "step 3 to 5" in r[0], r
 
 

@@ -42,7 +42,9 @@ import torch.distributed as dist
 from ..compressors.base import ParamSlice
 from ..compressors import METHODS
 from . import optimizer as optimizer_binding
+from ..comm import Rider
 from .agree import agree, discard, fingerprint
+from .guard import check_steps, step_flag
 from .state import GradcompState
 from .topology import SEP
 
@@ -175,7 +177,11 @@ class _Adapter:
         lay.check(out.numel(), per_rank=True)
         b = self.bucket()
         if not lay.piece:  # no rows of this unit here (nor on this shard's replicas): the
-            self.state._begin(b)  # step still begins at bucket 0 on every rank
+            step = self.state._begin(b)  # step still begins at bucket 0 on every rank, and
+            if not self.state.compressor.stateless:  # the flag goes round the whole mesh
+                flag = step_flag(torch.zeros(1, device=out.device), step)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.state.stats_group)
+                check_steps(flag.tolist())
             return
         # FSDP hands over the node's sum over its pre-divide factor and divides by ``post``
         # afterwards: the method sees (and its memory keeps) the node's average, as under DDP
@@ -304,6 +310,9 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
         state._detach.append(lambda g=g, old=old: setattr(g, "reduce_scatter_unused_params", old))
     if hsdp:
         state.stats_group = world
+        # the inf/NaN flag and the step check of every exchange go round the whole mesh (a
+        # shard's replicas alone would leave the other shards waiting)
+        state._lanes[0].comm.rider = Rider(world)
         # FSDP's own all-reduce on a group of one (a no-op), as a sum (FSDP divides by the
         # node's size after the hook); ours runs from the hook. Every rank creates every
         # one-rank group, in the same order.

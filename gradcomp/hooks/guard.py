@@ -8,6 +8,26 @@ import torch
 STEP_MOD = 2**24  # steps travel as float32: exact below this
 
 
+def step_flag(bad: torch.Tensor, step: int) -> torch.Tensor:
+    """The flag a rank sends: (non-finite?, s, -s) for its step s; MAX over ranks gives
+    (any non-finite, the highest step, minus the lowest)."""
+    s = float(step % STEP_MOD)
+    return torch.cat([bad, torch.tensor([s, -s]).to(bad.device)])
+
+
+def check_steps(vals) -> bool:
+    """Raise (on every rank alike: they all read the same reduced flag) if the ranks' steps
+    differ; return whether any rank's gradients were not finite."""
+    flagged, hi, neg_lo = vals
+    if hi != -neg_lo:
+        raise RuntimeError(
+            f"gradcomp: the ranks are at different steps of this state (from step "
+            f"{-neg_lo:.0f} to {hi:.0f}, mod 2**24): a checkpoint was loaded on some ranks "
+            f"only, or ranks loaded checkpoints of different steps, or one rank's state was "
+            f"built anew; every rank must load its own state_dict() of the same step")
+    return bool(flagged > 0)
+
+
 class Guard:
     """Mixin of GradcompState: ``_guarded(x, ctx)`` wraps a stateful compressor's reduce."""
 
@@ -46,18 +66,10 @@ class Guard:
             else:  # the compressor must still run (same collectives on every rank)
                 orig = x.clone()
                 x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
-        # the step check rides with the flag: MAX of (s, -s) over ranks is (max, -min)
-        s = float(ctx.step % STEP_MOD)
-        bad = torch.cat([bad, torch.tensor([s, -s]).to(bad.device)])
+        bad = step_flag(bad, ctx.step)  # the step check rides with the flag
         flat.flag(bad)
         out = run(x)
-        flagged, hi, neg_lo = flat.flag_result(bad)
-        if hi != -neg_lo:
-            raise RuntimeError(
-                f"gradcomp: the ranks are at different steps of this state (from step "
-                f"{-neg_lo:.0f} to {hi:.0f}, mod 2**24): a checkpoint was loaded on some ranks "
-                f"only, or ranks loaded checkpoints of different steps, or one rank's state was "
-                f"built anew; every rank must load its own state_dict() of the same step")
+        flagged = check_steps(flat.flag_result(bad))
         if not flagged:
             return out
         self.memory.restore(snap, names)
