@@ -102,21 +102,21 @@ def test_dense_steps_overrides_the_adaptive_rule():
     # adaptive, window 2: a steady norm switches at the end of the second window
     assert _state(warmup_window=2).stats()["warmup_switch_step"] is None
     adaptive = _sent(_state(warmup_window=2), steady)
-    assert [b == 4 * N + 4 for b in adaptive] == [True] * 4 + [False] * 8
+    assert [b == 4 * N + 12 for b in adaptive] == [True] * 4 + [False] * 8
     # dense_steps=N: exactly N dense steps, the rule is not consulted
     for n in (0, 3, 7):
         s = _state(warmup_window=2, dense_steps=n)
         assert s.stats()["warmup_switch_step"] == n
-        assert [b == 4 * N + 4 for b in _sent(s, steady)] == [i < n for i in range(12)]
+        assert [b == 4 * N + 12 for b in _sent(s, steady)] == [i < n for i in range(12)]
     # warmup=none: compressed from the first step
     s = _state(warmup="none")
     assert s.stats()["warmup_switch_step"] == 0
     assert all(b < N for b in _sent(s, steady))
     # a norm that never settles stays dense; warmup_max_steps caps it
     growing = [4.0 ** k for k in range(12)]
-    assert all(b == 4 * N + 4 for b in _sent(_state(warmup_window=1), growing))
+    assert all(b == 4 * N + 12 for b in _sent(_state(warmup_window=1), growing))
     capped = _sent(_state(warmup_window=1, warmup_max_steps=5), growing)
-    assert [b == 4 * N + 4 for b in capped] == [i < 5 for i in range(12)]
+    assert [b == 4 * N + 12 for b in capped] == [i < 5 for i in range(12)]
 
 
 def test_plain_allreduce_has_no_warm_up():
