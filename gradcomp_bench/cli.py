@@ -242,13 +242,14 @@ def _delay_opts(method, args):
 def _steady(method, model=None) -> dict:
     """A step-time run measures the compressed exchange: the adaptive warm-up (dense for at
     least its first two windows) is off unless the spec sets a warm-up itself. A language
-    model (AdamW) takes one dense step instead: Adam's variance is frozen from it
-    (hooks/optimizer.py), then every step is compressed."""
+    model (AdamW) runs with ``adam="off"`` too: Adam's variance frozen after too few dense
+    steps to estimate it makes the run diverge within steps (and its inf/NaN fallback would
+    then be what is timed); the plain AdamW step costs the same."""
     if not _is_gradcomp(method) or "warmup=" in method or "dense_steps=" in method:
         return {}
     from .models import LANGUAGE_MODELS
-    if model in LANGUAGE_MODELS and method.split(":")[0] != "allreduce":
-        return {"dense_steps": 1}
+    if model in LANGUAGE_MODELS and method.split(":")[0] != "allreduce" and "adam=" not in method:
+        return {"warmup": "none", "adam": "off"}
     return {"warmup": "none"}
 
 
