@@ -53,6 +53,21 @@ def agree(group, ranks, build, discard):
     return result, mine
 
 
+def trainable(module) -> tuple[dict, dict]:
+    """The parameters a state serves: {id(p): name} and {name: numel} of the module's
+    trainable ones (a sharded parameter's global numel); non-float ones refused by name."""
+    names, numels = {}, {}
+    for pname, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
+        if not p.dtype.is_floating_point:
+            raise TypeError(f"parameter {pname!r} has dtype {p.dtype}: gradients must be float "
+                            f"(float32, float16 or bfloat16)")
+        names[id(p)] = pname
+        numels[pname] = p.numel()
+    return names, numels
+
+
 def discard(state, groups) -> None:
     """A refused registration leaves nothing behind: its threads and process groups."""
     if state is not None:

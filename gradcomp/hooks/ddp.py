@@ -6,7 +6,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..compressors import METHODS
 from . import fsdp
 from . import optimizer as optimizer_binding
-from .agree import agree, discard, fingerprint
+from .agree import agree, discard, fingerprint, trainable
 from .local import check_local
 from .state import GradcompState
 from .topology import node_size
@@ -182,15 +182,7 @@ def _build_state(model, method, optimizer, group, options) -> GradcompState:
                              f"sparse gradients cannot go through a DDP comm hook's flat "
                              f"bucket; allowed sparse=False (dense gradients, compressed as "
                              f"any other)")
-    names, numels = {}, {}
-    for pname, p in model.module.named_parameters():
-        if not p.requires_grad:
-            continue
-        if not p.dtype.is_floating_point:
-            raise TypeError(f"parameter {pname!r} has dtype {p.dtype}: gradients must be float "
-                            f"(float32, float16 or bfloat16)")
-        names[id(p)] = pname
-        numels[pname] = p.numel()
+    names, numels = trainable(model.module)
     return GradcompState(name, config, group=group, param_names=names, param_numels=numels)
 
 

@@ -43,7 +43,7 @@ from ..compressors.base import ParamSlice
 from ..compressors import METHODS
 from . import optimizer as optimizer_binding
 from ..comm import Rider
-from .agree import agree, discard, fingerprint
+from .agree import agree, discard, fingerprint, trainable
 from .guard import check_steps, step_flag
 from .state import GradcompState
 from .topology import SEP
@@ -278,15 +278,7 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
         config = METHODS[name].config.from_dict(METHODS[name].compressor.prepare(opts, optimizer))
         _check_adam(name, config, optimizer)
         _refuse(name, config, scaler, hsdp, optimizer)
-        names, numels = {}, {}
-        for pname, p in model.named_parameters():
-            if not p.requires_grad:
-                continue
-            if not p.dtype.is_floating_point:
-                raise TypeError(f"parameter {pname!r} has dtype {p.dtype}: gradients must be "
-                                f"float (float32, float16 or bfloat16)")
-            names[id(p)] = pname
-            numels[pname] = p.numel()
+        names, numels = trainable(model)
         layouts = [_Layout(g, names, W, shard_index, hsdp) for _, _, g in units]
         if hsdp:  # the memory holds this rank's pieces: their sizes are what a checkpoint holds
             numels.update({s.name: s.numel for lay in layouts for s in lay.piece})
