@@ -36,19 +36,32 @@ def _opt(kind, net):
     return torch.optim.AdamW(groups, lr=1e-3, maximize=True)
 
 
-def _run(kind, steps, bind=True, net=None, opt=None, start=0, lr_at=None):
+def _run(kind, steps, bind=True, net=None, opt=None, start=0, lr_at=None, closure=None):
+    """``closure``: None (gradients set, then step()), "kw" or "positional" (gradients set
+    inside ``step(closure)``, as Lightning's automatic optimization does: after the
+    optimizer's pre-hooks, the previous step's gradients still in place before it)."""
     net = net or small_net()
     opt = opt or _opt(kind, net)
     flag = [False]
     binding = FrozenVariance(opt, lambda p: p.dim() >= 2, lambda: flag[0]) if bind else None
     for step in range(start, steps):
-        flag[0] = step >= DENSE
         make = _grads(step)
-        for p in net.parameters():
-            p.grad = make(p)
+
+        def fill(make=make, step=step):
+            flag[0] = step >= DENSE
+            for p in net.parameters():
+                p.grad = make(p)
+            return torch.tensor(float(step))
         if lr_at is not None:  # a scheduler's doing, between steps
             opt.param_groups[0]["lr"] = lr_at(step)
-        opt.step()
+        if closure is None:
+            fill()
+            opt.step()
+        else:
+            for p in net.parameters():  # stale gradients the pre-hook must not use
+                p.grad = torch.full_like(p, 1e3)
+            loss = opt.step(fill) if closure == "positional" else opt.step(closure=fill)
+            assert float(loss) == step  # the closure's loss is step()'s
     return net, opt, binding
 
 
@@ -91,6 +104,18 @@ def test_frozen_variance_is_adam_with_v_held(kind):
         assert int(opt.state[p]["step"]) == DENSE + COMPRESSED
         assert opt.state[p][FROZEN_KEY] == DENSE
         assert not torch.equal(p, q)  # the frozen update is not the optimizer's own
+
+
+@pytest.mark.parametrize("closure", ["kw", "positional"])
+def test_step_with_a_closure_is_the_step_without(closure):
+    """step(closure): the backward runs inside step(), after the pre-hooks (Lightning's
+    automatic optimization); the frozen step must read the closure's gradients, not the
+    ones in place before it: bit for bit the run without a closure."""
+    plain, plain_opt, _ = _run("adamw", DENSE + COMPRESSED)
+    net, opt, _ = _run("adamw", DENSE + COMPRESSED, closure=closure)
+    for p, q in zip(plain.parameters(), net.parameters()):
+        assert torch.equal(p, q)
+        assert torch.equal(opt.state[q]["exp_avg_sq"], plain_opt.state[p]["exp_avg_sq"])
 
 
 def test_gradients_handed_back_after_step():
@@ -210,8 +235,11 @@ def test_is_adam_sees_through_framework_wrappers():
     class Wrapped:  # Accelerate's AcceleratedOptimizer keeps the torch optimizer here
         def __init__(self, opt):
             self.optimizer = opt
+    class Subclass(torch.optim.Optimizer):  # ... and is an Optimizer subclass itself
+        def __init__(self, opt):
+            self.optimizer = opt
     opt = torch.optim.AdamW([nn.Parameter(torch.zeros(2))])
-    assert is_adam(Wrapped(opt)) and is_adam(opt)
+    assert is_adam(Wrapped(opt)) and is_adam(opt) and is_adam(Subclass(Wrapped(opt)))
     assert not is_adam(Wrapped(torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)))
 
 

@@ -105,13 +105,15 @@ def exact_match(patterns: str, name: str) -> bool:
 
 
 def unwrap_optimizer(optimizer):
-    """The torch optimizer inside a framework's wrapper (Accelerate's AcceleratedOptimizer
-    holds it as ``.optimizer``, Lightning's LightningOptimizer as ``._optimizer``)."""
+    """The torch optimizer inside a framework's wrapper: Accelerate's AcceleratedOptimizer
+    (itself a torch.optim.Optimizer subclass) holds it as ``.optimizer``, Lightning's
+    LightningOptimizer as ``._optimizer``. The hooks gradcomp puts on an optimizer go on this
+    one, whose ``step()`` every wrapper ends in."""
     for _ in range(8):
-        if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
-            break
-        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
-        if inner is None:
+        inner = getattr(optimizer, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            inner = getattr(optimizer, "_optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or inner is optimizer:
             break
         optimizer = inner
     return optimizer

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import torch
 
+from ..compressors.base import unwrap_optimizer
 from .delayed import _slices
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
@@ -136,6 +137,7 @@ class Local:
         """Lay the outer buckets out (every trainable parameter, in module order, cut at
         ``bucket_bytes`` of fp32) and hook ``optimizer``'s steps. Called by ``register``."""
         cap = bucket_bytes or DEFAULT_BUCKET_BYTES
+        optimizer = unwrap_optimizer(optimizer)  # the steps that run (not a wrapper's skips)
         names = self._param_names
         buckets, cur, size = [], [], 0
         for p in module.parameters():

@@ -95,6 +95,30 @@ def check_adam(optimizer) -> None:
                                  f"compression (adam='freeze'); set {key}=False, or adam='off'")
 
 
+def after_closure(args, kwargs, fn):
+    """Run ``fn`` from an optimizer step pre-hook once the step's gradients exist. With
+    ``step(closure)`` (Lightning's automatic optimization, LBFGS-style loops) the closure's
+    backward runs inside ``step()``, after the pre-hooks: ``fn`` then runs when the closure
+    returns, before the optimizer reads any gradient. Returns what the pre-hook returns (the
+    step's new (args, kwargs), or None)."""
+    args, kwargs = tuple(args or ()), dict(kwargs or {})  # args: (optimizer, closure?)
+    closure, where = kwargs.get("closure"), "kwargs"
+    if closure is None and len(args) > 1 and callable(args[1]):
+        closure, where = args[1], "args"
+    if closure is None:
+        fn()
+        return None
+
+    def closure_then_fn():
+        loss = closure()
+        fn()
+        return loss
+
+    if where == "args":
+        return (args[0], closure_then_fn, *args[2:]), kwargs
+    return args, {**kwargs, "closure": closure_then_fn}
+
+
 class FrozenVariance:
     """Adam/AdamW with v frozen at the switch to compression, for the parameters the method
     compresses (module docstring). ``compressed(p)``: whether the method compresses
@@ -131,9 +155,12 @@ class FrozenVariance:
         for h in self.handles:
             h.remove()
 
-    @torch.no_grad()
-    def _pre(self, optimizer=None, args=None, kwargs=None) -> None:
+    def _pre(self, optimizer=None, args=None, kwargs=None):
         self._post()  # a step() that raised never ran its post-hook
+        return after_closure(args, kwargs, self._frozen_step)
+
+    @torch.no_grad()
+    def _frozen_step(self) -> None:
         if not self._compressing():
             return
         opt = self.optimizer
