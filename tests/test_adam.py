@@ -239,7 +239,7 @@ def test_is_adam_sees_through_framework_wrappers():
         def __init__(self, opt):
             self.optimizer = opt
     opt = torch.optim.AdamW([nn.Parameter(torch.zeros(2))])
-    assert is_adam(Wrapped(opt)) and is_adam(opt) and is_adam(Subclass(Wrapped(opt)))
+    assert is_adam(Wrapped(opt)) and is_adam(opt) and is_adam(Subclass(opt)) and is_adam(Wrapped(Subclass(opt)))
     assert not is_adam(Wrapped(torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)))
 
 

@@ -110,10 +110,9 @@ def unwrap_optimizer(optimizer):
     LightningOptimizer as ``._optimizer``. The hooks gradcomp puts on an optimizer go on this
     one, whose ``step()`` every wrapper ends in."""
     for _ in range(8):
-        inner = getattr(optimizer, "optimizer", None)
-        if not isinstance(inner, torch.optim.Optimizer):
-            inner = getattr(optimizer, "_optimizer", None)
-        if not isinstance(inner, torch.optim.Optimizer) or inner is optimizer:
+        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        if inner is None or inner is optimizer or (
+                isinstance(optimizer, torch.optim.Optimizer) and not hasattr(inner, "param_groups")):
             break
         optimizer = inner
     return optimizer
