@@ -1,6 +1,7 @@
 """The library installs and works with torch and numpy alone: ``pip install gradcomp``.
 
-A fresh interpreter refuses to import Triton, matplotlib, tqdm, TensorBoard, Pillow and the
+A fresh interpreter refuses to import Triton, matplotlib, tqdm, TensorBoard, Pillow, the
+training frameworks of gradcomp.integrations (Lightning, Accelerate, transformers) and the
 benchmark harness, then imports gradcomp, registers every method on a one-rank gloo DDP
 model and takes a training step with each.
 """
@@ -13,7 +14,8 @@ from pathlib import Path
 
 
 ROOT = Path(__file__).resolve().parent.parent
-BLOCKED = ("triton", "matplotlib", "tqdm", "tensorboard", "PIL", "gradcomp_bench")
+BLOCKED = ("triton", "matplotlib", "tqdm", "tensorboard", "PIL", "gradcomp_bench", "lightning",
+           "pytorch_lightning", "accelerate", "transformers")
 
 SCRIPT = textwrap.dedent("""
     import importlib.machinery, json, os, sys, tempfile

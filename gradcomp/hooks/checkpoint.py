@@ -236,6 +236,17 @@ class Checkpoint:
         has not created yet."""
         return DistributedCheckpoint(self)
 
+    def all_ranks(self) -> "AllRanksCheckpoint":
+        """This state for a framework's checkpoint that one rank writes and every rank
+        loads (Lightning's, Accelerate's ``save_state``, the HF Trainer's)::
+
+            accelerator.register_for_checkpointing(state.all_ranks())
+
+        Its ``state_dict()`` is collective (every rank calls it, as those frameworks do):
+        each rank's state is gathered onto global rank 0, whose copy holds all of them;
+        ``load_state_dict()`` on every rank takes its own rank's from that copy."""
+        return AllRanksCheckpoint(self)
+
     @staticmethod
     def memory_names(sd: dict) -> set:
         return {base_name(n) for part in sd["memory"].values() for d in part.values() for n in d}
@@ -271,3 +282,48 @@ class DistributedCheckpoint:
                              f"{key} (found {sorted(sd)[:4] if isinstance(sd, dict) else sd!r}): "
                              f"save and load with state.stateful() and the same ranks")
         self.state.load_state_dict(torch.load(io.BytesIO(blob), weights_only=True))
+
+
+ALL_RANKS_FORMAT = "gradcomp-all-ranks-1"
+
+
+class AllRanksCheckpoint:
+    """A GradcompState as one object for a checkpoint written by rank 0 (see ``all_ranks()``):
+    ``{"format", "world_size", "ranks": [state_dict() of rank 0, 1, ...]}`` with CPU tensors
+    (loads with ``torch.load(weights_only=True)``). Ranks other than 0 return their own entry
+    only (the others None): frameworks write rank 0's."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def state_dict(self) -> dict:
+        buf = io.BytesIO()
+        torch.save(self.state.state_dict(), buf)
+        world, rank = dist.get_world_size(), dist.get_rank()
+        gathered = [None] * world if rank == 0 else None
+        dist.gather_object(buf.getvalue(), gathered, dst=0)  # the default group: the caller's
+        if rank != 0:
+            gathered = [None] * world
+            gathered[rank] = buf.getvalue()
+        return {"format": ALL_RANKS_FORMAT, "world_size": world,
+                "ranks": [None if b is None else torch.load(io.BytesIO(b), map_location="cpu",
+                                                            weights_only=True) for b in gathered]}
+
+    def load_state_dict(self, sd: dict) -> None:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if not isinstance(sd, dict) or sd.get("format") != ALL_RANKS_FORMAT:
+            found = sd.get("format") if isinstance(sd, dict) else type(sd).__name__
+            raise ValueError(f"gradcomp: not a checkpoint of state.all_ranks() (format "
+                             f"{found!r}, expected {ALL_RANKS_FORMAT!r}); a single rank's "
+                             f"state_dict() loads with state.load_state_dict()")
+        ranks = sd.get("ranks")
+        if sd.get("world_size") != world or not isinstance(ranks, list) or len(ranks) != world:
+            raise ValueError(f"gradcomp: the checkpoint holds the states of "
+                             f"{sd.get('world_size')!r} ranks; this job has {world}: residuals "
+                             f"do not transfer between world sizes")
+        mine = ranks[rank]
+        if mine is None:
+            raise ValueError(f"gradcomp: the checkpoint holds no state for rank {rank}: it was "
+                             f"written by rank {next((i for i, r in enumerate(ranks) if r is not None), '?')}"
+                             f" alone; load the file that global rank 0 wrote")
+        self.state.load_state_dict(mine)
