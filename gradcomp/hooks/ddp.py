@@ -128,6 +128,7 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
         if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= MAX_LANES:
             raise ValueError(f"invalid lanes={lanes!r}: allowed an integer in [1, {MAX_LANES}] "
                              f"(each lane is a process group and a thread)")
+        _check_compiled_autograd(model)
         state = _build_state(model, method, optimizer, group, options)
         if scaler is not None:
             if state.config.delay:
@@ -169,6 +170,22 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
         from torch.utils.tensorboard import SummaryWriter
         state.attach(SummaryWriter(log_dir), details=log_details)
     return state
+
+
+def _check_compiled_autograd(model) -> None:
+    """Compiled autograd runs DDP's Python reducer (``optimize_ddp="python_reducer"``), which
+    does not call a comm hook as the C++ reducer does: refused, naming what works."""
+    import torch._dynamo
+
+    python_reducer = getattr(model, "_use_python_reducer", False)
+    if python_reducer or torch._dynamo.config.compiled_autograd:
+        what = ("DDP built with torch._dynamo.config.optimize_ddp='python_reducer'"
+                if python_reducer else "torch._dynamo.config.compiled_autograd=True")
+        raise ValueError(f"{what}: compiled autograd's DDP reducer runs no communication "
+                         f"hook, so gradcomp cannot compress its gradients; allowed "
+                         f"compiled_autograd=False and optimize_ddp left at its default "
+                         f"('ddp_optimizer'), with which torch.compile(ddp_model) compiles "
+                         f"the forward and backward and the hook runs as in eager")
 
 
 def _build_state(model, method, optimizer, group, options) -> GradcompState:
