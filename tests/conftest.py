@@ -13,6 +13,9 @@ where they fail, so CI cannot stay green without the data it is meant to test on
 import math
 import os
 import random
+import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -177,3 +180,27 @@ def record_collectives(rank):
     for name in ("all_reduce", "all_gather", "all_to_all_single", "reduce_scatter_tensor"):
         setattr(dist, name, wrap(name, getattr(dist, name)))
     return log
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def torchrun(script, *args, nproc=2, timeout=420, cwd=ROOT, env=None):
+    """``python -m torch.distributed.run`` on this machine; the output on failure."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           f"--master-port={free_port()}", str(script), *map(str, args)]
+    try:
+        run = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True,
+                             timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{' '.join(cmd)} ran past {timeout} s:\n{(e.stdout or '')[-3000:]}"
+                    f"{(e.stderr or '')[-3000:]}")
+    assert run.returncode == 0, f"{' '.join(cmd)}\n{run.stdout[-3000:]}\n{run.stderr[-6000:]}"
+    return run

@@ -7,7 +7,6 @@ without gradcomp's state warns and diverges (the control that the state is what 
 exact). Plus what a single process and bad options get."""
 import json
 import os
-import socket
 import subprocess
 import sys
 import warnings
@@ -20,27 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "tests" / "jobs" / "frameworks.py"
 sys.path.insert(0, str(JOB.parent))
 import frameworks  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun(script, *args, nproc=2, timeout=420, cwd=ROOT):
-    """``python -m torch.distributed.run`` on this machine; the output on failure."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--master-port={free_port()}", str(script), *map(str, args)]
-    try:
-        run = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True,
-                             timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{' '.join(cmd)} ran past {timeout} s:\n{(e.stdout or '')[-3000:]}"
-                    f"{(e.stderr or '')[-3000:]}")
-    assert run.returncode == 0, f"{' '.join(cmd)}\n{run.stdout[-3000:]}\n{run.stderr[-6000:]}"
-    return run
+from conftest import torchrun  # noqa: E402
 
 
 @pytest.mark.parametrize("framework", ["lightning", "accelerate", "hf"])
