@@ -10,6 +10,7 @@ The data-dependent tests (convergence, training, delay) take the ``cifar`` fixtu
 the data is missing they skip, unless ``GRADCOMP_REQUIRE_DATA=1`` (what ``.ci/run`` sets),
 where they fail, so CI cannot stay green without the data it is meant to test on.
 """
+import inspect
 import math
 import os
 import random
@@ -204,3 +205,41 @@ def torchrun(script, *args, nproc=2, timeout=420, cwd=ROOT, env=None):
                     f"{(e.stderr or '')[-3000:]}")
     assert run.returncode == 0, f"{' '.join(cmd)}\n{run.stdout[-3000:]}\n{run.stderr[-6000:]}"
     return run
+
+
+# ----------------------------------------------------------------------------- markers
+# Every test gets one of three markers, from what it runs (no list kept by hand):
+#   convergence  trains to an accuracy or loss (the cifar fixture, test_convergence*.py)
+#   distributed  starts processes (the spawn fixture, torchrun, a subprocess, a link)
+#   unit         the rest: one process, `pytest -m unit` for a quick loop
+_STARTS_PROCESSES = ("spawn", "torchrun", "subprocess", "Link(", "Popen", "cli.main(")
+
+
+def _source(module) -> str:
+    try:
+        return open(module.__file__).read()
+    except (OSError, TypeError):
+        return ""
+
+
+def pytest_collection_modifyitems(config, items):
+    cache = {}
+    for item in items:
+        mod = item.module
+        src = cache.setdefault(mod.__name__, _source(mod))
+        fn_src = ""
+        for fn in [item.function] + [getattr(mod, f, None) for f in item.fixturenames]:
+            fn = getattr(fn, "__wrapped__", None) or getattr(fn, "_get_wrapped_function",
+                                                              lambda: fn)()
+            try:  # the test's own source and its module's fixtures'
+                fn_src += inspect.getsource(fn) if callable(fn) else ""
+            except (OSError, TypeError):
+                pass
+        if "cifar" in item.fixturenames or mod.__name__.startswith("test_convergence"):
+            item.add_marker(pytest.mark.convergence)
+        elif "spawn" in item.fixturenames or any(s in fn_src for s in _STARTS_PROCESSES) or (
+                mod.__name__ in ("test_examples", "test_integrations", "test_library_alone",
+                                 "test_netlink", "test_launch", "test_cli")):
+            item.add_marker(pytest.mark.distributed)
+        else:
+            item.add_marker(pytest.mark.unit)
