@@ -194,3 +194,54 @@ def test_shards_cut_each_parameter_alone():
         covered = sorted(i for j in range(L) for i in Shards(a, L, j, "cpu").gather(x)[
             j * sh.length : (j + 1) * sh.length].tolist() if i)
         assert covered == x.tolist()
+
+
+# ------------------------------------------------------------------ topology=auto
+AUTO = "topk:ratio=0.05,topology=auto,local_size=2"
+
+
+def _auto_job(rank, world):
+    """topology=auto on 2 nodes x 2 ranks: the real probe, then the probe's times forced
+    each way (the decision alone), each against the explicit topology it chose."""
+    import gradcomp.hooks.topology as topology
+    out = {}
+    state, params, _, _ = _train(rank, AUTO)
+    out["real"] = (state.stats(), params)
+    out["real_ref"] = {t: _train(rank, f"topk:ratio=0.05,topology={t},local_size=2")[1]
+                       for t in ("flat", "hierarchical")}
+    real = topology.probe_times
+    for forced, times in (("flat", (1.0, 2.0)), ("hierarchical", (2.0, 1.0))):
+        topology.probe_times = lambda *a, times=times, **k: times
+        try:
+            state, params, _, _ = _train(rank, AUTO)
+        finally:
+            topology.probe_times = real
+        out[forced] = (state.stats(), params, _train(
+            rank, f"topk:ratio=0.05,topology={forced},local_size=2")[1])
+    return out
+
+
+@pytest.fixture(scope="module")
+def auto_runs(spawn):
+    return spawn(_auto_job, 4, timeout=600)
+
+
+def test_topology_auto_measures_both_and_keeps_the_faster(auto_runs):
+    stats = [r["real"][0] for r in auto_runs]
+    probe = stats[0]["topology_probe"]
+    assert probe["flat_s"] > 0 and probe["hierarchical_s"] > 0 and probe["ranks_per_node"] == 2
+    want = "hierarchical" if probe["hierarchical_s"] < probe["flat_s"] else "flat"
+    assert probe["chosen"] == want
+    assert all(s["topology_probe"] == probe and s["topology"] == want for s in stats)
+    for r in auto_runs:  # training under the choice is the explicit topology's, bit for bit
+        for a, b in zip(r["real"][1], r["real_ref"][want]):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("forced", ["flat", "hierarchical"])
+def test_topology_auto_follows_the_measurement(auto_runs, forced):
+    for r in auto_runs:
+        stats, params, explicit = r[forced]
+        assert stats["topology"] == forced and stats["topology_probe"]["chosen"] == forced
+        for a, b in zip(params, explicit):
+            assert torch.equal(a, b)

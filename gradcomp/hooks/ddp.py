@@ -148,14 +148,20 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
     local = mine["ranks per node"]
     # every rank agreed on `lanes`: each creates the same groups in the same order
     state._owned_groups = made
+    me = ranks.index(dist.get_rank())
+
+    def node_pair():  # this rank's node group and its group across nodes (collective)
+        nodes = [new_group(ranks[n : n + local]) for n in range(0, len(ranks), local)]
+        across = [new_group(ranks[j::local]) for j in range(local)]
+        return nodes[me // local], across[me % local]
+
+    pairs = []
+    if local and state.config.topology == "auto":  # hierarchical only where it is faster
+        pairs.append(node_pair())
+        local = _probe_topology(model, state, group, pairs[0], local)
     state.add_lanes([new_group(ranks) for _ in range(lanes - 1)])
     if local:  # ... and the same node and cross-node groups, one pair per lane
-        me = ranks.index(dist.get_rank())
-        pairs = []
-        for _ in range(lanes):
-            nodes = [new_group(ranks[n : n + local]) for n in range(0, len(ranks), local)]
-            across = [new_group(ranks[j::local]) for j in range(local)]
-            pairs.append((nodes[me // local], across[me % local]))
+        pairs += [node_pair() for _ in range(lanes - len(pairs))]
         state.set_topology(local, pairs)
     model.register_comm_hook(state, hook)
     if optimizer is not None:  # only once every rank agreed: nothing attached on a refusal
@@ -170,6 +176,35 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
         from torch.utils.tensorboard import SummaryWriter
         state.attach(SummaryWriter(log_dir), details=log_details)
     return state
+
+
+def _probe_topology(model, state, group, pair, local) -> int:
+    """topology=auto on several nodes: time one bucket's exchange of the method both ways
+    (hooks/topology.py) and keep hierarchical only where it was faster; the ranks per node
+    chosen (0: flat). What was measured goes in ``state.topology_probe`` (and ``stats()``)."""
+    from dataclasses import replace
+
+    from .topology import PROBE_MAX_BYTES, probe_bucket, probe_times
+
+    cfg = replace(state.config, warmup="none", dense_steps=None, adam="off", delay=0,
+                  local_steps=1, topology="flat")
+    named = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
+    cap = min(getattr(model, "bucket_bytes_cap", PROBE_MAX_BYTES) or PROBE_MAX_BYTES,
+              PROBE_MAX_BYTES)
+    params = probe_bucket(named, cap)
+
+    def make_state():
+        return GradcompState(state.method, cfg, group=group,
+                             param_names=dict(state._param_names),
+                             param_numels=dict(state._param_numels))
+
+    flat, hier = probe_times(make_state, params, group, [pair], local)
+    chosen = local if hier < flat else 0
+    state.topology_probe = {"flat_s": flat, "hierarchical_s": hier,
+                            "chosen": "hierarchical" if chosen else "flat",
+                            "ranks_per_node": local, "bucket_bytes": 4 * (
+                                params[-1].offset + params[-1].numel)}
+    return chosen
 
 
 def _check_compiled_autograd(model) -> None:

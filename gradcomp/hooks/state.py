@@ -166,6 +166,7 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
         self._reuse_skipped = True  # a skipped step's index is taken again (not under FSDP)
         self._params: dict[str, torch.Tensor] = {}
         self.local_size = 0  # ranks per node of a hierarchical topology (0: flat)
+        self.topology_probe = None  # topology=auto's measurement (hooks/ddp.py), if it ran
         self._adam = None  # the Adam binding (hooks/optimizer.py), once bound
         self._local_init()
         self._warmup_init()

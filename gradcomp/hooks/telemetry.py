@@ -80,7 +80,10 @@ class Telemetry:
         have all finished is D steps back. The warm-up's schedule: ``compressing`` (whether
         the step in flight is compressed; False for plain allreduce), ``warmup_switch_step``
         (the first compressed step; None while the adaptive rule has not decided) and
-        ``warmup_ratio`` (the adaptive rule's last window ratio r, None before two windows)."""
+        ``warmup_ratio`` (the adaptive rule's last window ratio r, None before two windows).
+        ``topology``: "flat" or "hierarchical"; ``topology_probe``: what ``topology=auto``
+        measured on several nodes (seconds per exchange of one bucket each way, the slowest
+        rank's, and the choice), None where it did not run."""
         t, raw = self._record(self._step - self.config.delay)
         W = self.world_size
         raw_wire = raw * 2 * (W - 1) / W
@@ -93,4 +96,6 @@ class Telemetry:
             "comm_s": t.comm_s, "codec_s": t.total_s - t.comm_s,
             "compressing": not self.compressor.stateless and not self._dense(max(self._step, 0)),
             "warmup_switch_step": self._switch_step(), "warmup_ratio": self._wu_ratio,
+            "topology": "hierarchical" if self.local_size else "flat",
+            "topology_probe": self.topology_probe,
         }

@@ -109,3 +109,52 @@ class Shards:
         if live is None:
             return None
         return tuple([v[i] for i in self.owner] if isinstance(v, list) else v for v in live)
+
+
+# ----------------------------------------------------------------------------- topology=auto
+PROBE_REPEATS = 3  # timed exchanges per topology (after one untimed: first-use costs)
+PROBE_MAX_BYTES = 25 * 1024 * 1024  # the probe bucket: at most DDP's default bucket
+
+
+def probe_bucket(named_params, cap_bytes: int) -> list[ParamSlice]:
+    """The bucket the probe exchanges: the model's parameters in DDP's order (the last
+    first), up to one bucket's bytes (at least one parameter), laid out end to end."""
+    out, offset = [], 0
+    for name, p in reversed(list(named_params)):
+        if out and 4 * (offset + p.numel()) > cap_bytes:
+            break
+        out.append(ParamSlice(name, tuple(p.shape), offset, p.numel()))
+        offset += p.numel()
+    return out
+
+
+def probe_times(make_state, params, group, pairs, local) -> tuple[float, float]:
+    """Seconds one exchange of the probe bucket takes (the median of PROBE_REPEATS, the
+    slowest rank's), flat and hierarchical, measured with throwaway states of the method
+    (``make_state()``: compressing from the first step, no memory kept afterwards)."""
+    import statistics
+    import time
+
+    import torch.distributed as dist
+
+    n = params[-1].offset + params[-1].numel
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    times = []
+    for hierarchical in (False, True):
+        st = make_state()
+        if hierarchical:
+            st.set_topology(local, pairs)
+        try:
+            st.reduce(x.clone(), params)  # untimed: first use (allocations, connections)
+            spans = []
+            for _ in range(PROBE_REPEATS):
+                dist.barrier(group=group)
+                t0 = time.perf_counter()
+                st.reduce(x.clone(), params)
+                spans.append(time.perf_counter() - t0)
+        finally:
+            st.close()
+        times.append(statistics.median(spans))
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # every rank decides alike
+    return float(t[0]), float(t[1])
