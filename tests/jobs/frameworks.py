@@ -68,6 +68,17 @@ def compressed(state) -> bool:
     return bool(s["compressing"]) and s["sent_bytes"] < s["raw_bytes"]
 
 
+def every_case(pair) -> dict:
+    """Each case of CASES through ``pair(spec, kind, options, name)`` -> (the straight run's
+    module, its gradcomp state, the resumed run's module)."""
+    results = {}
+    for spec, kind, options in CASES:
+        straight, state, resumed = pair(spec, kind, {**COMMON, **options}, f"{spec}-{kind}")
+        results[f"{spec}-{kind}"] = {"straight": digest(straight), "resumed": digest(resumed),
+                                     "compressed": compressed(state)}
+    return results
+
+
 # ----------------------------------------------------------------------------- Lightning
 def lightning_job(out):
     import lightning.pytorch as pl
@@ -99,15 +110,13 @@ def lightning_job(out):
             trainer.save_checkpoint(save)
         return mod, cb
 
-    results = {}
-    for spec, kind, options in CASES:
-        options = {**COMMON, **options}
+    def pair(spec, kind, options, name):
         straight, cb = fit(spec, kind, options, 2)
-        path = os.path.join(out, f"lightning-{spec}-{kind}.ckpt")
+        path = os.path.join(out, f"lightning-{name}.ckpt")
         fit(spec, kind, options, 1, save=path)
-        resumed, _ = fit(spec, kind, options, 2, resume=path)
-        results[f"{spec}-{kind}"] = {"straight": digest(straight), "resumed": digest(resumed),
-                                     "compressed": compressed(cb.state)}
+        return straight, cb.state, fit(spec, kind, options, 2, resume=path)[0]
+
+    results = every_case(pair)
     # control: the same checkpoint without gradcomp's state resumes differently, with a warning
     ck = torch.load(os.path.join(out, "lightning-onebit-sgd.ckpt"), weights_only=False)
     ck["callbacks"] = {k: v for k, v in ck["callbacks"].items() if "Gradcomp" not in k}
@@ -150,16 +159,13 @@ def accelerate_job(out):
             acc.save_state(save)
         return acc.unwrap_model(model), state
 
-    results = {}
-    for spec, kind, options in CASES:
-        options = {**COMMON, **options}
+    def pair(spec, kind, options, name):
         straight, state = train(spec, kind, options, 2)
-        path = os.path.join(out, f"accelerate-{spec}-{kind}")
+        path = os.path.join(out, f"accelerate-{name}")
         train(spec, kind, options, 1, save=path)
-        resumed, _ = train(spec, kind, options, 2, resume=path)
-        results[f"{spec}-{kind}"] = {"straight": digest(straight), "resumed": digest(resumed),
-                                     "compressed": compressed(state)}
-    return results
+        return straight, state, train(spec, kind, options, 2, resume=path)[0]
+
+    return every_case(pair)
 
 
 # ----------------------------------------------------------------------------- HF Trainer
@@ -193,15 +199,13 @@ def hf_job(out):
         trainer.train(resume_from_checkpoint=resume)
         return model, cb.state
 
-    results = {}
-    for spec, kind, options in CASES:
-        options = {**COMMON, **options}
-        folder = os.path.join(out, f"hf-{spec}-{kind}")
+    def pair(spec, kind, options, name):
+        folder = os.path.join(out, f"hf-{name}")
         straight, state = train(spec, kind, options, folder)
         first = os.path.join(folder, f"checkpoint-{EPOCH}")
-        resumed, _ = train(spec, kind, options, folder + "-resumed", resume=first)
-        results[f"{spec}-{kind}"] = {"straight": digest(straight), "resumed": digest(resumed),
-                                     "compressed": compressed(state)}
+        return straight, state, train(spec, kind, options, folder + "-resumed", resume=first)[0]
+
+    results = every_case(pair)
     # control: the same checkpoint without gradcomp's state resumes differently, with a warning
     first = os.path.join(out, "hf-onebit-sgd", f"checkpoint-{EPOCH}")
     dist.barrier()
