@@ -139,11 +139,16 @@ class Compressor(ABC):
         calls it before the config is built; DGC takes its momentum from the optimizer)."""
         return options
 
-    def bind(self, optimizer, names: dict[int, str]) -> None:
-        """Attach to the job's optimizer once the state exists (``names``: id(param) -> name)."""
+    # whether the method applies the SGD optimizer's momentum and weight decay itself (DGC):
+    # hooks/optimizer.py then hands it their values per step (attach_momentum)
+    reads_momentum = False
+
+    def attach_momentum(self, source) -> None:
+        """``source.values(names)``: (momentum, nesterov, weight_decay) at this step, for a
+        method with ``reads_momentum`` (hooks/optimizer.py's SGDMomentum)."""
 
     def unbind(self) -> None:
-        """Detach what :meth:`bind` attached (the state is closing)."""
+        """Detach what was attached (the state is closing)."""
 
     def reads_params(self, live) -> bool:
         """Whether :meth:`reduce` reads ``ctx.param_values()`` (with delayed averaging the

@@ -4,7 +4,8 @@ Communication Bandwidth for Distributed Training", ICLR 2018, arXiv:1712.01887).
 Momentum correction accumulates velocity *in the hook*, so the optimizer must not apply
 momentum (or weight decay) a second time. How that is kept true whatever a scheduler
 (OneCycleLR, CyclicLR), ``optimizer.load_state_dict`` or the user's code does to the
-optimizer's param groups later (:class:`OptimizerMomentum`):
+optimizer's param groups later (``SGDMomentum`` in hooks/optimizer.py, which owns everything gradcomp does to a
+user's optimizer):
 
   * the param groups keep the user's ``momentum``, ``nesterov`` and ``weight_decay`` at all
     times outside ``optimizer.step()``: schedulers, checkpoints and the user see what they
@@ -94,85 +95,6 @@ class DGCConfig(MethodConfig):
         return any(getattr(self, k) != _OFF[k] for k in _KEYS)
 
 
-class OptimizerMomentum:
-    """Reads each parameter's momentum, Nesterov flag and weight decay from the SGD
-    optimizer's param groups when a bucket is submitted, and keeps the optimizer from
-    applying them itself: zero during ``step()`` (pre-hook), the user's values back after it
-    (post-hook). With ``fixed`` options the groups must hold none: checked at every step."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, names: dict[int, str], fixed: bool):
-        self.optimizer, self.fixed = optimizer, fixed
-        # a parameter the optimizer does not hold is never updated: nothing to apply (-1)
-        self._group_of = {n: -1 for n in names.values()}
-        self._group_of.update({names[id(p)]: i for i, g in enumerate(optimizer.param_groups)
-                               for p in g["params"] if id(p) in names})
-        self._saved: list[dict] | None = None  # the user's values while step() runs
-        self._layouts: dict[tuple, list[int]] = {}
-        old = getattr(optimizer, "_gradcomp_momentum_hooks", None)
-        for h in old or ():
-            h.remove()  # a state registered again (a resumed job): one pair of hooks only
-        self.handles = [optimizer.register_step_pre_hook(self._pre),
-                        optimizer.register_step_post_hook(self._post)]
-        optimizer._gradcomp_momentum_hooks = self.handles
-
-    def close(self) -> None:
-        self._restore()
-        for h in self.handles:
-            h.remove()
-
-    def _groups(self) -> list[tuple]:
-        """The user's values per group (+ a last entry, nothing, for parameters the optimizer
-        does not hold). Inside step() (a closure's backward) and after a step() that raised
-        (its post-hook never ran) the groups are zeroed: the user's values are the saved ones."""
-        if self._saved is not None:
-            return [tuple(s[k] for k in _KEYS) for s in self._saved] + [(0.0, False, 0.0)]
-        out = []
-        for g in self.optimizer.param_groups:
-            legacy = g.pop("gradcomp_moved", None)  # optimizer checkpoints of gradcomp <= 0.1
-            if legacy and not any(g.get(k) for k in _KEYS):
-                g.update(legacy)
-            out.append(tuple(g.get(k, _OFF[k]) for k in _KEYS))
-        return out + [(0.0, False, 0.0)]
-
-    def values(self, names) -> tuple | None:
-        """(momentum, nesterov, weight_decay) for the parameters ``names`` at this step: one
-        triple when they agree, else a triple of per-parameter lists; None with fixed options."""
-        if self.fixed:
-            return None
-        groups = self._groups()
-        idx = self._layouts.get(tuple(names))
-        if idx is None:
-            idx = self._layouts[tuple(names)] = [self._group_of[n] for n in names]
-        first = groups[idx[0]]
-        if all(groups[i] == first for i in idx):
-            return first
-        return tuple(list(col) for col in zip(*(groups[i] for i in idx)))
-
-    def _pre(self, optimizer, args, kwargs) -> None:
-        self._restore()  # a step() that raised never ran its post-hook
-        groups = self._groups()[:-1]
-        if self.fixed:
-            bad = [(i, dict(zip(_KEYS, v))) for i, v in enumerate(groups) if any(v)]
-            if bad:
-                raise ValueError(f"dgc applies the momentum/weight decay given in its options, "
-                                 f"but param group {bad[0][0]} now holds {bad[0][1]} (a scheduler "
-                                 f"cycling momentum, or your code): it would be applied twice. "
-                                 f"Leave the options out so dgc reads them from the optimizer")
-            return
-        self._saved = [{k: g.get(k, _OFF[k]) for k in _KEYS} for g in optimizer.param_groups]
-        for g in optimizer.param_groups:
-            g.update(_OFF)
-
-    def _post(self, optimizer, args, kwargs) -> None:
-        self._restore()
-
-    def _restore(self) -> None:
-        if self._saved is not None:
-            for g, s in zip(self.optimizer.param_groups, self._saved):
-                g.update(s)
-            self._saved = None
-
-
 @functools.lru_cache(maxsize=256)
 def _lengths(layout: tuple, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Segment lengths covering a bucket of n elements, one per parameter ((offset, numel)
@@ -203,9 +125,11 @@ class DGC(Compressor):
     name = "dgc"
     description = "Deep Gradient Compression: top-k with momentum correction, masking, warm-up"
 
+    reads_momentum = True  # hooks/optimizer.py hands it the SGD optimizer's values
+
     def __init__(self, config):
         super().__init__(config)
-        self.source: OptimizerMomentum | None = None
+        self.source = None  # hooks/optimizer.py's SGDMomentum, once bound
 
     @classmethod
     def prepare(cls, options: dict, optimizer) -> dict:
@@ -247,10 +171,8 @@ class DGC(Compressor):
             options = {k: v for k, v in options.items() if k not in _KEYS}
         return options
 
-    def bind(self, optimizer, names: dict[int, str]) -> None:
-        optimizer = unwrap_optimizer(optimizer)
-        if isinstance(optimizer, torch.optim.SGD):
-            self.source = OptimizerMomentum(optimizer, names, self.config.fixed())
+    def attach_momentum(self, source) -> None:
+        self.source = source
 
     def unbind(self) -> None:
         if self.source is not None:

@@ -164,14 +164,10 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
         pairs += [node_pair() for _ in range(lanes - len(pairs))]
         state.set_topology(local, pairs)
     model.register_comm_hook(state, hook)
-    if optimizer is not None:  # only once every rank agreed: nothing attached on a refusal
-        if state.local:  # inner steps are the optimizer's own (hooks/local.py)
-            state.bind_local(model.module, optimizer, getattr(model, "bucket_bytes_cap", None))
-        else:
-            state.compressor.bind(optimizer, state._param_names)
-            state.bind_adam(optimizer)
-            if dist.get_rank(group) == 0:
-                optimizer_binding.warn_measured(state.method, state.config, optimizer)
+    # only once every rank agreed: nothing attached on a refusal
+    optimizer_binding.bind(state, optimizer, module=model.module,
+                           bucket_bytes=getattr(model, "bucket_bytes_cap", None),
+                           warn=dist.get_rank(group) == 0)
     if log_dir is not None and (log_all_ranks or dist.get_rank(group) == 0):
         from torch.utils.tensorboard import SummaryWriter
         state.attach(SummaryWriter(log_dir), details=log_details)

@@ -331,11 +331,7 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
             old = g._reduce_scatter_comm
             mod.set_custom_reduce_scatter(_reduce_scatter(adapter, lay))
             state._detach.append(lambda g=g, old=old: setattr(g, "_reduce_scatter_comm", old))
-    if optimizer is not None:
-        state.compressor.bind(optimizer, state._param_names)
-        state.bind_adam(optimizer)
-        if dist.get_rank(world) == 0:
-            optimizer_binding.warn_measured(state.method, state.config, optimizer, stacklevel=4)
+    optimizer_binding.bind(state, optimizer, warn=dist.get_rank(world) == 0, stacklevel=5)
     if log_dir is not None and (log_all_ranks or dist.get_rank(world) == 0):
         from torch.utils.tensorboard import SummaryWriter
         state.attach(SummaryWriter(log_dir), details=log_details)

@@ -55,6 +55,7 @@ import torch
 
 from ..compressors.base import unwrap_optimizer
 from .delayed import _slices
+from .optimizer import step_hooks
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
 
@@ -153,11 +154,7 @@ class Local:
         self._outer_buckets = [(_slices(b), [p for _, p in b]) for b in buckets]
         self._outer_buffers = [(n, b) for n, b in module.named_buffers()
                                if b.dtype.is_floating_point]
-        for h in getattr(optimizer, "_gradcomp_local_hooks", ()):
-            h.remove()  # registered again (a resumed job): one pair of hooks only
-        self._local_hooks = [optimizer.register_step_pre_hook(self._inner_pre),
-                             optimizer.register_step_post_hook(self._inner_post)]
-        optimizer._gradcomp_local_hooks = self._local_hooks
+        self._local_hooks = step_hooks(optimizer, "local", self._inner_pre, self._inner_post)
 
     def _local_close(self) -> None:
         for h in self._local_hooks:

@@ -1,4 +1,9 @@
-"""What gradcomp does to a user's optimizer, in one place.
+"""What gradcomp does to a user's optimizer, in one place: :func:`bind` (called by the DDP
+and FSDP adapters once every rank agreed), the step hooks every binding registers through
+(:func:`step_hooks`: one pair per binding, run after a ``step(closure)``'s backward where
+it matters, :func:`after_closure`), DGC's momentum read from SGD's param groups
+(:class:`SGDMomentum`), local steps' rounds (hooks/local.py registers through
+:func:`step_hooks`) and the Adam binding below.
 
 Adam and AdamW with compressed gradients (:class:`FrozenVariance`). Error feedback makes the
 *sum* over steps of the compressed gradients equal the sum of the true ones, which is all a
@@ -48,6 +53,7 @@ from __future__ import annotations
 import torch
 
 from ..compressors.base import unwrap_optimizer as unwrap
+from ..compressors.dgc import _KEYS, _OFF
 
 ADAM_TYPES = (torch.optim.Adam, torch.optim.AdamW)
 # Measured with AdamW (bench/RESULTS.md section 8: the GPT, 2000 steps, every method at its
@@ -95,6 +101,39 @@ def check_adam(optimizer) -> None:
                                  f"compression (adam='freeze'); set {key}=False, or adam='off'")
 
 
+def step_hooks(optimizer, key: str, pre, post) -> list:
+    """``pre`` and ``post`` as step hooks of the torch optimizer (inside any framework's
+    wrapper). A binding registered again (a resumed job's new state) replaces the hooks its
+    predecessor left under the same ``key``: one pair per key and optimizer."""
+    optimizer = unwrap(optimizer)
+    attr = f"_gradcomp_{key}_hooks"
+    for h in getattr(optimizer, attr, None) or ():
+        h.remove()
+    handles = [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
+    setattr(optimizer, attr, handles)
+    return handles
+
+
+def bind(state, optimizer, *, module=None, bucket_bytes=None, warn: bool = False,
+         stacklevel: int = 4) -> None:
+    """Attach to the user's optimizer all that the state's settings need, once every rank
+    agreed (the adapters call this last): with ``local_steps`` the rounds' step hooks
+    (hooks/local.py); else the SGD momentum a method applies itself (DGC), the Adam binding
+    (:class:`FrozenVariance`) and, with ``warn``, the measured-accuracy warning."""
+    if optimizer is None:
+        return
+    if state.local:  # inner steps are the optimizer's own
+        state.bind_local(module, optimizer, bucket_bytes)
+        return
+    inner = unwrap(optimizer)
+    if state.compressor.reads_momentum and isinstance(inner, torch.optim.SGD):
+        state.compressor.attach_momentum(
+            SGDMomentum(inner, state._param_names, state.compressor.config.fixed()))
+    state.bind_adam(optimizer)
+    if warn:
+        warn_measured(state.method, state.config, optimizer, stacklevel=stacklevel)
+
+
 def after_closure(args, kwargs, fn):
     """Run ``fn`` from an optimizer step pre-hook once the step's gradients exist. With
     ``step(closure)`` (Lightning's automatic optimization, LBFGS-style loops) the closure's
@@ -138,12 +177,7 @@ class FrozenVariance:
                          for p in g["params"] if id(p) in self._mine and id(p) in names}
         self._scales: dict = {}  # bucket layout -> its preconditioner (constant once frozen)
         self._hidden: list = []
-        old = getattr(self.optimizer, "_gradcomp_adam_hooks", None)
-        for h in old or ():
-            h.remove()  # a state registered again (a resumed job): one pair of hooks only
-        self.handles = [self.optimizer.register_step_pre_hook(self._pre),
-                        self.optimizer.register_step_post_hook(self._post)]
-        self.optimizer._gradcomp_adam_hooks = self.handles
+        self.handles = step_hooks(self.optimizer, "adam", self._pre, self._post)
 
     def reset(self) -> None:
         """Forget the cached preconditioners: a loaded checkpoint (gradcomp's or the
@@ -242,3 +276,77 @@ class FrozenVariance:
         for p, g in self._hidden:
             p.grad = g
         self._hidden = []
+
+
+class SGDMomentum:
+    """Reads each parameter's momentum, Nesterov flag and weight decay from the SGD
+    optimizer's param groups when a bucket is submitted, and keeps the optimizer from
+    applying them itself: zero during ``step()`` (pre-hook), the user's values back after it
+    (post-hook). With ``fixed`` options the groups must hold none: checked at every step."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, names: dict[int, str], fixed: bool):
+        self.optimizer, self.fixed = optimizer, fixed
+        # a parameter the optimizer does not hold is never updated: nothing to apply (-1)
+        self._group_of = {n: -1 for n in names.values()}
+        self._group_of.update({names[id(p)]: i for i, g in enumerate(optimizer.param_groups)
+                               for p in g["params"] if id(p) in names})
+        self._saved: list[dict] | None = None  # the user's values while step() runs
+        self._layouts: dict[tuple, list[int]] = {}
+        self.handles = step_hooks(optimizer, "momentum", self._pre, self._post)
+
+    def close(self) -> None:
+        self._restore()
+        for h in self.handles:
+            h.remove()
+
+    def _groups(self) -> list[tuple]:
+        """The user's values per group (+ a last entry, nothing, for parameters the optimizer
+        does not hold). Inside step() (a closure's backward) and after a step() that raised
+        (its post-hook never ran) the groups are zeroed: the user's values are the saved ones."""
+        if self._saved is not None:
+            return [tuple(s[k] for k in _KEYS) for s in self._saved] + [(0.0, False, 0.0)]
+        out = []
+        for g in self.optimizer.param_groups:
+            legacy = g.pop("gradcomp_moved", None)  # optimizer checkpoints of gradcomp <= 0.1
+            if legacy and not any(g.get(k) for k in _KEYS):
+                g.update(legacy)
+            out.append(tuple(g.get(k, _OFF[k]) for k in _KEYS))
+        return out + [(0.0, False, 0.0)]
+
+    def values(self, names) -> tuple | None:
+        """(momentum, nesterov, weight_decay) for the parameters ``names`` at this step: one
+        triple when they agree, else a triple of per-parameter lists; None with fixed options."""
+        if self.fixed:
+            return None
+        groups = self._groups()
+        idx = self._layouts.get(tuple(names))
+        if idx is None:
+            idx = self._layouts[tuple(names)] = [self._group_of[n] for n in names]
+        first = groups[idx[0]]
+        if all(groups[i] == first for i in idx):
+            return first
+        return tuple(list(col) for col in zip(*(groups[i] for i in idx)))
+
+    def _pre(self, optimizer, args, kwargs) -> None:
+        self._restore()  # a step() that raised never ran its post-hook
+        groups = self._groups()[:-1]
+        if self.fixed:
+            bad = [(i, dict(zip(_KEYS, v))) for i, v in enumerate(groups) if any(v)]
+            if bad:
+                raise ValueError(f"dgc applies the momentum/weight decay given in its options, "
+                                 f"but param group {bad[0][0]} now holds {bad[0][1]} (a scheduler "
+                                 f"cycling momentum, or your code): it would be applied twice. "
+                                 f"Leave the options out so dgc reads them from the optimizer")
+            return
+        self._saved = [{k: g.get(k, _OFF[k]) for k in _KEYS} for g in optimizer.param_groups]
+        for g in optimizer.param_groups:
+            g.update(_OFF)
+
+    def _post(self, optimizer, args, kwargs) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        if self._saved is not None:
+            for g, s in zip(self.optimizer.param_groups, self._saved):
+                g.update(s)
+            self._saved = None
