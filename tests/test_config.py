@@ -4,6 +4,7 @@ import torch
 
 import gradcomp
 from gradcomp.compressors.dgc import DGC
+from gradcomp.hooks.optimizer import SGDMomentum
 
 
 def test_methods_lists_every_method_with_options():
@@ -62,7 +63,7 @@ def test_dgc_reads_momentum_from_the_optimizer_and_hides_it_only_during_step():
     opt = torch.optim.SGD([p], lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4)
     assert DGC.prepare({"ratio": 0.01}, opt) == {"ratio": 0.01}  # read live, not copied
     dgc = DGC(DGC.Config(ratio=0.01))
-    dgc.bind(opt, {id(p): "w"})
+    dgc.attach_momentum(SGDMomentum(opt, {id(p): "w"}, dgc.config.fixed()))
     g = opt.param_groups[0]
     assert (g["momentum"], g["nesterov"], g["weight_decay"]) == (0.9, True, 1e-4)
     assert dgc.live(["w"]) == (0.9, True, 1e-4)
@@ -78,7 +79,7 @@ def test_dgc_reads_momentum_from_the_optimizer_and_hides_it_only_during_step():
     assert opt.state_dict()["param_groups"][0]["momentum"] == 0.5  # the user's, after step()
     # registering again (a resumed job) keeps one pair of hooks
     dgc2 = DGC(DGC.Config(ratio=0.01))
-    dgc2.bind(opt, {id(p): "w"})
+    dgc2.attach_momentum(SGDMomentum(opt, {id(p): "w"}, dgc2.config.fixed()))
     assert len(opt._optimizer_step_pre_hooks) == 2  # ours + the test's
     dgc2.unbind()
     assert opt.param_groups[0]["momentum"] == 0.5
@@ -102,7 +103,7 @@ def test_dgc_refuses_double_momentum_and_missing_optimizer():
     # gains momentum (a cycling scheduler) raises at step() instead of applying it twice
     opt = torch.optim.SGD([p], lr=0.1)
     dgc = DGC(DGC.Config(**DGC.prepare({"momentum": 0.9}, opt)))
-    dgc.bind(opt, {id(p): "w"})
+    dgc.attach_momentum(SGDMomentum(opt, {id(p): "w"}, dgc.config.fixed()))
     assert dgc.live(["w"]) is None
     p.grad = torch.ones(3)
     opt.step()

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from ..compressors.base import ParamSlice
 from ..compressors import METHODS
 from . import optimizer as optimizer_binding
+from .options import merge_options
 from ..comm import Rider
 from .agree import agree, discard, fingerprint, trainable
 from .guard import check_steps, step_flag
@@ -230,7 +231,6 @@ def _reduce_scatter(adapter, lay):
 def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
              log_dir=None, log_all_ranks=False, log_details=False, **options) -> GradcompState:
     """``gradcomp.register`` for a ``fully_shard``-ed model (see the module doc)."""
-    from .ddp import _check_adam, merge_options  # the method's options, as under DDP
     units = _units(model)
     if not units:
         raise ValueError("the model is an FSDPModule with no parameters to shard")
@@ -276,7 +276,7 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
                              f"runs its exchanges in its own reduce step: one lane)")
         name, opts = merge_options(method, options)
         config = METHODS[name].config.from_dict(METHODS[name].compressor.prepare(opts, optimizer))
-        _check_adam(name, config, optimizer)
+        optimizer_binding.check_method(name, config, optimizer)
         _refuse(name, config, scaler, hsdp, optimizer)
         names, numels = trainable(model)
         layouts = [_Layout(g, names, W, shard_index, hsdp) for _, _, g in units]

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import torch
 
+from ..compressors import METHODS
 from ..compressors.base import unwrap_optimizer as unwrap
 from ..compressors.dgc import _KEYS, _OFF
 
@@ -85,6 +86,33 @@ def warn_measured(method: str, config, optimizer, stacklevel: int = 3) -> None:
         f"(2000 steps, bench/RESULTS.md section 8); {ADAM_HELD!r} held allreduce's loss "
         f"there at 7x fewer bytes: gradcomp.register(model, {ADAM_HELD!r}, optimizer=opt). "
         f"docs/adam.md says more.", UserWarning, stacklevel=stacklevel)
+
+
+def check_method(name, config, optimizer) -> None:
+    """At registration, before anything is attached: what the method's ``adam`` setting
+    needs from the optimizer (the frozen-variance step below)."""
+    if METHODS[name].compressor.stateless or config.adam == "off":
+        return
+    adam = optimizer is not None and is_adam(optimizer)
+    if config.adam in ("freeze", "precondition") and not adam:
+        raise ValueError(f"adam={config.adam!r} needs optimizer=torch.optim.Adam or AdamW, got "
+                         f"{type(optimizer).__name__}: allowed adam='auto' or 'off' here")
+    if not adam:
+        return
+    if config.local_steps > 1:
+        if config.adam != "auto":
+            raise ValueError(f"adam={config.adam!r} with local_steps={config.local_steps}: the inner "
+                             f"steps are Adam's own and the pseudo-gradient goes through the "
+                             f"method; allowed adam='auto' or 'off'")
+        return
+    check_adam(optimizer)
+    if config.dense_steps == 0 or (config.dense_steps is None and config.warmup_rule == "none"):
+        raise ValueError(f"{name} with {type(unwrap(optimizer)).__name__}: "
+                         f"Adam's second moment is learned during dense warm-up steps and "
+                         f"frozen once compression starts (adam='freeze'), and this job has "
+                         f"none (dense_steps=0 or warmup='none'); allowed: the adaptive "
+                         f"warm-up (the default), dense_steps=N > 0, or adam='off' (Adam then "
+                         f"sees compressed gradients: measured to lose accuracy)")
 
 
 def is_adam(optimizer) -> bool:

@@ -14,7 +14,7 @@ checkpointing to you (``accelerator.register_for_checkpointing(state.all_ranks()
 """
 from __future__ import annotations
 
-from ..hooks.ddp import register as _register
+from ..hooks.register import register as _register
 from . import check_model, distributed, single_process_warning
 
 

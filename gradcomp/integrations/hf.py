@@ -20,7 +20,7 @@ import warnings
 import torch
 from transformers import TrainerCallback
 
-from ..hooks.ddp import register as _register
+from ..hooks.register import register as _register
 from . import check_model, distributed, single_process_warning
 
 FILE = "gradcomp.pt"
@@ -31,7 +31,7 @@ class GradcompTrainerCallback(TrainerCallback):
     state in the Trainer's checkpoints. Made and added by :func:`register`."""
 
     def __init__(self, trainer, method: str, **options):
-        from ..hooks.ddp import build_config
+        from ..hooks.options import build_config
 
         build_config(method, **{k: v for k, v in options.items()  # bad options: named now
                                 if k not in ("lanes", "scaler", "log_dir", "log_all_ranks",

@@ -19,7 +19,7 @@ try:
 except ImportError:  # the standalone package
     from pytorch_lightning import Callback
 
-from ..hooks.ddp import register
+from ..hooks.register import register
 from . import check_model, distributed, single_process_warning
 
 
@@ -29,7 +29,7 @@ class GradcompCallback(Callback):
     ``fit`` starts, or on a single device)."""
 
     def __init__(self, method: str, *, optimizer_index: int = 0, **options):
-        from ..hooks.ddp import build_config
+        from ..hooks.options import build_config
 
         build_config(method, **{k: v for k, v in options.items()  # bad options: named now
                                 if k not in ("lanes", "scaler", "log_dir", "log_all_ranks",

@@ -1,0 +1,50 @@
+"""A method and its options as the user gives them: a name or spec string
+(``"powersgd:rank=2"``) and keyword options, checked against the method's config schema
+(gradcomp/config.py) the same way for every entry point (``register``, ``gradcomp.State``,
+the integrations, the benchmark's CLI)."""
+from ..compressors import METHODS
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """``"name:key=value,key=value"`` -> (name, {key: value}) with values typed per option;
+    a key given twice is refused."""
+    if not isinstance(spec, str):
+        raise TypeError(f"method must be a name or spec string such as 'onebit' or "
+                        f"'powersgd:rank=4', got {spec!r}: allowed {', '.join(sorted(METHODS))}")
+    name, _, rest = spec.strip().partition(":")
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}: allowed {', '.join(sorted(METHODS))}")
+    cfg = METHODS[name].config
+    opts = {}
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"bad option {item!r} in {spec!r}: expected key=value")
+        key = key.strip()
+        if key not in cfg.options():
+            raise ValueError(f"unknown option {key!r} for {name}: allowed {', '.join(cfg.options())}")
+        if key in opts:
+            raise ValueError(f"option {key!r} given twice in {spec!r}: give each option once")
+        opts[key] = cfg.parse_value(key, value.strip())
+    return name, opts
+
+
+def merge_options(method: str, options: dict) -> tuple[str, dict]:
+    """(name, the spec's options + ``options``); an option given in both is an error."""
+    name, opts = parse_spec(method)
+    clash = sorted(set(opts) & set(options))
+    if clash:
+        raise ValueError(f"option(s) {', '.join(clash)} given both in {method!r} and as arguments")
+    return name, {**opts, **options}
+
+
+def build_config(method: str, **options):
+    """The validated config of ``method`` (a name or spec string) with ``options``."""
+    name, opts = merge_options(method, options)
+    return name, METHODS[name].config.from_dict(opts)
+
+
+def methods() -> list[dict]:
+    """Every method with its description and options {name: (type, default)}."""
+    return [{"name": s.name, "description": s.description, "options": s.config.options()}
+            for s in METHODS.values()]
