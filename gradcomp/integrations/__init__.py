@@ -35,6 +35,19 @@ def check_model(model, where: str, framework: str) -> None:
                     f"(or FSDP2), not DeepSpeed, FSDP1 or a single device")
 
 
+# register()'s own keywords, beside the method's options
+REGISTER_KEYWORDS = ("lanes", "scaler", "log_dir", "log_all_ranks", "log_details",
+                     "process_group")
+
+
+def check_options(method: str, options: dict) -> None:
+    """The method and its options, checked when an integration is made (before the framework
+    wraps the model), so a bad one is named at once; register()'s own keywords pass through."""
+    from ..hooks.options import build_config
+
+    build_config(method, **{k: v for k, v in options.items() if k not in REGISTER_KEYWORDS})
+
+
 def single_process_warning(framework: str) -> None:
     warnings.warn(f"gradcomp with {framework}: this job is not distributed (one process): "
                   f"nothing is exchanged, so gradcomp is not registered and the run is "

@@ -21,7 +21,7 @@ import torch
 from transformers import TrainerCallback
 
 from ..hooks.register import register as _register
-from . import check_model, distributed, single_process_warning
+from . import check_model, check_options, distributed, single_process_warning
 
 FILE = "gradcomp.pt"
 
@@ -31,11 +31,7 @@ class GradcompTrainerCallback(TrainerCallback):
     state in the Trainer's checkpoints. Made and added by :func:`register`."""
 
     def __init__(self, trainer, method: str, **options):
-        from ..hooks.options import build_config
-
-        build_config(method, **{k: v for k, v in options.items()  # bad options: named now
-                                if k not in ("lanes", "scaler", "log_dir", "log_all_ranks",
-                                             "log_details", "process_group")})
+        check_options(method, options)  # bad options: named now
         self.trainer, self.method, self.options = trainer, method, options
         self.state = None
         self.resume = None  # the checkpoint train() resumes from (set by register's wrapper)

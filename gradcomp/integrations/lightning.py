@@ -20,7 +20,7 @@ except ImportError:  # the standalone package
     from pytorch_lightning import Callback
 
 from ..hooks.register import register
-from . import check_model, distributed, single_process_warning
+from . import check_model, check_options, distributed, single_process_warning
 
 
 class GradcompCallback(Callback):
@@ -29,11 +29,7 @@ class GradcompCallback(Callback):
     ``fit`` starts, or on a single device)."""
 
     def __init__(self, method: str, *, optimizer_index: int = 0, **options):
-        from ..hooks.options import build_config
-
-        build_config(method, **{k: v for k, v in options.items()  # bad options: named now
-                                if k not in ("lanes", "scaler", "log_dir", "log_all_ranks",
-                                             "log_details", "process_group")})
+        check_options(method, options)  # bad options: named now
         if isinstance(optimizer_index, bool) or not isinstance(optimizer_index, int) \
                 or optimizer_index < 0:
             raise ValueError(f"invalid optimizer_index={optimizer_index!r}: allowed the index "
