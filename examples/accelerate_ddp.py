@@ -44,6 +44,8 @@ def main():
     dist.all_gather_object(every, digest)
     if acc.is_main_process:
         print(f"{args.method}: step {state.step}, ranks agree: {len(set(every)) == 1}")
+    state.close()  # its threads and process groups, before the job's own go
+    acc.end_training()  # destroys the process group on every rank
 
 
 if __name__ == "__main__":
