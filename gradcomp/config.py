@@ -12,7 +12,7 @@ from dataclasses import dataclass
 DEFAULT_MIN_NUMEL = 4096
 TOPOLOGIES = ("auto", "flat", "hierarchical")
 WARMUPS = ("auto", "adaptive", "none")
-ADAMS = ("auto", "precondition", "freeze", "off")
+ADAMS = ("auto", "precondition", "momentum", "freeze", "off")
 # bounds on what an option costs, checked before anything is allocated or sent: a value past
 # them is a typo far more often than a plan (each delayed step holds a copy of the gradients
 # in flight; a run syncs once per local_steps steps; a window's norms are kept until it ends)
@@ -63,14 +63,18 @@ class MethodConfig:
     outer_lr, outer_momentum: the outer optimizer's learning rate and Nesterov momentum.
     local_delay: 1 overlaps a round's outer exchange with the next round's inner steps and
         applies it one round late (Streaming DiLoCo, Douillard et al. 2025); 0 = at once.
-    adam: with torch.optim.Adam/AdamW (``register(..., optimizer=opt)``): "freeze" keeps
+    adam: with torch.optim.Adam/AdamW (``register(..., optimizer=opt)``): "momentum" keeps
         Adam's second moment as the dense warm-up left it for every parameter the method
-        compresses, and applies Adam's update with it (1-bit Adam, Tang et al., ICML 2021:
-        hooks/optimizer.py); "precondition" also compresses g / sqrt(v) instead of g
-        (measured slightly worse on the GPT, kept for comparison); "off" lets Adam see the
-        compressed gradients as any other (its second moment then averages the squares of
-        compressed values: measured to lose accuracy); "auto" (the default): "freeze" with
-        Adam/AdamW, nothing otherwise.
+        compresses and exchanges Adam's first moment instead of the gradient: each rank
+        compresses its next m = beta1 m + (1 - beta1) g, with the method's error feedback,
+        and the average becomes every rank's m (1-bit Adam, Tang et al., ICML 2021:
+        hooks/optimizer.py); "freeze" freezes the second moment the same way but compresses
+        the gradient; "precondition" also compresses g / sqrt(v) instead of g (measured
+        worse on the GPT, kept for comparison); "off" lets Adam see the compressed gradients
+        as any other (its second moment then averages the squares of compressed values:
+        measured to lose accuracy); "auto" (the default): with Adam/AdamW "momentum" for a
+        method with error feedback under DDP and ``delay=0``, "freeze" otherwise (TernGrad,
+        FSDP/HSDP, ``delay``); nothing without Adam.
     exact: parameters sent uncompressed whatever their size: "|"-separated name patterns
         (fnmatch: "tok.weight|head.*"); "" (the default): none.
     With local_steps > 1 the method's step counter (``dense_steps``, the adaptive warm-up
@@ -142,9 +146,13 @@ class MethodConfig:
         check(self.local_steps == 1 or self.delay == 0, "delay", self.delay,
               f"0 with local_steps={self.local_steps} (inner steps send nothing to delay; "
               f"local_delay=1 overlaps the outer exchange instead)")
+        check(self.adam != "momentum" or self.delay == 0, "delay", self.delay,
+              "0 with adam='momentum' (the late average would be applied to a later first "
+              "moment than the one it was built from); adam='auto' or 'freeze' with delay")
         check(self.adam in ADAMS, "adam", self.adam,
-              "auto (freeze with Adam/AdamW), freeze (Adam's second moment frozen once "
-              "compression starts), precondition (frozen, and g / sqrt(v) compressed) or off")
+              "auto (momentum or freeze with Adam/AdamW), momentum (Adam's second moment "
+              "frozen once compression starts, its first moment exchanged), freeze (frozen, "
+              "the gradient exchanged), precondition (frozen, g / sqrt(v) exchanged) or off")
         self.validate()
 
     @property

@@ -161,7 +161,8 @@ def _ddp_adamw(rank, world, spec, steps, options):
     return [p.detach().clone() for p in net.parameters()], frozen, dict(net.named_parameters())
 
 
-SPECS = ["onebit", "topk:ratio=0.1", "powersgd:rank=2", "terngrad", "threshold", "dgc:ratio=0.1"]
+SPECS = ["onebit", "topk:ratio=0.1", "powersgd:rank=2", "terngrad", "threshold", "dgc:ratio=0.1",
+         "onebit:adam=freeze"]
 
 
 def _ddp_adamw_all(rank, world, specs, steps, options):
@@ -179,6 +180,67 @@ def test_ddp_adamw_ranks_agree_and_v_frozen_for_compressed_parameters(spawn):
             compressed = params[name].numel() >= 1000 and (not spec.startswith("powersgd")
                                                             or params[name].dim() >= 2)
             assert frozen == compressed, (spec, name)
+
+
+def _moment_identity(rank, world, specs):
+    """Per compressed step and parameter, the largest |avg_i(beta1 m + (1 - beta1) g_i +
+    e_i - e_i') - m_new| over ranks' local gradients g_i and residuals before/after (e, e';
+    onebit's second compression adds its owners' server residuals),
+    against the size of the residual term; and the mode each spec ran in."""
+    import torch.distributed as dist
+    out = []
+    for spec in specs:
+        net = small_net()
+        model = DDP(net, bucket_cap_mb=0.004)
+        groups = [{"params": [p for p in net.parameters() if p.dim() >= 2], "betas": (0.8, 0.95)},
+                  {"params": [p for p in net.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+        opt = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+        state = gradcomp.register(model, spec, optimizer=opt, min_numel=0, dense_steps=2)
+        named = dict(net.named_parameters())
+        beta = {n: g["betas"][0] for g in opt.param_groups for n, p in named.items()
+                if any(p is q for q in g["params"])}
+        worst, term = 0.0, 0.0
+        for step in range(6):
+            x, y = batch(rank, step)
+            local = torch.autograd.grad(nn.functional.cross_entropy(net(x), y), list(named.values()))
+            before = {n: opt.state[p]["exp_avg"].clone() for n, p in named.items() if p in opt.state}
+            e0, s0 = ([None if e is None else e.clone() for e in state.memory.peek(slot, list(named))]
+                      for slot in ("residual", "server_residual"))
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            e1, s1 = (state.memory.peek(slot, list(named)) for slot in ("residual", "server_residual"))
+            if step < 2:
+                continue
+            for (n, p), g, a, b, c, d in zip(named.items(), local, e0, e1, s0, s1):
+                if b is None:
+                    continue
+                owed = (a if a is not None else torch.zeros_like(b)).reshape(p.shape) - b.reshape(p.shape)
+                if d is not None:  # onebit's second compression: each rank owns a part of it
+                    owed += world * ((c if c is not None else torch.zeros_like(d)) - d).reshape(p.shape)
+                mine = beta[n] * before[n] + (1 - beta[n]) * g + owed
+                dist.all_reduce(mine)
+                worst = max(worst, float((mine / world - opt.state[p]["exp_avg"]).abs().max()))
+                term = max(term, float(owed.abs().max()))
+        out.append((worst, term, state.adam_mode()))
+        state.close()
+    return out
+
+
+def test_momentum_mode_exchanges_adams_first_moment_with_error_feedback(spawn):
+    """adam='momentum' (what 'auto' runs for error-feedback methods): each rank compresses
+    beta1 m + (1 - beta1) g_i plus its residual, and the average is every rank's m: the
+    identity avg(beta1 m + (1 - beta1) g_i + e_i - e_i') = m_new holds to float rounding,
+    per-group betas included. Compressing the gradient instead ('freeze') breaks it by the
+    residual term (so the check can fail)."""
+    specs = ["onebit:chunk=16", "topk:ratio=0.2", "onebit:chunk=16,adam=freeze", "terngrad"]
+    out = spawn(_moment_identity, 2, args=(specs,), timeout=240)
+    for rank in out:
+        (w1, t1, m1), (w2, t2, m2), (w3, t3, m3), (_, _, m4) = rank
+        assert (m1, m2, m3, m4) == ("momentum", "momentum", "freeze", "freeze")
+        assert t1 > 1e-3 and t2 > 1e-3 and t3 > 1e-3  # residuals that matter
+        assert w1 < 1e-5 and w2 < 1e-5, (w1, w2)
+        assert w3 > 1e-2 * t3, (w3, t3)
 
 
 def test_adam_off_leaves_the_optimizer_alone(spawn):
@@ -214,6 +276,8 @@ REFUSALS = [
     ("onebit", "capturable", {}, "capturable=True"),
     ("onebit", "adamw", {"adam": "yes"}, "invalid adam='yes'"),
     ("dgc", "adamw", {"momentum": 0.9}, "use 'topk'"),
+    ("onebit", "adamw", {"adam": "momentum", "delay": 1}, "0 with adam='momentum'"),
+    ("onebit", "sgd", {"adam": "momentum"}, "needs optimizer=torch.optim.Adam"),
 ]
 ACCEPTED = [("onebit", "adamw", {"warmup": "none", "adam": "off"}), ("dgc", "adamw", {}),
             ("topk", "adamw", {"local_steps": 4}), ("onebit", "sgd", {})]

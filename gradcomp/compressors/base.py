@@ -128,6 +128,10 @@ class Compressor(ABC):
     residual_slot: str | None = None
     # memory slots holding one value per parameter (ctx.scalars), not one per element
     scalar_slots: tuple = ()
+    # with Adam/AdamW and adam="auto" (hooks/optimizer.py): what the method exchanges once
+    # Adam's second moment is frozen, "momentum" (Adam's first moment, 1-bit Adam's way) or
+    # "freeze" (the gradient), as measured on the GPT workload (bench/RESULTS.md section 8)
+    adam_exchange: str = "momentum"
 
     def __init__(self, config: MethodConfig):
         self.config = config

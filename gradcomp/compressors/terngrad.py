@@ -84,6 +84,9 @@ class TernGrad(Compressor):
     Config = TernGradConfig
     name = "terngrad"
     residual_slot = "residual"
+    # unbiased, no residual: with AdamW its gradient held better than its first moment
+    # (600-step GPT probe, seed 0: -1.2% against +0.6% from allreduce)
+    adam_exchange = "freeze"
     description = "TernGrad: unbiased stochastic ternary {-1,0,+1} x per-layer scaler, 2 bits"
 
     def __init__(self, config):

@@ -168,6 +168,7 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
         self.local_size = 0  # ranks per node of a hierarchical topology (0: flat)
         self.topology_probe = None  # topology=auto's measurement (hooks/ddp.py), if it ran
         self._adam = None  # the Adam binding (hooks/optimizer.py), once bound
+        self.sharded = ""  # "FSDP"/"HSDP" when the FSDP adapter serves this state
         self._local_init()
         self._warmup_init()
         self._setup_runtime()
@@ -300,11 +301,16 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
             method = self.compressor.dense if dense else self.compressor.reduce
             # Adam: compressed in the update's own scale, g / sqrt(v) (hooks/optimizer.py)
             pre = None if dense or self._adam is None else self._adam.scale(params, buf.device)
+            mom = None if dense or self._adam is None else self._adam.momentum(params, buf.device)
+            if mom is not None:  # Adam's next first moment, a g + b (hooks/optimizer.py)
+                x = torch.addcmul(mom[1], x, mom[0])
             if pre is not None:
                 x = x * pre
             out = self._guarded(x, ctx, lane.comm, lambda y: run(y, method))
             if pre is not None:
                 out = out / pre
+            if mom is not None:
+                out = (out - mom[1]).div_(mom[0])
             if slot and self._skipped != step:
                 kept = _sq_norm(None, params, self.memory.peek(slot, names))
                 self._log_ratio(step, "residual_energy", kept, owed)
@@ -436,11 +442,25 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
                 or not optimizer_binding.is_adam(optimizer)):
             return
         names = self._param_names
+        mode = self.adam_mode()
         self._adam = optimizer_binding.FrozenVariance(
             optimizer, lambda p: id(p) in names and self.compressor.compresses(names[id(p)],
                                                                                tuple(p.shape)),
             lambda: not self._dense(max(self._step, 0)), names,
-            precondition=self.config.adam == "precondition")
+            precondition=mode == "precondition", momentum=mode == "momentum")
+
+    def adam_mode(self) -> str:
+        """What ``adam`` runs with Adam/AdamW. "auto": the method's measured choice
+        (``Compressor.adam_exchange``: "momentum", the first moment exchanged, for onebit,
+        topk, threshold, dgc; "freeze" for powersgd, terngrad) under DDP without ``delay``
+        and with error feedback on, else "freeze" (FSDP/HSDP: a rank holds only its shard
+        of the moment; ``delay``: the moment read at the exchange is not the one the late
+        average is applied to)."""
+        c = self.config
+        if c.adam != "auto":
+            return c.adam
+        ok = c.error_feedback and not c.delay and not self.sharded
+        return self.compressor.adam_exchange if ok else "freeze"
 
     def close(self) -> None:
         """Stop the communication threads (after the exchanges queued so far). Called at
