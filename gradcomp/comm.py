@@ -1,4 +1,5 @@
-"""Collectives used by the compressors, with per-step byte accounting.
+"""Collectives used by the compressors, with per-step byte accounting; the one module of
+the library that calls torch.distributed's collectives (tests/test_design.py checks it).
 
 With no process group (world size 1) every collective is the identity, so the algorithms run
 and are tested in a single process. Calls block the calling lane (never the thread that
@@ -160,3 +161,40 @@ class Comm:
         src = t.contiguous()
         self._run(lambda: dist.all_to_all_single(out, src, group=self.group, async_op=True))
         return out
+
+
+# The control plane: collectives outside any bucket's exchange (registration's agreement,
+# the warm-up's window statistics, the topology probe, a checkpoint gathered onto rank 0,
+# a step check with no rows to exchange). Each is issued at once, so the caller makes sure
+# no exchange is in flight on its group (``GradcompState.drain()``) or that it runs where
+# the job runs no exchange at all (registration, a checkpoint between steps).
+
+def all_reduce_now(t: torch.Tensor, op: str = "sum", group=None,
+                   traffic: Traffic | None = None) -> torch.Tensor:
+    """In place over ``group``: ``op`` ("sum" or "max") of every rank's t; its bytes counted
+    into ``traffic`` when given."""
+    W = dist.get_world_size(group)
+    if traffic is not None:
+        traffic.add(t.numel() * t.element_size(), 2 * (W - 1) / W)
+    if W > 1:
+        dist.all_reduce(t, op=_OPS[op], group=group)
+    return t
+
+
+def all_gather_object(obj, group=None) -> list:
+    """Every rank's picklable ``obj`` over ``group``, in group rank order."""
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def gather_object(obj) -> list | None:
+    """Every rank's ``obj`` on rank 0 of the default group (None elsewhere)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out = [None] * world if rank == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def barrier(group=None) -> None:
+    dist.barrier(group=group)

@@ -214,12 +214,12 @@ def _refusals(rank, world, hsdp):
     out = []
     for spec, kw in (("onebit:delay=1", {}), ("onebit:local_steps=2", {}),
                      ("onebit:topology=hierarchical", {}), ("onebit:adam=precondition", {}),
-                     ("dgc", {"wd": 1e-4}), ("onebit", {"scaler": True}),
+                     ("onebit:adam=momentum", {}), ("dgc", {"wd": 1e-4}), ("onebit", {"scaler": True}),
                      ("onebit", {"differ": True})):
         net = _net(world, hsdp)
         opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9,
                               weight_decay=kw.get("wd", 0.0))
-        if "precondition" in spec:
+        if "adam=" in spec:
             opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
         extra = {}
         if kw.get("scaler"):
@@ -232,6 +232,12 @@ def _refusals(rank, world, hsdp):
             out.append((spec, None))
         except ValueError as exc:
             out.append((spec, str(exc)))
+    # adam='auto' with AdamW under FSDP: the second moment frozen, the gradient exchanged (a
+    # rank holds only its shard of the first moment)
+    net = _net(world, hsdp)
+    state = gradcomp.register(net, "onebit", optimizer=torch.optim.AdamW(net.parameters()))
+    out.append(("auto", state.adam_mode()))
+    state.close()
     return out
 
 
@@ -322,7 +328,8 @@ def test_unsupported_settings_are_refused_on_every_rank(spawn):
     results = spawn(_refusals, 2, args=(False,), timeout=240)
     want = {"onebit:delay=1": "delay=1", "onebit:local_steps=2": "local_steps=2",
             "onebit:topology=hierarchical": "HSDP", "onebit:adam=precondition": "precondition",
-            "dgc": "weight decay", "onebit": "scaler", "topk": "ratio"}
+            "onebit:adam=momentum": "only its shard", "dgc": "weight decay", "onebit": "scaler",
+            "topk": "ratio", "auto": "freeze"}
     for r in results:
         assert [s for s, _ in r] == list(want)
         for spec, msg in r:

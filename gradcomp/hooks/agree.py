@@ -6,8 +6,8 @@ from __future__ import annotations
 import hashlib
 
 import torch
-import torch.distributed as dist
 
+from .. import comm
 from . import optimizer as optimizer_binding
 from .state import destroy_groups
 
@@ -27,8 +27,7 @@ def agree(group, ranks, build, discard):
         result, mine = build()
     except (TypeError, ValueError) as exc:
         error, mine = exc, {"error": f"{type(exc).__name__}: {exc}"}
-    everyone = [None] * len(ranks)
-    dist.all_gather_object(everyone, mine, group=group)
+    everyone = comm.all_gather_object(mine, group)
     if any("error" in d for d in everyone):
         discard(result)
     if error is not None:

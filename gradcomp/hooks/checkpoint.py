@@ -10,6 +10,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from .. import comm
 from .delayed import _Pending
 from .topology import SEP, base_name
 
@@ -300,8 +301,7 @@ class AllRanksCheckpoint:
         buf = io.BytesIO()
         torch.save(self.state.state_dict(), buf)
         world, rank = dist.get_world_size(), dist.get_rank()
-        gathered = [None] * world if rank == 0 else None
-        dist.gather_object(buf.getvalue(), gathered, dst=0)  # the default group: the caller's
+        gathered = comm.gather_object(buf.getvalue())  # the default group: the caller's
         if rank != 0:
             gathered = [None] * world
             gathered[rank] = buf.getvalue()

@@ -43,6 +43,7 @@ from ..compressors.base import ParamSlice
 from ..compressors import METHODS
 from . import optimizer as optimizer_binding
 from .options import merge_options
+from .. import comm
 from ..comm import Rider
 from .agree import agree, discard, fingerprint, trainable
 from .guard import check_steps, step_flag
@@ -181,7 +182,7 @@ class _Adapter:
             step = self.state._begin(b)  # step still begins at bucket 0 on every rank, and
             if not self.state.compressor.stateless:  # the flag goes round the whole mesh
                 flag = step_flag(torch.zeros(1, device=out.device), step)
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.state.stats_group)
+                comm.all_reduce_now(flag, "max", self.state.stats_group)
                 check_steps(flag.tolist())
             return
         # FSDP hands over the node's sum over its pre-divide factor and divides by ``post``
@@ -331,6 +332,7 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
             old = g._reduce_scatter_comm
             mod.set_custom_reduce_scatter(_reduce_scatter(adapter, lay))
             state._detach.append(lambda g=g, old=old: setattr(g, "_reduce_scatter_comm", old))
+    state.sharded = "HSDP" if hsdp else "FSDP"
     optimizer_binding.bind(state, optimizer, warn=dist.get_rank(world) == 0, stacklevel=5)
     if log_dir is not None and (log_all_ranks or dist.get_rank(world) == 0):
         from torch.utils.tensorboard import SummaryWriter
@@ -354,8 +356,9 @@ def _refuse(name, config, scaler, hsdp, optimizer) -> None:
     if scaler is not None:
         raise ValueError(f"scaler= under {kind}: allowed None; train with "
                          f"MixedPrecisionPolicy(param_dtype=torch.bfloat16) (no loss scale)")
-    if config.adam == "precondition":
-        raise ValueError(f"adam='precondition' under {kind}: allowed 'auto', 'freeze' or 'off'")
+    if config.adam in ("precondition", "momentum"):
+        raise ValueError(f"adam={config.adam!r} under {kind}: a rank holds only its shard of "
+                         f"Adam's state; allowed 'auto' (freeze here), 'freeze' or 'off'")
     if name == "dgc" and not hsdp:
         groups = getattr(optimizer_binding.unwrap(optimizer), "param_groups", ()) or ()
         if config.weight_decay or any(g.get("weight_decay") for g in groups):

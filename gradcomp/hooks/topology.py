@@ -22,6 +22,7 @@ import os
 
 import torch
 
+from .. import comm
 from ..compressors.base import ParamSlice
 from ..config import check
 
@@ -135,8 +136,6 @@ def probe_times(make_state, params, group, pairs, local) -> tuple[float, float]:
     import statistics
     import time
 
-    import torch.distributed as dist
-
     n = params[-1].offset + params[-1].numel
     x = torch.randn(n, generator=torch.Generator().manual_seed(0))
     times = []
@@ -148,7 +147,7 @@ def probe_times(make_state, params, group, pairs, local) -> tuple[float, float]:
             st.reduce(x.clone(), params)  # untimed: first use (allocations, connections)
             spans = []
             for _ in range(PROBE_REPEATS):
-                dist.barrier(group=group)
+                comm.barrier(group)
                 t0 = time.perf_counter()
                 st.reduce(x.clone(), params)
                 spans.append(time.perf_counter() - t0)
@@ -156,5 +155,5 @@ def probe_times(make_state, params, group, pairs, local) -> tuple[float, float]:
             st.close()
         times.append(statistics.median(spans))
     t = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # every rank decides alike
+    comm.all_reduce_now(t, "max", group)  # every rank decides alike
     return float(t[0]), float(t[1])

@@ -43,6 +43,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from .. import comm
 from ..comm import Traffic
 
 
@@ -133,8 +134,7 @@ class Warmup:
             world = dist.get_world_size(group)
         if world > 1:
             t = Traffic()
-            t.add(acc.numel() * acc.element_size(), 2 * (world - 1) / world)
-            dist.all_reduce(acc, group=group)
+            comm.all_reduce_now(acc, "sum", group, traffic=t)
             with self._lock:
                 self._records.setdefault(step, [Traffic(), 0])[0].merge(t)
         vals = acc.cpu()  # the one host read of the window
