@@ -67,15 +67,21 @@ def test_memory_restore_after_whole_bucket_and_relayout_snapshots():
                        torch.tensor([3.0, 4.0, 0.0, 1.0, 2.0]))
 
 
-def _scaled_run(rank, world, spec, mode, steps=8, bad_step=3):
+def _scaled_run(rank, world, spec, mode, steps=8, bad_step=3, adamw=False):
     """mode: 'scaler' (GradScaler passed to register, inf on rank 0 at bad_step),
-    'plain' (no scaling; bad_step left out), 'unregistered' (GradScaler not passed)."""
+    'plain' (no scaling; bad_step left out), 'unregistered' (GradScaler not passed).
+    ``adamw``: AdamW with two dense steps (Adam needs them) instead of SGD momentum."""
     net = small_net()
     model = DDP(net, bucket_cap_mb=0.004)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if adamw:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+        warm = {"dense_steps": 2}
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        warm = {"warmup": "none"}
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2,
                                   enabled=mode != "plain")
-    state = gradcomp.register(model, spec, optimizer=opt, min_numel=0, warmup="none",
+    state = gradcomp.register(model, spec, optimizer=opt, min_numel=0, **warm,
                               scaler=scaler if mode == "scaler" else None)
     scales = []
     for step in range(steps):
@@ -109,6 +115,18 @@ def test_grad_scaler_with_changing_scale_and_an_overflow_matches_unscaled_traini
     (wrong, _, _), _ = spawn(_scaled_run, 2, args=(spec, "unregistered", 8, 99))
     (plain8, _, _), _ = spawn(_scaled_run, 2, args=(spec, "plain", 8, 99))
     assert any(not torch.equal(a, b) for a, b in zip(wrong, plain8))
+
+
+@pytest.mark.parametrize("spec", ["onebit", "topk:ratio=0.2"])
+def test_grad_scaler_with_adamw_momentum_exchange_matches_unscaled_training(spec, spawn):
+    """The same with AdamW, where these methods exchange Adam's first moment (adam='auto'
+    runs 'momentum'): the moment is built from the unscaled gradient and the result scaled
+    back, so a changing scale and a skipped step change nothing."""
+    (scaled, scales, _), _ = spawn(_scaled_run, 2, args=(spec, "scaler", 8, 3, True))
+    (plain, _, _), _ = spawn(_scaled_run, 2, args=(spec, "plain", 8, 3, True))
+    assert len(set(scales)) >= 3
+    for a, b in zip(scaled, plain):
+        assert torch.equal(a, b), f"max diff {(a - b).abs().max():.3g}"
 
 
 def test_scaler_with_delay_is_refused_at_registration(spawn):
