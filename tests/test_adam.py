@@ -418,3 +418,44 @@ def test_a_method_measured_not_to_hold_with_adamw_warns_once_naming_one_that_did
     assert again == []  # once per process
     assert r0["onebit:chunk=64"] == [[]] and r0["terngrad"] == [[]]  # not what was measured
     assert all(w == [] for ws in r1.values() for w in ws)  # rank 0 only
+
+
+def _exchange_units(rank, world):
+    """Save past the switch with adam='freeze' (gradient residuals), load into jobs that
+    exchange the gradient or the first moment; the same with the key removed (a checkpoint
+    of a gradcomp before 'momentum', whose adam='auto' ran 'freeze')."""
+    def job(spec):
+        net = small_net()
+        model = DDP(net, bucket_cap_mb=0.004)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        return net, model, opt, gradcomp.register(model, spec, optimizer=opt, min_numel=0,
+                                                  dense_steps=1)
+    net, model, opt, state = job("onebit:adam=freeze")
+    for step in range(3):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    sd = state.state_dict()
+    state.close()
+    legacy = {k: v for k, v in sd.items() if k not in ("exchanges", "digest")}
+    legacy["config"] = {**legacy["config"], "adam": "auto"}
+    out = []
+    for ck in (sd, legacy):
+        for spec in ("onebit", "onebit:adam=freeze"):
+            _, _, _, st = job(spec)
+            try:
+                st.load_state_dict(ck)
+                out.append(None)
+            except ValueError as exc:
+                out.append(str(exc))
+            st.close()
+    return sd["exchanges"], out
+
+
+def test_residuals_load_only_into_the_exchange_they_came_from(spawn):
+    for units, (auto, freeze, legacy_auto, legacy_freeze) in spawn(_exchange_units, 2):
+        assert units == "gradient"
+        for msg in (auto, legacy_auto):  # auto runs 'momentum' for onebit
+            assert msg and "residuals are of the gradient" in msg and "adam='freeze'" in msg
+        assert freeze is None and legacy_freeze is None

@@ -151,7 +151,8 @@ class Checkpoint:
               "world_size": self.world_size, "rank": _rank(self),
               "ranks_per_node": self.local_size,
               "step": self.step, "memory": self.memory.state_dict(), "pending": pending,
-              "local": self.local_state_dict(), "warmup": self.warmup_state_dict()}
+              "local": self.local_state_dict(), "warmup": self.warmup_state_dict(),
+              "exchanges": self._exchanged()}
         sd["digest"] = tensor_digest(sd)
         return sd
 
@@ -171,7 +172,7 @@ class Checkpoint:
         # (a checkpoint's "adaptive" is today's "auto" at local_steps=1)
         saved = {**type(self.config)().to_dict(), **sd.get("config", {})}
         mine = self.config.to_dict()
-        for k in ("topology", "local_size"):
+        for k in ("topology", "local_size", "adam"):  # adam: as it runs, in _check_adam
             saved.pop(k), mine.pop(k)
         if saved["warmup"] == "auto":
             saved["warmup"] = "none" if saved["local_steps"] > 1 else "adaptive"
@@ -179,6 +180,7 @@ class Checkpoint:
         if sd.get("method") != self.method or saved != mine:
             raise ValueError(f"checkpoint is for method {sd.get('method')!r} with {sd.get('config')}; "
                              f"this state runs {self.method!r} with {self.config.to_dict()}")
+        self._check_adam(sd)
         if sd.get("world_size") != self.world_size:
             raise ValueError(f"checkpoint was saved with world size {sd.get('world_size')}; "
                              f"this job has {self.world_size}: residuals do not transfer")
@@ -215,6 +217,31 @@ class Checkpoint:
                 if want is not None and v.numel() != want:
                     raise ValueError(f"checkpoint slot {slot!r} holds {v.numel()} elements for "
                                      f"parameter {name!r}; this model's has {want}")
+
+    def _exchanged(self) -> str:
+        """What the method's residuals are made of: "gradient", or with Adam bound Adam's
+        first moment ("momentum") or the preconditioned gradient ("precondition")."""
+        mode = self.adam_mode() if self._adam is not None else "off"
+        return mode if mode in ("momentum", "precondition") else "gradient"
+
+    def _check_adam(self, sd: dict) -> None:
+        """A checkpoint with residuals loads only into a state that exchanges the same kind
+        of values (:meth:`_exchanged`). Checkpoints written before the key existed ran
+        adam="auto" as "freeze": the gradient."""
+        if not any(sd["memory"]["flat"].values()):
+            return
+        saved = sd.get("exchanges")
+        if saved is None:
+            adam = sd.get("config", {}).get("adam", "auto")
+            saved = "precondition" if adam == "precondition" else "gradient"
+        mine = self._exchanged()
+        if saved != mine:
+            how = {"gradient": "'freeze' (or without Adam: any)", "momentum": "'momentum'",
+                   "precondition": "'precondition'"}
+            raise ValueError(f"checkpoint's residuals are of the {saved} (its job exchanged "
+                             f"that); this job exchanges the {mine} (adam={self.config.adam!r}, "
+                             f"running {self.adam_mode()!r}): register with adam={how[saved]} "
+                             f"to resume it")
 
     def _load(self, sd: dict) -> None:
         self.memory.load_state_dict(sd["memory"])
