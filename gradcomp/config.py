@@ -75,6 +75,12 @@ class MethodConfig:
         measured to lose accuracy); "auto" (the default): with Adam/AdamW "momentum" for a
         method with error feedback under DDP and ``delay=0``, "freeze" otherwise (TernGrad,
         FSDP/HSDP, ``delay``); nothing without Adam.
+    dense_wire: what the dense warm-up steps put on the wire: "float32" (a plain allreduce),
+        "bfloat16" (each rank's gradient rounded to bf16 once, summed in fp32 by the rank
+        owning each part, the average rounded to bf16 once: half the bytes, no bf16
+        accumulation) or "auto" (the default): "bfloat16" with Adam/AdamW, whose warm-up
+        learns the second moment it then freezes (measured on the GPT: bench/RESULTS.md
+        section 8), "float32" otherwise.
     exact: parameters sent uncompressed whatever their size: "|"-separated name patterns
         (fnmatch: "tok.weight|head.*"); "" (the default): none.
     With local_steps > 1 the method's step counter (``dense_steps``, the adaptive warm-up
@@ -98,6 +104,7 @@ class MethodConfig:
     local_delay: int = 0
     adam: str = "auto"
     exact: str = ""
+    dense_wire: str = "auto"
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -146,6 +153,8 @@ class MethodConfig:
         check(self.local_steps == 1 or self.delay == 0, "delay", self.delay,
               f"0 with local_steps={self.local_steps} (inner steps send nothing to delay; "
               f"local_delay=1 overlaps the outer exchange instead)")
+        check(self.dense_wire in ("auto", "float32", "bfloat16"), "dense_wire", self.dense_wire,
+              "auto (bfloat16 with Adam/AdamW, float32 otherwise), float32 or bfloat16")
         check(self.adam != "momentum" or self.delay == 0, "delay", self.delay,
               "0 with adam='momentum' (the late average would be applied to a later first "
               "moment than the one it was built from); adam='auto' or 'freeze' with delay")

@@ -459,3 +459,62 @@ def test_residuals_load_only_into_the_exchange_they_came_from(spawn):
         for msg in (auto, legacy_auto):  # auto runs 'momentum' for onebit
             assert msg and "residuals are of the gradient" in msg and "adam='freeze'" in msg
         assert freeze is None and legacy_freeze is None
+
+
+def _bf16_average(rank, world):
+    import torch.distributed as dist
+    from gradcomp.comm import Comm
+    from gradcomp.compressors.base import dense_bf16
+    out = []
+    for n in (1, 7, 1000):  # parts of one element, uneven parts
+        x = torch.randn(n, generator=torch.Generator().manual_seed(rank * 10 + n)) * 10 ** rank
+        every = [torch.empty(n) for _ in range(world)]
+        dist.all_gather(every, x)
+        want = sum(e.bfloat16().float() for e in every).div(world).bfloat16().float()
+        out.append((dense_bf16(x, Comm(dist.group.WORLD)), want))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_bf16_warm_up_average_rounds_twice_and_sums_in_fp32(world, spawn):
+    """dense_bf16: every rank's value rounded to bf16 once, summed in fp32, the average rounded
+    once; all ranks get the same values (ranks of different magnitudes: no bf16 sum)."""
+    outs = spawn(_bf16_average, world)
+    for rank_out in outs:
+        for (got, want), (ref, _) in zip(rank_out, outs[0]):
+            assert torch.equal(got, want) and torch.equal(got, ref)
+
+
+def _warmup_bytes(rank, world, wire, opt_kind):
+    net = small_net()
+    model = DDP(net, bucket_cap_mb=0.004)
+    opt = (torch.optim.AdamW(net.parameters(), lr=1e-3) if opt_kind == "adamw"
+           else torch.optim.SGD(net.parameters(), lr=0.1))
+    state = gradcomp.register(model, "onebit", optimizer=opt, min_numel=0, dense_steps=3,
+                              dense_wire=wire)
+    sent, grads = [], []
+    for step in range(3):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        grads.append([p.grad.clone() for p in net.parameters()])
+        opt.step()
+        sent.append(state.stats()["wire_bytes"])
+    state.close()
+    return sent, grads
+
+
+def test_adams_warm_up_goes_bf16_by_default_at_half_the_bytes(spawn):
+    """dense_wire='auto': bf16 with AdamW (half the fp32 allreduce's bytes, gradients within
+    bf16 rounding of fp32's), fp32 with SGD; 'float32' and 'bfloat16' as asked."""
+    (auto, g16), _ = spawn(_warmup_bytes, 2, args=("auto", "adamw"))
+    (f32, g32), _ = spawn(_warmup_bytes, 2, args=("float32", "adamw"))
+    (sgd, _), _ = spawn(_warmup_bytes, 2, args=("auto", "sgd"))
+    (sgd16, _), _ = spawn(_warmup_bytes, 2, args=("bfloat16", "sgd"))
+    assert f32[-1] == sgd[-1] and auto[-1] == sgd16[-1]
+    assert auto[-1] * 2 == pytest.approx(f32[-1], rel=0.01)  # (odd buckets pad one element)
+    for a, b in zip(g16[0], g32[0]):  # the first step's gradients: same parameters
+        assert not torch.equal(a, b)
+        # each rank's value rounded once (relative 2**-9), the average once: an average of
+        # values that nearly cancel is off by up to 2**-8 of the inputs' size
+        assert (a - b).abs().max() <= 2 ** -7 * b.abs().max()

@@ -184,7 +184,10 @@ class Compressor(ABC):
         raise NotImplementedError(f"{type(self).__name__} implements neither reduce nor exchange")
 
     def dense(self, x: torch.Tensor, ctx: BucketContext) -> torch.Tensor:
-        """Plain fp32 allreduce average: small buckets and degenerate settings."""
+        """Plain fp32 allreduce average: small buckets and degenerate settings; the warm-up's
+        steps in bf16 where the state says so (``ctx.wire16``, the ``dense_wire`` option)."""
+        if getattr(ctx, "wire16", False):
+            return dense_bf16(x, ctx.comm)
         return ctx.comm.allreduce(x).div_(ctx.comm.world_size)
 
     def add_residual(self, x: torch.Tensor, ctx: BucketContext) -> torch.Tensor | None:
@@ -244,6 +247,24 @@ def positions(layout: tuple, device) -> torch.Tensor:
 
 def _positions(params, device) -> torch.Tensor:
     return positions(tuple((p.offset, p.numel) for p in params), torch.device(device))
+
+
+def dense_bf16(x: torch.Tensor, comm) -> torch.Tensor:
+    """The average of x over ranks with bf16 on the wire and fp32 sums: x rounded to bf16
+    once, cut into W parts; an all-to-all hands each rank every rank's copy of its part, which
+    it sums in fp32 (rank order) and rounds to bf16 once; an allgather returns the parts.
+    Half the bytes of an fp32 allreduce at any W, two roundings, no bf16 accumulation; every
+    rank gets the same values. The bf16 travels as bytes (no arithmetic on the wire)."""
+    W, n = comm.world_size, x.numel()
+    part = -(-n // W)
+    y = torch.zeros(W * part, dtype=torch.bfloat16, device=x.device)
+    y[:n] = x
+    if W == 1:
+        return y[:n].float()
+    got = comm.all_to_all(y.view(torch.uint8).view(W, 2 * part)).view(torch.bfloat16)
+    mine = got.float().sum(0).div_(W).to(torch.bfloat16)
+    every = comm.allgather(mine.view(torch.uint8)).view(torch.bfloat16)
+    return every.reshape(-1)[:n].float()
 
 
 def dense_values(x: torch.Tensor, params) -> torch.Tensor:

@@ -297,7 +297,9 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
             if slot:
                 names = [p.name for p in params]
                 owed = _sq_norm(x, params, self.memory.peek(slot, names))
-            # warm-up: uncompressed (DGC's dense step still moves its velocity: guarded too)
+            # warm-up: uncompressed (DGC's dense step still moves its velocity: guarded too),
+            # in bf16 on the wire with dense_wire (Adam's warm-up by default)
+            ctx.wire16 = dense and self.dense_wire16()
             method = self.compressor.dense if dense else self.compressor.reduce
             # Adam: compressed in the update's own scale, g / sqrt(v) (hooks/optimizer.py)
             pre = None if dense or self._adam is None else self._adam.scale(params, buf.device)
@@ -448,6 +450,12 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
                                                                                tuple(p.shape)),
             lambda: not self._dense(max(self._step, 0)), names,
             precondition=mode == "precondition", momentum=mode == "momentum")
+
+    def dense_wire16(self) -> bool:
+        """Whether the warm-up's dense steps go as bf16 (``dense_wire``; "auto": with
+        Adam/AdamW bound)."""
+        w = self.config.dense_wire
+        return w == "bfloat16" or (w == "auto" and self._adam is not None)
 
     def adam_mode(self) -> str:
         """What ``adam`` runs with Adam/AdamW. "auto": the method's measured choice
