@@ -47,8 +47,11 @@ def _conservation(rank, world, spec, steps):
     return local, avg, left, state.stats()
 
 
-@pytest.mark.parametrize("spec", ["topk:ratio=0.05", "onebit:chunk=64", "terngrad:error_feedback=true",
-                                  "powersgd:rank=1", "dgc:ratio=0.02"])
+SPECS = ["topk:ratio=0.05", "onebit:chunk=64", "terngrad:error_feedback=true", "powersgd:rank=1",
+         "dgc:ratio=0.02", "threshold:max_ratio=0.05"]
+
+
+@pytest.mark.parametrize("spec", SPECS)
 def test_error_feedback_conserves_mass_through_ddp(spec, spawn):
     """sum_t average_t == mean over ranks of (sum_t local gradient - final memory)."""
     results = spawn(_conservation, 2, args=(spec, 6))

@@ -174,7 +174,7 @@ def test_local_delay_1_is_the_documented_rule(runs):
 
 # ---------------------------------------------------------------- rounds
 SPECS = ["allreduce", "topk:ratio=0.1", "onebit:chunk=64", "powersgd:rank=1", "dgc:ratio=0.1",
-         "dgc:ratio=1,masking=false"]
+         "terngrad", "threshold:max_ratio=0.05", "dgc:ratio=1,masking=false"]
 
 
 def _trajectories(rank, world, specs, steps):
