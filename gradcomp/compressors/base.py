@@ -132,6 +132,9 @@ class Compressor(ABC):
     # Adam's second moment is frozen, "momentum" (Adam's first moment, 1-bit Adam's way) or
     # "freeze" (the gradient), as measured on the GPT workload (bench/RESULTS.md section 8)
     adam_exchange: str = "momentum"
+    # with Adam/AdamW: option defaults of their own where the measurements asked for them
+    # (hooks/options.py's for_optimizer; the user's options win)
+    adam_defaults: dict = {}
 
     def __init__(self, config: MethodConfig):
         self.config = config

@@ -4,11 +4,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ..compressors import METHODS
 from . import optimizer as optimizer_binding
 from .agree import agree, discard, fingerprint, trainable
 from .local import check_local
-from .options import merge_options
+from .options import for_optimizer
 from .state import GradcompState
 from .topology import node_size
 
@@ -140,9 +139,8 @@ def _check_compiled_autograd(model) -> None:
 
 
 def _build_state(model, method, optimizer, group, options) -> GradcompState:
-    name, options = merge_options(method, options)
     # what the method needs from the optimizer (DGC: its momentum) is the method's business
-    config = METHODS[name].config.from_dict(METHODS[name].compressor.prepare(options, optimizer))
+    name, config = for_optimizer(method, options, optimizer)
     optimizer_binding.check_method(name, config, optimizer)
     for mname, mod in model.module.named_modules():
         if isinstance(mod, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and mod.sparse:

@@ -40,9 +40,8 @@ import torch
 import torch.distributed as dist
 
 from ..compressors.base import ParamSlice
-from ..compressors import METHODS
 from . import optimizer as optimizer_binding
-from .options import merge_options
+from .options import for_optimizer
 from .. import comm
 from ..comm import Rider
 from .agree import agree, discard, fingerprint, trainable
@@ -275,8 +274,7 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
         if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= 32:
             raise ValueError(f"invalid lanes={lanes!r}: allowed an integer in [1, 32] (FSDP "
                              f"runs its exchanges in its own reduce step: one lane)")
-        name, opts = merge_options(method, options)
-        config = METHODS[name].config.from_dict(METHODS[name].compressor.prepare(opts, optimizer))
+        name, config = for_optimizer(method, options, optimizer)
         optimizer_binding.check_method(name, config, optimizer)
         _refuse(name, config, scaler, hsdp, optimizer)
         names, numels = trainable(model)

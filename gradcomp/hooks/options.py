@@ -38,6 +38,21 @@ def merge_options(method: str, options: dict) -> tuple[str, dict]:
     return name, {**opts, **options}
 
 
+def for_optimizer(method: str, options: dict, optimizer):
+    """(name, config) as ``register`` builds them: the spec's options and the keywords, the
+    method's measured defaults for Adam/AdamW (``Compressor.adam_defaults``) where the user
+    gave none, then what the method takes from the optimizer (``Compressor.prepare``: DGC's
+    momentum)."""
+    from ..compressors.base import unwrap_optimizer
+    import torch
+    name, opts = merge_options(method, options)
+    comp = METHODS[name].compressor
+    if isinstance(unwrap_optimizer(optimizer), (torch.optim.Adam, torch.optim.AdamW)) \
+            and opts.get("adam", "auto") != "off":
+        opts = {**comp.adam_defaults, **opts}
+    return name, METHODS[name].config.from_dict(comp.prepare(opts, optimizer))
+
+
 def build_config(method: str, **options):
     """The validated config of ``method`` (a name or spec string) with ``options``."""
     name, opts = merge_options(method, options)
