@@ -30,10 +30,32 @@ from __future__ import annotations
 import queue
 import threading
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
 from ..comm import Comm
+
+
+@dataclass
+class Exchange:
+    """One bucket's exchange: what a lane reduces and how. Built by the state's ``submit``
+    (DDP's hook), ``reduce`` (the synchronous path: FSDP, the topology probe) and local
+    steps' outer round; ``_enqueue`` fills in ``event`` and ``rnd``."""
+
+    bucket: int
+    buf: torch.Tensor              # the flat bucket (a copy of it under ``delay``)
+    slices: list                   # a ParamSlice per parameter: name, offset, numel
+    step: int                      # the method's step counter for this exchange
+    params: list | None = None     # the parameters' tensors (DGC's weight decay reads them)
+    scale: torch.Tensor | None = None  # the GradScaler's loss scale the gradients carry
+    live: Any = None               # the compressor's view of which parameters are live
+    plain: Callable | None = None  # a reduce(x, ctx) run instead of the method's (no memory)
+    fut: torch.futures.Future | None = None  # completed with the result
+    delayed: bool = False          # hand back average - local (delayed averaging)
+    event: Any = None              # CUDA: the bucket's ready event, recorded at enqueue
+    rnd: Any = None                # its round in the collective order
 
 class Sequencer:
     """Turns for collectives, in key order, identical on every rank (see module doc).

@@ -55,6 +55,7 @@ import torch
 
 from ..compressors.base import unwrap_optimizer
 from .delayed import _slices
+from .engine import Exchange
 from .optimizer import step_hooks
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
@@ -227,8 +228,8 @@ class Local:
         live = self.compressor.live([s.name for s in slices]) if plain is None else None
         lane = self._lanes[bucket % len(self._lanes)]
         fut = torch.futures.Future(devices=[x.device] if x.is_cuda else None)
-        self._enqueue(lane, bucket, last, (bucket, x, slices, tensors, step, None, live, plain),
-                      fut, False)
+        self._enqueue(lane, Exchange(bucket, x, slices, step, params=tensors, live=live,
+                                     plain=plain, fut=fut), last)
         return fut
 
     def _outer_apply(self, rnd: _Round, progress) -> None:

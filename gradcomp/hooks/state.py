@@ -34,7 +34,7 @@ from ..config import MethodConfig
 from ..memory import ParamMemory
 from .checkpoint import Checkpoint
 from .delayed import Delayed, _Pending, _slices
-from .engine import Lane, Sequencer, Ticket
+from .engine import Exchange, Lane, Sequencer, Ticket
 from .guard import Guard
 from . import optimizer as optimizer_binding
 from .local import Local, _node_average
@@ -248,14 +248,15 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
         step = self._begin(bucket)
         self._warmup_observe(step, x, params)
         live = self.compressor.live([base_name(p.name) for p in params])  # (HSDP: pieces)
-        return self._reduce(self._lanes[0], x, list(params), bucket, param_tensors, step,
-                            live=live)
+        return self._reduce(self._lanes[0], Exchange(bucket, x, list(params), step,
+                                                     params=param_tensors, live=live))
 
-    def _reduce(self, lane, buf, params, bucket, param_tensors, step, scale=None, live=None,
-                plain=None):
-        """One bucket's exchange on ``lane``. ``plain``: a reduce(x, ctx) run instead of the
-        method's, without memory or guard (local_steps: an inner step's node average, the
+    def _reduce(self, lane, ex: Exchange):
+        """One bucket's exchange on ``lane``. ``ex.plain``: a reduce(x, ctx) run instead of
+        the method's, without memory or guard (local_steps: an inner step's node average, the
         buffers' average)."""
+        buf, params, bucket, param_tensors = ex.buf, ex.slices, ex.bucket, ex.params
+        step, scale, live, plain = ex.step, ex.scale, ex.live, ex.plain
         if bucket == 0 and self._writer is not None:
             # the last step every exchange of which has finished by now
             self._write_scalars(step - 1 - self.config.delay)
@@ -372,8 +373,8 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
                 fut.set_result(buf)
                 return fut
             lane = self._lanes[bucket % len(self._lanes)]
-            self._enqueue(lane, bucket, last, (bucket, buf, slices, None, self.step, None, None,
-                                               _node_average), fut, False)
+            self._enqueue(lane, Exchange(bucket, buf, slices, self.step, plain=_node_average,
+                                         fut=fut), last)
             return fut
         step = self._begin(bucket)
         scale = self._scale()
@@ -396,8 +397,8 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
             self.trace.append(("submit", bucket, now, now))
         if D == 0:
             fut = torch.futures.Future(devices=devices)
-            self._enqueue(lane, bucket, last,
-                          (bucket, buf, slices, list(params), step, scale, live, None), fut, False)
+            self._enqueue(lane, Exchange(bucket, buf, slices, step, params=list(params),
+                                         scale=scale, live=live, fut=fut), last)
             return fut
         # Delayed averaging: exchange a copy in the background, apply the local gradient now
         # plus the correction (average - local) of step - D. The copy, and the parameters
@@ -409,8 +410,8 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
         if self.compressor.reads_params(live):
             tensors = [p.detach().clone() for p in params]
         job = torch.futures.Future(devices=devices)  # its wait orders after the lane's stream
-        self._enqueue(lane, bucket, last,
-                      (bucket, buf.clone(), slices, tensors, step, None, live, None), job, True)
+        self._enqueue(lane, Exchange(bucket, buf.clone(), slices, step, params=tensors, live=live,
+                                     fut=job, delayed=True), last)
         self._pending.append(_Pending(step, slices, job))
         corr = self._take(step - D, slices, buf)
         if corr is not None:
@@ -419,15 +420,15 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
         fut.set_result(buf)
         return fut
 
-    def _enqueue(self, lane, bucket, last, work, fut, delayed) -> None:
+    def _enqueue(self, lane, ex: Exchange, last: bool) -> None:
         """Open the exchange's place in the order and queue it, after everything it reads was
-        enqueued on this stream (the ready event is recorded last)."""
-        event = None
-        if work[1].is_cuda:
-            event = torch.cuda.Event()
-            event.record()
-        rnd = self._seq.open(bucket, last)
-        self._put(lane, (*work, event, fut, delayed, rnd))
+        enqueued on this stream (the ready event is recorded last). ``last``: DDP's last
+        bucket of this backward pass (it closes the round)."""
+        if ex.buf.is_cuda:
+            ex.event = torch.cuda.Event()
+            ex.event.record()
+        ex.rnd = self._seq.open(ex.bucket, last)
+        self._put(lane, ex)
 
     def _scale(self):
         """The loss scale the current gradients carry (a copy: the scaler updates it in place
@@ -500,11 +501,11 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
 
     def _worker(self, lane: Lane):
         while True:
-            job = lane.queue.get()
-            if job is None:
+            ex = lane.queue.get()
+            if ex is None:
                 return
-            bucket, buf, slices, params, step, scale, live, plain, event, fut, delayed, rnd = job
-            ticket = Ticket(self._seq, rnd, bucket, TURN_TIMEOUT_S)
+            buf, fut, delayed = ex.buf, ex.fut, ex.delayed
+            ticket = Ticket(self._seq, ex.rnd, ex.bucket, TURN_TIMEOUT_S)
             if self._error is not None:
                 ticket.close()
                 fut.set_exception(RuntimeError(f"gradcomp: an earlier exchange failed: {self._error}"))
@@ -513,17 +514,17 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
             try:
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                     if stream is not None:  # the codec runs after backward made the bucket
-                        stream.wait_event(event)
+                        stream.wait_event(ex.event)
                         buf.record_stream(stream)
                     local = buf.clone() if delayed else None
                     t0 = time.perf_counter()
                     lane.set_ticket(ticket)
-                    with torch.profiler.record_function(f"gradcomp.{self.method}.bucket{bucket}"):
-                        out = self._reduce(lane, buf, slices, bucket, params, step, scale, live,
-                                           plain)
+                    with torch.profiler.record_function(
+                            f"gradcomp.{self.method}.bucket{ex.bucket}"):
+                        out = self._reduce(lane, ex)
                     ticket.close()  # as soon as it issues no more (again in finally: a no-op)
                     if self.trace is not None:
-                        self.trace.append(("exchange", bucket, t0, time.perf_counter()))
+                        self.trace.append(("exchange", ex.bucket, t0, time.perf_counter()))
                     # on CUDA the future records the lane stream's work: DDP's wait orders after it
                     fut.set_result(out.sub_(local) if delayed else out)
             except BaseException as exc:  # noqa: BLE001  (handed to DDP, which re-raises)
