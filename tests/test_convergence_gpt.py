@@ -1,18 +1,21 @@
 """AdamW on a transformer: the adam-aware default holds where Adam on compressed gradients
 does not. A 0.1M-parameter GPT (gradcomp_bench.models.gpt_tiny) on the pycode character
 corpus, 2 gloo ranks, AdamW (betas 0.9/0.95, decay 0.1 on matrices), warm-up + cosine,
-clipping at 1, 300 steps, onebit at its defaults (the adaptive warm-up, then compressed with
-Adam's second moment frozen: hooks/optimizer.py) against allreduce and against the ablation
-``adam=off``.
+clipping at 1, 300 steps, onebit at its defaults (the adaptive warm-up in bf16, then Adam's
+second moment frozen and its first moment exchanged with 1-bit compression: hooks/optimizer.py)
+against allreduce and against the ablation ``adam=off``.
 
 Margins from three seeds (validation loss, nats per character; seeds 0 / 1 / 2):
-  allreduce           2.2311 / 2.2352 / 2.2126
-  onebit (default)    2.2441 / 2.2451 / 2.2551   (+0.013 / +0.010 / +0.042 over allreduce)
-  onebit, adam=off    2.2699 / 2.2643 / 2.2881   (+0.026 / +0.019 / +0.033 over the default)
-  terngrad (default)  2.2122 / 2.2033 / 2.1947   (-0.019 / -0.032 / -0.018 against allreduce)
+  allreduce                  2.2311 / 2.2352 / 2.2126
+  onebit (default)           2.2515 / 2.2478 / 2.2211   (+0.020 / +0.013 / +0.009 over allreduce)
+  onebit, adam=freeze        2.2501 / 2.2373 / 2.2539   (the gradient exchanged instead)
+  onebit, dense_wire=float32 2.2515 / 2.2491 / 2.2229   (the warm-up in fp32: bf16 costs nothing)
+  onebit, adam=off           2.2699 / 2.2643 / 2.2881   (+0.018 / +0.017 / +0.067 over the default)
+  terngrad (default)         2.2060 / 2.2160 / 2.1988   (-0.025 / -0.019 / -0.014 against allreduce)
 The test takes seeds 0 and 1 and asks, on their mean, onebit within 0.06 of allreduce, the
-ablation at least 0.01 above onebit, and terngrad (what docs/adam.md recommends with AdamW:
-it held on the 2000-step GPT) within 0.02 of allreduce.
+ablation at least 0.01 above onebit, and terngrad within 0.02 of allreduce. (At 300 steps
+on this model the two exchanges are within noise of each other; the 2000-step GPT separates
+them: bench/RESULTS.md section 8.)
 """
 import pytest
 
