@@ -7,12 +7,14 @@ against allreduce and against the ablation ``adam=off``.
 
 Margins from three seeds (validation loss, nats per character; seeds 0 / 1 / 2):
   allreduce                  2.2311 / 2.2352 / 2.2126
-  onebit (default)           2.2515 / 2.2478 / 2.2211   (+0.020 / +0.013 / +0.009 over allreduce)
-  onebit, adam=freeze        2.2501 / 2.2373 / 2.2539   (the gradient exchanged instead)
-  onebit, dense_wire=float32 2.2515 / 2.2491 / 2.2229   (the warm-up in fp32: bf16 costs nothing)
-  onebit, adam=off           2.2699 / 2.2643 / 2.2881   (+0.018 / +0.017 / +0.067 over the default)
+  onebit (default: chunk=64 with AdamW)
+                             2.2344 / 2.2414 / 2.2193   (+0.003 / +0.006 / +0.007 over allreduce)
+  onebit, adam=freeze        2.2385 / 2.2361 / 2.2482   (the gradient exchanged instead)
+  onebit, chunk=256          2.2515 / 2.2478 / 2.2211   (the SGD default's chunk; with the warm-up
+                                                          in fp32: 2.2515 / 2.2491 / 2.2229)
+  onebit, adam=off           2.2699 / 2.2643 / 2.2881   (+0.036 / +0.023 / +0.069 over the default)
   terngrad (default)         2.2060 / 2.2160 / 2.1988   (-0.025 / -0.019 / -0.014 against allreduce)
-The test takes seeds 0 and 1 and asks, on their mean, onebit within 0.06 of allreduce, the
+The test takes seeds 0 and 1 and asks, on their mean, onebit within 0.03 of allreduce, the
 ablation at least 0.01 above onebit, and terngrad within 0.02 of allreduce. (At 300 steps
 on this model the two exchanges are within noise of each other; the 2000-step GPT separates
 them: bench/RESULTS.md section 8.)
@@ -46,7 +48,7 @@ def test_adamw_gpt_terngrad_and_onebit_hold_and_the_ablation_does_not(corpus):
     runs = {m: [_val(corpus, m, s) for s in (0, 1)]
             for m in ("allreduce", "onebit", "onebit:adam=off", "terngrad")}
     mean = {m: sum(r["val_loss"] for r in rs) / len(rs) for m, rs in runs.items()}
-    assert mean["onebit"] - mean["allreduce"] < 0.06, mean
+    assert mean["onebit"] - mean["allreduce"] < 0.03, mean
     assert mean["onebit:adam=off"] - mean["onebit"] > 0.01, mean
     assert mean["terngrad"] - mean["allreduce"] < 0.02, mean
     for r in runs["onebit"]:  # compressed after the adaptive warm-up
