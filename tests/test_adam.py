@@ -182,7 +182,7 @@ def test_ddp_adamw_ranks_agree_and_v_frozen_for_compressed_parameters(spawn):
             assert frozen == compressed, (spec, name)
 
 
-def _moment_identity(rank, world, specs):
+def _moment_identity(rank, world, specs, kind="adamw"):
     """Per compressed step and parameter, the largest |avg_i(beta1 m + (1 - beta1) g_i +
     e_i - e_i') - m_new| over ranks' local gradients g_i and residuals before/after (e, e';
     onebit's second compression adds its owners' server residuals),
@@ -194,16 +194,24 @@ def _moment_identity(rank, world, specs):
         model = DDP(net, bucket_cap_mb=0.004)
         groups = [{"params": [p for p in net.parameters() if p.dim() >= 2], "betas": (0.8, 0.95)},
                   {"params": [p for p in net.parameters() if p.dim() < 2], "weight_decay": 0.0}]
-        opt = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+        if kind == "adamw":
+            opt = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+        else:  # Adam's L2 decay enters m (g + wd w); maximize flips g
+            opt = torch.optim.Adam(groups, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1,
+                                   maximize=kind == "maximize")
         state = gradcomp.register(model, spec, optimizer=opt, min_numel=0, dense_steps=2)
         named = dict(net.named_parameters())
-        beta = {n: g["betas"][0] for g in opt.param_groups for n, p in named.items()
-                if any(p is q for q in g["params"])}
+        group = {n: g for g in opt.param_groups for n, p in named.items()
+                 if any(p is q for q in g["params"])}
+        beta = {n: g["betas"][0] for n, g in group.items()}
+        l2 = {n: 0.0 if kind == "adamw" else g["weight_decay"] for n, g in group.items()}
+        sign = -1.0 if kind == "maximize" else 1.0
         worst, term = 0.0, 0.0
         for step in range(6):
             x, y = batch(rank, step)
             local = torch.autograd.grad(nn.functional.cross_entropy(net(x), y), list(named.values()))
             before = {n: opt.state[p]["exp_avg"].clone() for n, p in named.items() if p in opt.state}
+            w = {n: p.detach().clone() for n, p in named.items()}
             e0, s0 = ([None if e is None else e.clone() for e in state.memory.peek(slot, list(named))]
                       for slot in ("residual", "server_residual"))
             opt.zero_grad()
@@ -218,7 +226,7 @@ def _moment_identity(rank, world, specs):
                 owed = (a if a is not None else torch.zeros_like(b)).reshape(p.shape) - b.reshape(p.shape)
                 if d is not None:  # onebit's second compression: each rank owns a part of it
                     owed += world * ((c if c is not None else torch.zeros_like(d)) - d).reshape(p.shape)
-                mine = beta[n] * before[n] + (1 - beta[n]) * g + owed
+                mine = beta[n] * before[n] + (1 - beta[n]) * (sign * g + l2[n] * w[n]) + owed
                 dist.all_reduce(mine)
                 worst = max(worst, float((mine / world - opt.state[p]["exp_avg"]).abs().max()))
                 term = max(term, float(owed.abs().max()))
@@ -235,6 +243,18 @@ def test_momentum_mode_exchanges_adams_first_moment_with_error_feedback(spawn):
     residual term (so the check can fail)."""
     specs = ["onebit:chunk=16", "topk:ratio=0.2", "onebit:chunk=16,adam=freeze", "terngrad"]
     out = spawn(_moment_identity, 2, args=(specs,), timeout=240)
+    _check_identity(out)
+
+
+@pytest.mark.parametrize("kind", ["adam_l2", "maximize"])
+def test_momentum_exchange_with_adams_l2_decay_and_maximize(kind, spawn):
+    """Adam's L2 weight decay goes into m (beta1 m + (1 - beta1) (g + wd w)) and maximize
+    negates g: the exchanged moment is the one Adam's step builds from them."""
+    specs = ["onebit:chunk=16", "topk:ratio=0.2", "onebit:chunk=16,adam=freeze", "terngrad"]
+    _check_identity(spawn(_moment_identity, 2, args=(specs, kind), timeout=240))
+
+
+def _check_identity(out):
     for rank in out:
         (w1, t1, m1), (w2, t2, m2), (w3, t3, m3), (_, _, m4) = rank
         assert (m1, m2, m3, m4) == ("momentum", "momentum", "freeze", "freeze")
