@@ -30,7 +30,8 @@ is the same on every rank: the collective order needs no tickets here. Every par
 through every step (``set_reduce_scatter_unused_params(True)``: a parameter without a
 gradient sends zeros, as DDP's ``find_unused_parameters``), so a bucket's layout never changes.
 Refused with a message: ``delay``, ``local_steps``, ``topology=hierarchical`` (HSDP is the
-hierarchy), ``scaler`` (use bf16 mixed precision), ``adam='precondition'``, ``dgc`` with
+hierarchy), ``scaler`` (use bf16 mixed precision), ``adam='precondition'``/``'momentum'``
+(``'auto'`` runs ``'freeze'``: a rank holds only its shard of Adam's moments), ``dgc`` with
 weight decay on a 1-D mesh (it reads parameter values a rank does not hold), a parameter
 sharded on a dim other than 0, several FSDP parameter groups in one ``fully_shard``.
 """
