@@ -194,7 +194,7 @@ def _moment_identity(rank, world, specs, kind="adamw"):
         model = DDP(net, bucket_cap_mb=0.004)
         groups = [{"params": [p for p in net.parameters() if p.dim() >= 2], "betas": (0.8, 0.95)},
                   {"params": [p for p in net.parameters() if p.dim() < 2], "weight_decay": 0.0}]
-        if kind == "adamw":
+        if kind in ("adamw", "cycled"):
             opt = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
         else:  # Adam's L2 decay enters m (g + wd w); maximize flips g
             opt = torch.optim.Adam(groups, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1,
@@ -204,10 +204,15 @@ def _moment_identity(rank, world, specs, kind="adamw"):
         group = {n: g for g in opt.param_groups for n, p in named.items()
                  if any(p is q for q in g["params"])}
         beta = {n: g["betas"][0] for n, g in group.items()}
-        l2 = {n: 0.0 if kind == "adamw" else g["weight_decay"] for n, g in group.items()}
+        l2 = {n: 0.0 if kind in ("adamw", "cycled") else g["weight_decay"]
+              for n, g in group.items()}
         sign = -1.0 if kind == "maximize" else 1.0
         worst, term = 0.0, 0.0
         for step in range(6):
+            if kind == "cycled":  # what OneCycleLR's cycle_momentum does to Adam's beta1
+                for g in opt.param_groups:
+                    g["betas"] = (0.95 - 0.02 * step, g["betas"][1])
+                beta = {n: g["betas"][0] for n, g in group.items()}
             x, y = batch(rank, step)
             local = torch.autograd.grad(nn.functional.cross_entropy(net(x), y), list(named.values()))
             before = {n: opt.state[p]["exp_avg"].clone() for n, p in named.items() if p in opt.state}
@@ -246,10 +251,11 @@ def test_momentum_mode_exchanges_adams_first_moment_with_error_feedback(spawn):
     _check_identity(out)
 
 
-@pytest.mark.parametrize("kind", ["adam_l2", "maximize"])
-def test_momentum_exchange_with_adams_l2_decay_and_maximize(kind, spawn):
-    """Adam's L2 weight decay goes into m (beta1 m + (1 - beta1) (g + wd w)) and maximize
-    negates g: the exchanged moment is the one Adam's step builds from them."""
+@pytest.mark.parametrize("kind", ["adam_l2", "maximize", "cycled"])
+def test_momentum_exchange_with_adams_l2_decay_maximize_and_a_beta1_schedule(kind, spawn):
+    """Adam's L2 weight decay goes into m (beta1 m + (1 - beta1) (g + wd w)), maximize
+    negates g, and a scheduler may move beta1 every step (OneCycleLR's cycle_momentum): the
+    exchanged moment is the one Adam's step builds from them."""
     specs = ["onebit:chunk=16", "topk:ratio=0.2", "onebit:chunk=16,adam=freeze", "terngrad"]
     _check_identity(spawn(_moment_identity, 2, args=(specs, kind), timeout=240))
 

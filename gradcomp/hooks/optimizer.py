@@ -347,8 +347,14 @@ class FrozenVariance:
         per bucket (the coefficients are cached per layout)."""
         if not self.momentum_mode:
             return None
-        key = (tuple((p.name, p.offset, p.numel) for p in params), str(device))
+        # the groups' beta1, weight decay and maximize are part of the key: a scheduler may
+        # move beta1 (OneCycleLR's cycle_momentum does, with Adam)
+        hyper = tuple((g["betas"][0], g["weight_decay"], g.get("maximize", False))
+                      for g in self.optimizer.param_groups)
+        key = (tuple((p.name, p.offset, p.numel) for p in params), str(device), hyper)
         hit = self._moments.get(key)
+        if hit is None and len(self._moments) > 64:  # a beta1 schedule: keep the cache small
+            self._moments.clear()
         if hit is None:
             hit, complete = self._moment_layout(params, device)
             if complete:  # else a compressed parameter has no Adam state yet: built again
