@@ -89,10 +89,11 @@ _warned: set = set()
 FROZEN_KEY = "gradcomp_frozen_step"  # in optimizer.state[p]: the Adam step v was frozen at
 
 
-def held(mode_of=lambda m: METHODS[m].compressor.adam_exchange) -> list[str]:
+def held() -> list[str]:
     """The methods whose defaults held with AdamW (within HOLDS_PCT) where measured; TernGrad
     (unbiased, measured below allreduce) first."""
-    good = [m for (m, mode), gap in ADAM_GAP_PCT.items() if gap <= HOLDS_PCT and mode == mode_of(m)]
+    good = [m for (m, mode), gap in ADAM_GAP_PCT.items()
+            if gap <= HOLDS_PCT and mode == METHODS[m].compressor.adam_exchange]
     return ["terngrad"] + sorted(good)
 
 
@@ -365,21 +366,21 @@ class FrozenVariance:
         ms = [m if isinstance(m, torch.Tensor) else self.optimizer.state[m[0]]["exp_avg"]
               .detach().reshape(-1) for m in pieces]
         b = torch.cat([m.to(torch.float32) for m in ms]).mul_(beta1)
-        if l2 is not None:
+        if l2 is not None:  # the parameters' values, laid out as their moments
             ws = [w if isinstance(w, torch.Tensor) else w[0].detach().reshape(-1)
-                  for w in l2[0]]
-            b.addcmul_(torch.cat([w.to(torch.float32) for w in ws]), l2[1])
+                  for w in pieces]
+            b.addcmul_(torch.cat([w.to(torch.float32) for w in ws]), l2)
         return a, b
 
     def _moment_layout(self, params, device):
-        """((pieces, a, beta1 per element, L2 (pieces, coefficient) or None), complete) for
+        """((pieces, a, beta1 per element, L2 coefficient per element or None), complete) for
         a bucket: a piece is (parameter,) where its exp_avg goes, a zero tensor elsewhere;
         ``complete``: every compressed parameter has its Adam state (cacheable)."""
         n = max((p.offset + p.numel for p in params), default=0)
         a = torch.ones(n, dtype=torch.float32)
         beta = torch.zeros(n, dtype=torch.float32)
         wdc = torch.zeros(n, dtype=torch.float32)
-        pieces, wpieces, at, any_l2, complete = [], [], 0, False, True
+        pieces, at, any_l2, complete = [], 0, False, True
         decoupled = isinstance(self.optimizer, torch.optim.AdamW)
         for sl in sorted(params, key=lambda s: s.offset):
             entry = self._by_name.get(sl.name)
@@ -389,9 +390,7 @@ class FrozenVariance:
                 continue
             p, group = entry
             if sl.offset > at:
-                gap = torch.zeros(sl.offset - at, dtype=torch.float32, device=device)
-                pieces.append(gap)
-                wpieces.append(gap)
+                pieces.append(torch.zeros(sl.offset - at, dtype=torch.float32, device=device))
             beta1 = float(group["betas"][0])
             sign = -1.0 if group.get("maximize") else 1.0
             span = slice(sl.offset, sl.offset + sl.numel)
@@ -400,16 +399,13 @@ class FrozenVariance:
             if wd and not (decoupled or group.get("decoupled_weight_decay")):
                 wdc[span], any_l2 = (1 - beta1) * wd, True
             pieces.append((p,))
-            wpieces.append((p,))
             at = sl.offset + sl.numel
         if not pieces:
             return ([], None, None, None), complete
         if n > at:
-            tail = torch.zeros(n - at, dtype=torch.float32, device=device)
-            pieces.append(tail)
-            wpieces.append(tail)
+            pieces.append(torch.zeros(n - at, dtype=torch.float32, device=device))
         return (pieces, a.to(device), beta.to(device),
-                (wpieces, wdc.to(device)) if any_l2 else None), complete
+                wdc.to(device) if any_l2 else None), complete
 
     def _post(self, optimizer=None, args=None, kwargs=None) -> None:
         for p, g in self._hidden:

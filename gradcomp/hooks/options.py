@@ -43,12 +43,10 @@ def for_optimizer(method: str, options: dict, optimizer):
     method's measured defaults for Adam/AdamW (``Compressor.adam_defaults``) where the user
     gave none, then what the method takes from the optimizer (``Compressor.prepare``: DGC's
     momentum)."""
-    from ..compressors.base import unwrap_optimizer
-    import torch
+    from .optimizer import is_adam
     name, opts = merge_options(method, options)
     comp = METHODS[name].compressor
-    if isinstance(unwrap_optimizer(optimizer), (torch.optim.Adam, torch.optim.AdamW)) \
-            and opts.get("adam", "auto") != "off":
+    if is_adam(optimizer) and opts.get("adam", "auto") != "off":
         opts = {**comp.adam_defaults, **opts}
     return name, METHODS[name].config.from_dict(comp.prepare(opts, optimizer))
 
