@@ -186,7 +186,7 @@ def _trajectories(rank, world, specs, steps):
             _step(model, opt, rank, step)
             traj.append(_flat(net))
             bufs.append(net.body[1].running_mean.clone())
-            glob.append(torch.cat(state._start).clone() if state._start else None)
+            glob.append(torch.cat(state.rounds.start).clone() if state.rounds.start else None)
         flushed = None
         if state.config.local_delay:
             state.flush()
@@ -258,7 +258,7 @@ def _bf16(rank, world):
         nn.functional.cross_entropy(model(x.bfloat16()), y).backward()
         opt.step()
         traj.append(_flat(net))
-        glob.append(torch.cat(state._start).clone())
+        glob.append(torch.cat(state.rounds.start).clone())
     return traj, glob, _flat(net).dtype
 
 

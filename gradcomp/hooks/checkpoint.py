@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from .delayed import _Pending
 from .topology import SEP, base_name
 
 # the layout of state_dict(); checkpoints without a "format" key (gradcomp <= 0.1) are format 1
@@ -93,7 +92,7 @@ def check_checkpoint(sd, state) -> None:
     if not isinstance(mem, dict) or not isinstance(mem.get("flat"), dict) \
             or not isinstance(mem.get("tensors"), dict):
         raise _bad("memory", type(mem).__name__, "a dict with 'flat' and 'tensors' dicts")
-    known = set(state._param_names.values())
+    known = set(state.param_names.values())
     for part in ("flat", "tensors"):
         for slot, d in mem[part].items():
             if not isinstance(d, dict):
@@ -111,7 +110,7 @@ def check_checkpoint(sd, state) -> None:
             if known and base_name(name) not in known:
                 raise ValueError(f"gradcomp checkpoint: pending[{i}] holds a correction for "
                                  f"parameter {name!r}, which this model lacks")
-            want = state._param_numels.get(name) if not state.local_size else None
+            want = state.param_numels.get(name) if not state.local_size else None
             _check_tensor(f"pending[{i}] correction of {name!r}", c, want)
     wu = sd.get("warmup")
     if wu is not None:
@@ -132,152 +131,134 @@ def check_checkpoint(sd, state) -> None:
             if not (isinstance(e, (list, tuple)) and len(e) == 3
                     and isinstance(e[2], torch.Tensor)):
                 raise _bad("a warmup entry", e, "(step, parameter names, squared norms)")
-    state._check_compatible(sd)
+    _check_compatible(state, sd)
 
 
-class Checkpoint:
-    """Mixin of GradcompState."""
+def state_dict(state) -> dict:
+    """Everything needed to resume ``state`` exactly, assembled from its components' own
+    ``state_dict()``: memory by parameter name (memory.py), the step counter, the delayed
+    exchanges still to be applied (delayed.py, waited for first), with local_steps the
+    rounds' state (local_steps.py) and the adaptive warm-up's (warmup.py). ``format`` names
+    this layout; ``rank`` the rank that wrote it (each rank's memory is its own: a
+    checkpoint loads into the rank that wrote it); ``digest`` a SHA-256 of every tensor,
+    checked on load."""
+    sd = {"format": FORMAT, "method": state.method, "config": state.config.to_dict(),
+          "world_size": state.world_size, "rank": _rank(state),
+          "ranks_per_node": state.local_size,
+          "step": state.step, "memory": state.memory.state_dict(),
+          "pending": state.delay.state_dict(),
+          "local": state.rounds.state_dict(), "warmup": state.warmup.state_dict(),
+          "exchanges": exchanged(state)}
+    sd["digest"] = tensor_digest(sd)
+    return sd
 
-    def state_dict(self) -> dict:
-        """Everything needed to resume exactly: memory by parameter name, the step counter,
-        the delayed exchanges still to be applied (waited for first) and, with local_steps,
-        the rounds' state (hooks/local.py) and the adaptive warm-up's (hooks/warmup.py).
-        ``format`` names this layout; ``rank`` the rank that wrote it (each rank's memory is
-        its own: a checkpoint loads into the rank that wrote it); ``digest`` a SHA-256 of
-        every tensor, checked on load."""
-        pending = [{"step": e.step, "corrections": {n: c.clone() for n, c in e.owed()}}
-                   for e in self._pending]
-        sd = {"format": FORMAT, "method": self.method, "config": self.config.to_dict(),
-              "world_size": self.world_size, "rank": _rank(self),
-              "ranks_per_node": self.local_size,
-              "step": self.step, "memory": self.memory.state_dict(), "pending": pending,
-              "local": self.local_state_dict(), "warmup": self.warmup_state_dict(),
-              "exchanges": self._exchanged()}
-        sd["digest"] = tensor_digest(sd)
-        return sd
 
-    def load_state_dict(self, sd: dict) -> None:
-        """Load a checkpoint of :meth:`state_dict`: all of it, or (ValueError/TypeError naming
-        what is wrong) nothing: every part is checked before the state is touched. Exchanges
-        still in flight are waited for first, so loading into a state that has run steps is
-        a fresh-process resume."""
-        check_checkpoint(sd, self)
-        self.drain()
-        self._load(sd)
+def load_state_dict(state, sd: dict) -> None:
+    """Load a checkpoint of :func:`state_dict`: all of it, or (ValueError/TypeError naming
+    what is wrong) nothing: every part is checked before the state is touched. Exchanges
+    still in flight are waited for first, so loading into a state that has run steps is a
+    fresh-process resume."""
+    check_checkpoint(sd, state)
+    state.drain()
+    restore(state, sd)
 
-    def _check_compatible(self, sd: dict) -> None:
-        """Method, options, world size, topology and model: those of this state."""
-        # options added since a checkpoint was written take their defaults; the topology is
-        # compared as resolved (ranks per node), below, and the warm-up as the rule that runs
-        # (a checkpoint's "adaptive" is today's "auto" at local_steps=1)
-        saved = {**type(self.config)().to_dict(), **sd.get("config", {})}
-        mine = self.config.to_dict()
-        for k in ("topology", "local_size", "adam"):  # adam: as it runs, in _check_adam
-            saved.pop(k), mine.pop(k)
-        if saved["warmup"] == "auto":
-            saved["warmup"] = "none" if saved["local_steps"] > 1 else "adaptive"
-        mine["warmup"] = self.config.warmup_rule
-        if sd.get("method") != self.method or saved != mine:
-            raise ValueError(f"checkpoint is for method {sd.get('method')!r} with {sd.get('config')}; "
-                             f"this state runs {self.method!r} with {self.config.to_dict()}")
-        self._check_adam(sd)
-        if sd.get("world_size") != self.world_size:
-            raise ValueError(f"checkpoint was saved with world size {sd.get('world_size')}; "
-                             f"this job has {self.world_size}: residuals do not transfer")
-        saved_local = sd.get("ranks_per_node", 0)
-        if saved_local != self.local_size:
-            def topo(n):
-                return f"hierarchical with {n} ranks per node" if n else "flat"
-            raise ValueError(f"checkpoint was saved with topology {topo(saved_local)}; this job "
-                             f"runs {topo(self.local_size)}: its memory is kept per shard of "
-                             f"that topology; set topology=/local_size= as when it was saved")
-        known = set(self._param_names.values())
-        unknown = self.memory_names(sd) - known if known else set()
-        pieces = {n for n in self._param_numels if SEP in n}  # HSDP: this rank's shards
-        saved_pieces = any(SEP in n for part in sd["memory"].values() for d in part.values()
-                           for n in d)
-        if saved_pieces and not (pieces or self.local_size) or (pieces and sd["memory"]["flat"]
-                                                                and not saved_pieces):
-            def kind(p):
-                return "per shard (HSDP)" if p else "per whole parameter (DDP or 1-D FSDP)"
-            raise ValueError(f"checkpoint holds memory {kind(saved_pieces)}; this state keeps "
-                             f"it {kind(bool(pieces))}: resume with the parallelism it was "
-                             f"saved with")
-        if pieces:
-            unknown |= {n for part in sd["memory"].values() for d in part.values() for n in d
-                        if SEP in n and n not in pieces}
-        if unknown:
-            raise ValueError(f"checkpoint holds state for parameters this model lacks: "
-                             f"{', '.join(sorted(unknown)[:5])}")
-        for slot, d in sd["memory"]["flat"].items():
-            scalar = slot in self.compressor.scalar_slots  # one value per parameter
-            for name, v in d.items():
-                want = self._param_numels.get(name)  # (a shard's piece: checked above)
-                want = 1 if scalar and want is not None else want
-                if want is not None and v.numel() != want:
-                    raise ValueError(f"checkpoint slot {slot!r} holds {v.numel()} elements for "
-                                     f"parameter {name!r}; this model's has {want}")
 
-    def _exchanged(self) -> str:
-        """What the method's residuals are made of: "gradient", or with Adam bound Adam's
-        first moment ("momentum") or the preconditioned gradient ("precondition")."""
-        mode = self.adam_mode() if self._adam is not None else "off"
-        return mode if mode in ("momentum", "precondition") else "gradient"
+def restore(state, sd: dict) -> None:
+    """Hand each component its part of a checked checkpoint."""
+    state.memory.load_state_dict(sd["memory"])
+    if state.adam is not None:
+        state.adam.reset()
+    state.resume_at(sd["step"])
+    state.delay.load_state_dict(sd.get("pending", []))
+    state.rounds.load_state_dict(sd.get("local"))
+    state.warmup.load_state_dict(sd.get("warmup"))
 
-    def _check_adam(self, sd: dict) -> None:
-        """A checkpoint with residuals loads only into a state that exchanges the same kind
-        of values (:meth:`_exchanged`). Checkpoints written before the key existed ran
-        adam="auto" as "freeze": the gradient."""
-        if not any(sd["memory"]["flat"].values()):
-            return
-        saved = sd.get("exchanges")
-        if saved is None:
-            adam = sd.get("config", {}).get("adam", "auto")
-            saved = "precondition" if adam == "precondition" else "gradient"
-        mine = self._exchanged()
-        if saved != mine:
-            how = {"gradient": "'freeze' (or without Adam: any)", "momentum": "'momentum'",
-                   "precondition": "'precondition'"}
-            raise ValueError(f"checkpoint's residuals are of the {saved} (its job exchanged "
-                             f"that); this job exchanges the {mine} (adam={self.config.adam!r}, "
-                             f"running {self.adam_mode()!r}): register with adam={how[saved]} "
-                             f"to resume it")
 
-    def _load(self, sd: dict) -> None:
-        self.memory.load_state_dict(sd["memory"])
-        if self._adam is not None:
-            self._adam.reset()
-        self._step = sd["step"] - 1
-        self._written = max(self._written, self._step)
-        self._pending = [_Pending.done(p["step"], p["corrections"]) for p in sd.get("pending", [])]
-        self.load_local_state_dict(sd.get("local"))
-        self.load_warmup_state_dict(sd.get("warmup"))
+def _check_compatible(state, sd: dict) -> None:
+    """Method, options, world size, topology and model: those of this state."""
+    # options added since a checkpoint was written take their defaults; the topology is
+    # compared as resolved (ranks per node), below, and the warm-up as the rule that runs
+    # (a checkpoint's "adaptive" is today's "auto" at local_steps=1)
+    config = state.config
+    saved = {**type(config)().to_dict(), **sd.get("config", {})}
+    mine = config.to_dict()
+    for k in ("topology", "local_size", "adam"):  # adam: as it runs, in _check_adam
+        saved.pop(k), mine.pop(k)
+    if saved["warmup"] == "auto":
+        saved["warmup"] = "none" if saved["local_steps"] > 1 else "adaptive"
+    mine["warmup"] = config.warmup_rule
+    if sd.get("method") != state.method or saved != mine:
+        raise ValueError(f"checkpoint is for method {sd.get('method')!r} with {sd.get('config')}; "
+                         f"this state runs {state.method!r} with {config.to_dict()}")
+    _check_adam(state, sd)
+    if sd.get("world_size") != state.world_size:
+        raise ValueError(f"checkpoint was saved with world size {sd.get('world_size')}; "
+                         f"this job has {state.world_size}: residuals do not transfer")
+    saved_local = sd.get("ranks_per_node", 0)
+    if saved_local != state.local_size:
+        def topo(n):
+            return f"hierarchical with {n} ranks per node" if n else "flat"
+        raise ValueError(f"checkpoint was saved with topology {topo(saved_local)}; this job "
+                         f"runs {topo(state.local_size)}: its memory is kept per shard of "
+                         f"that topology; set topology=/local_size= as when it was saved")
+    known = set(state.param_names.values())
+    unknown = memory_names(sd) - known if known else set()
+    pieces = {n for n in state.param_numels if SEP in n}  # HSDP: this rank's shards
+    saved_pieces = any(SEP in n for part in sd["memory"].values() for d in part.values()
+                       for n in d)
+    if saved_pieces and not (pieces or state.local_size) or (pieces and sd["memory"]["flat"]
+                                                              and not saved_pieces):
+        def kind(p):
+            return "per shard (HSDP)" if p else "per whole parameter (DDP or 1-D FSDP)"
+        raise ValueError(f"checkpoint holds memory {kind(saved_pieces)}; this state keeps "
+                         f"it {kind(bool(pieces))}: resume with the parallelism it was "
+                         f"saved with")
+    if pieces:
+        unknown |= {n for part in sd["memory"].values() for d in part.values() for n in d
+                    if SEP in n and n not in pieces}
+    if unknown:
+        raise ValueError(f"checkpoint holds state for parameters this model lacks: "
+                         f"{', '.join(sorted(unknown)[:5])}")
+    for slot, d in sd["memory"]["flat"].items():
+        scalar = slot in state.compressor.scalar_slots  # one value per parameter
+        for name, v in d.items():
+            want = state.param_numels.get(name)  # (a shard's piece: checked above)
+            want = 1 if scalar and want is not None else want
+            if want is not None and v.numel() != want:
+                raise ValueError(f"checkpoint slot {slot!r} holds {v.numel()} elements for "
+                                 f"parameter {name!r}; this model's has {want}")
 
-    def stateful(self) -> "DistributedCheckpoint":
-        """This state for ``torch.distributed.checkpoint`` (a ``Stateful``)::
 
-            dcp.save({"model": model, "optim": opt, "gradcomp": state.stateful()}, ...)
+def exchanged(state) -> str:
+    """What the method's residuals are made of: "gradient", or with Adam bound Adam's first
+    moment ("momentum") or the preconditioned gradient ("precondition")."""
+    mode = state.adam_mode() if state.adam is not None else "off"
+    return mode if mode in ("momentum", "precondition") else "gradient"
 
-        Each rank's state is its own (residuals of its own gradients), so it goes in under a
-        key of its rank, as one opaque entry (the bytes of ``state_dict()``): DCP would
-        otherwise keep one rank's copy of equal keys, and could not load memory a fresh state
-        has not created yet."""
-        return DistributedCheckpoint(self)
 
-    def all_ranks(self) -> "AllRanksCheckpoint":
-        """This state for a framework's checkpoint that one rank writes and every rank
-        loads (Lightning's, Accelerate's ``save_state``, the HF Trainer's)::
+def _check_adam(state, sd: dict) -> None:
+    """A checkpoint with residuals loads only into a state that exchanges the same kind of
+    values (:func:`exchanged`). Checkpoints written before the key existed ran adam="auto"
+    as "freeze": the gradient."""
+    if not any(sd["memory"]["flat"].values()):
+        return
+    saved = sd.get("exchanges")
+    if saved is None:
+        adam = sd.get("config", {}).get("adam", "auto")
+        saved = "precondition" if adam == "precondition" else "gradient"
+    mine = exchanged(state)
+    if saved != mine:
+        how = {"gradient": "'freeze' (or without Adam: any)", "momentum": "'momentum'",
+               "precondition": "'precondition'"}
+        raise ValueError(f"checkpoint's residuals are of the {saved} (its job exchanged "
+                         f"that); this job exchanges the {mine} (adam={state.config.adam!r}, "
+                         f"running {state.adam_mode()!r}): register with adam={how[saved]} "
+                         f"to resume it")
 
-            accelerator.register_for_checkpointing(state.all_ranks())
 
-        Its ``state_dict()`` is collective (every rank calls it, as those frameworks do):
-        each rank's state is gathered onto global rank 0, whose copy holds all of them;
-        ``load_state_dict()`` on every rank takes its own rank's from that copy."""
-        return AllRanksCheckpoint(self)
-
-    @staticmethod
-    def memory_names(sd: dict) -> set:
-        return {base_name(n) for part in sd["memory"].values() for d in part.values() for n in d}
+def memory_names(sd: dict) -> set:
+    """The parameters a checkpoint's memory is kept for (HSDP pieces by their parameter)."""
+    return {base_name(n) for part in sd["memory"].values() for d in part.values() for n in d}
 
 
 def _rank(state) -> int:
@@ -285,7 +266,7 @@ def _rank(state) -> int:
     one shard's replicas, whose group ranks repeat across shards)."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    return state._lanes[0].comm.rank
+    return state.rank
 
 
 class DistributedCheckpoint:

@@ -6,7 +6,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import optimizer as optimizer_binding
 from .agree import agree, discard, fingerprint, trainable
-from .local import check_local
+from .local_steps import check_local
 from .options import for_optimizer
 from .state import GradcompState
 from .topology import node_size
@@ -66,7 +66,7 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
     state, mine = agree(group, ranks, build, lambda st: discard(st, made))
     local = mine["ranks per node"]
     # every rank agreed on `lanes`: each creates the same groups in the same order
-    state._owned_groups = made
+    state.owned_groups = made
     me = ranks.index(dist.get_rank())
 
     def node_pair():  # this rank's node group and its group across nodes (collective)
@@ -110,8 +110,8 @@ def _probe_topology(model, state, group, pair, local) -> int:
 
     def make_state():
         return GradcompState(state.method, cfg, group=group,
-                             param_names=dict(state._param_names),
-                             param_numels=dict(state._param_numels))
+                             param_names=dict(state.param_names),
+                             param_numels=dict(state.param_numels))
 
     flat, hier = probe_times(make_state, params, group, [pair], local)
     chosen = local if hier < flat else 0

@@ -44,9 +44,28 @@ class _Pending:
 
 
 class Delayed:
-    """Mixin of GradcompState: the exchanges still owed (``self._pending``, oldest first)."""
+    """A component of the state: the exchanges still owed (oldest first) and the parameters
+    their corrections go to at ``flush``."""
 
-    def _take(self, step: int, slices, like: torch.Tensor):
+    def __init__(self):
+        self._pending: list[_Pending] = []
+        self._params: dict[str, torch.Tensor] = {}  # by name: where flush() writes
+
+    def __getstate__(self):  # waited for (futures do not pickle); no parameters
+        return {"pending": self.state_dict()}
+
+    def __setstate__(self, d):
+        self.__init__()
+        self.load_state_dict(d["pending"])
+
+    def add(self, step: int, slices, job: torch.futures.Future, params) -> None:
+        """An exchange of ``step`` started: ``job`` completes with its correction; ``params``
+        (name, tensor) receive it at ``flush``."""
+        self._pending.append(_Pending(step, slices, job))
+        for name, p in params:
+            self._params[name] = p
+
+    def take(self, step: int, slices, like: torch.Tensor):
         """The corrections of ``step`` for the parameters in ``slices``, in their layout."""
         found = {}
         for e in self._pending:
@@ -67,16 +86,14 @@ class Delayed:
         return out
 
     def drain(self, before: int | None = None) -> None:
-        """Wait until every queued exchange (of the steps before ``before``) has finished."""
+        """Wait until every exchange owed (of the steps before ``before``) has finished."""
         for e in self._pending:
             if before is None or e.step < before:
                 e.wait()
 
     def flush(self) -> dict:
-        """End of training with ``delay``: wait for the exchanges still in flight and put the
-        sum of their corrections into each parameter's ``.grad``; call ``optimizer.step()``
-        once more after it and every averaged gradient has been applied. Returns the
-        corrections by parameter name. A no-op without delay."""
+        """Wait for the exchanges still in flight and put the sum of their corrections into
+        each parameter's ``.grad``; returns the corrections by parameter name."""
         total: dict[str, torch.Tensor] = {}
         for e in self._pending:
             for name, c in e.owed():
@@ -87,3 +104,11 @@ class Delayed:
             if p is not None:
                 p.grad = c.to(p.dtype).reshape(p.shape).clone()
         return total
+
+    def state_dict(self) -> list:
+        """The corrections still owed, per step (waited for)."""
+        return [{"step": e.step, "corrections": {n: c.clone() for n, c in e.owed()}}
+                for e in self._pending]
+
+    def load_state_dict(self, pending: list) -> None:
+        self._pending = [_Pending.done(p["step"], p["corrections"]) for p in pending]

@@ -179,7 +179,7 @@ class _Adapter:
         lay.check(out.numel(), per_rank=True)
         b = self.bucket()
         if not lay.piece:  # no rows of this unit here (nor on this shard's replicas): the
-            step = self.state._begin(b)  # step still begins at bucket 0 on every rank, and
+            step = self.state.begin(b)  # step still begins at bucket 0 on every rank, and
             if not self.state.compressor.stateless:  # the flag goes round the whole mesh
                 flag = step_flag(torch.zeros(1, device=out.device), step)
                 comm.all_reduce_now(flag, "max", self.state.stats_group)
@@ -268,7 +268,6 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
     replicas = [new_group(grid[:, s].tolist()) for s in range(grid.shape[1])] if hsdp else None
     shard_index = info.shard_mesh_rank
     group = replicas[shard_index] if hsdp else world
-    ranks = dist.get_process_group_ranks(group)
     W = info.shard_mesh_size
 
     def build():
@@ -283,28 +282,29 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
         if hsdp:  # the memory holds this rank's pieces: their sizes are what a checkpoint holds
             numels.update({s.name: s.numel for lay in layouts for s in lay.piece})
         state = GradcompState(name, config, group=group, param_names=names, param_numels=numels)
-        state._fsdp_layouts = layouts
+        built.append(layouts)
         return state, {"method": name, **config.to_dict(), "mesh": list(mesh.mesh.shape),
                        **fingerprint(model, optimizer, scaler)}
 
+    built: list = []  # build()'s layouts (agree returns the state alone)
     state, _ = agree(world, everyone, build, lambda st: discard(st, made))
-    layouts = state.__dict__.pop("_fsdp_layouts")
-    state._owned_groups = made
+    layouts = built[-1]
+    state.owned_groups = made
     adapter = _Adapter(state, hsdp)
     # no GradScaler here: a step with inf/NaN is not run again under the same index (under
     # HSDP only the affected shard's replicas would know of it)
-    state._reuse_skipped = False
+    state.reuse_skipped = False
     handle = model.register_forward_pre_hook(adapter.begin_forward)
-    state._detach.append(handle.remove)
+    state.on_close(handle.remove)
     for _, mod, g in units:  # every parameter in every reduce-scatter: a fixed layout
         old = g.reduce_scatter_unused_params
         g.reduce_scatter_unused_params = True
-        state._detach.append(lambda g=g, old=old: setattr(g, "reduce_scatter_unused_params", old))
+        state.on_close(lambda g=g, old=old: setattr(g, "reduce_scatter_unused_params", old))
     if hsdp:
         state.stats_group = world
         # the inf/NaN flag and the step check of every exchange go round the whole mesh (a
         # shard's replicas alone would leave the other shards waiting)
-        state._lanes[0].comm.rider = Rider(world)
+        state.flat_comm.rider = Rider(world)
         # FSDP's own all-reduce on a group of one (a no-op), as a sum (FSDP divides by the
         # node's size after the hook); ours runs from the hook. Every rank creates every
         # one-rank group, in the same order.
@@ -325,12 +325,12 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
             def undo(g=g, old=old):
                 g.mesh_info.replicate_process_group, g.force_sum_reduction_for_comms, \
                     g._all_reduce_hook = old
-            state._detach.append(undo)
+            state.on_close(undo)
     else:
         for (_, mod, g), lay in zip(units, layouts):
             old = g._reduce_scatter_comm
             mod.set_custom_reduce_scatter(_reduce_scatter(adapter, lay))
-            state._detach.append(lambda g=g, old=old: setattr(g, "_reduce_scatter_comm", old))
+            state.on_close(lambda g=g, old=old: setattr(g, "_reduce_scatter_comm", old))
     state.sharded = "HSDP" if hsdp else "FSDP"
     optimizer_binding.bind(state, optimizer, warn=dist.get_rank(world) == 0, stacklevel=5)
     if log_dir is not None and (log_all_ranks or dist.get_rank(world) == 0):

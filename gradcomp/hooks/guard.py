@@ -29,9 +29,15 @@ def check_steps(vals) -> bool:
 
 
 class Guard:
-    """Mixin of GradcompState: ``_guarded(x, ctx)`` wraps a stateful compressor's reduce."""
+    """A component of the state: ``run`` wraps a stateful compressor's exchange; ``skipped``
+    is the index of the latest step whose gradients were not finite on some rank (None
+    until one was)."""
 
-    def _guarded(self, x, ctx, flat, run):
+    def __init__(self, memory):
+        self.memory = memory
+        self.skipped: int | None = None
+
+    def run(self, x, ctx, flat, run):
         """Reduce with inf/NaN protection. Whether any rank's bucket holds a non-finite value
         travels beside the exchange (a flag all-reduced with its first collective); if one
         does, the step is garbage (a GradScaler skips it): the memory of the bucket's
@@ -73,5 +79,5 @@ class Guard:
         if not flagged:
             return out
         self.memory.restore(snap, names)
-        self._skipped = ctx.step
+        self.skipped = ctx.step
         return flat.allreduce(orig if orig is not None else torch.zeros_like(x)).div_(flat.world_size)

@@ -184,13 +184,13 @@ def bind(state, optimizer, *, module=None, bucket_bytes=None, warn: bool = False
     (:class:`FrozenVariance`) and, with ``warn``, the measured-accuracy warning."""
     if optimizer is None:
         return
-    if state.local:  # inner steps are the optimizer's own
+    if state.rounds.active:  # inner steps are the optimizer's own
         state.bind_local(module, optimizer, bucket_bytes)
         return
     inner = unwrap(optimizer)
     if state.compressor.reads_momentum and isinstance(inner, torch.optim.SGD):
         state.compressor.attach_momentum(
-            SGDMomentum(inner, state._param_names, state.compressor.config.fixed()))
+            SGDMomentum(inner, state.param_names, state.compressor.config.fixed()))
     state.bind_adam(optimizer)
     if warn:
         warn_measured(state, optimizer, stacklevel=stacklevel)

@@ -1,15 +1,19 @@
-"""The hook state: one method's config and compressor, its per-parameter memory and step
-counter, and the lanes that run the exchanges. What it owns, one module each:
+"""The hook state: one method's config and compressor, its step counter, and the components
+it owns, one module and one attribute each (each has its own interface; none reads
+another's private attributes, tests/test_design.py checks):
 
-  engine.py      lanes (threads, process groups, CUDA streams) and the one global order in
-                 which collectives are issued
-  guard.py       the inf/NaN guard
-  delayed.py     delayed averaging: exchanges owed, ``flush``
-  telemetry.py   ``stats()`` and TensorBoard scalars
-  checkpoint.py  ``state_dict`` / ``load_state_dict``
-  local.py       ``local_steps``: inner steps without exchange, the outer step every H
-  warmup.py      the adaptive warm-up: dense until the gradient norm settles
+  memory       ../memory.py     per-parameter memory (residuals, velocities, factors)
+  guard        guard.py         the inf/NaN guard; ``guard.skipped``
+  warmup       warmup.py        the adaptive warm-up: dense until the gradient norm settles
+  delay        delayed.py       delayed averaging: exchanges owed, ``flush``
+  rounds       local_steps.py   ``local_steps``: inner steps without exchange, the outer step
+  telemetry    telemetry.py     byte/time counters and TensorBoard scalars
+  hierarchy    topology.py      a hierarchical topology's ranks per node and shards
+  adam         optimizer.py     the Adam binding (frozen variance, the momentum exchange)
+  lanes        engine.py        threads, process groups, CUDA streams, and the one global
+                                order in which every collective is issued (Sequencer)
 
+``checkpoint.py`` assembles the checkpoint from the components' own ``state_dict()``.
 This module ties them together: ``submit`` (DDP's thread: step counter, a ticket in the
 order, the lane) and ``_reduce`` (a lane: the method's exchange of one bucket). The hook
 itself returns a future at once: backward never waits on the network.
@@ -18,7 +22,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import threading
 import time
 import weakref
 import zlib
@@ -27,19 +30,20 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from .. import comm as collectives
 from ..comm import Comm, Traffic
 from ..compressors import METHODS
 from ..compressors.base import ParamSlice
 from ..config import MethodConfig
 from ..memory import ParamMemory
-from .checkpoint import Checkpoint
-from .delayed import Delayed, _Pending, _slices
+from . import checkpoint
+from . import optimizer as optimizer_binding
+from .delayed import Delayed, _slices
 from .engine import Exchange, Lane, Sequencer, Ticket
 from .guard import Guard
-from . import optimizer as optimizer_binding
-from .local import Local, _node_average
+from .local_steps import LocalSteps, _node_average
 from .telemetry import Telemetry, _sq_norm
-from .topology import Shards, base_name
+from .topology import Hierarchy, base_name
 from .warmup import Warmup
 
 # A collective waiting longer than this for its turn raises instead of hanging (its turn
@@ -71,8 +75,8 @@ class _Ctx:
         self.state, self.bucket, self.params = state, bucket, params
         self.comm, self.step, self.device, self.live = comm, step, device, live
         self.grad_dtype = torch.float32  # the gradient's own dtype (set by _reduce)
-        self.logging = state._writer is not None
-        self.details = self.logging and state._details
+        self.logging = state.telemetry.logging
+        self.details = self.logging and state.telemetry.details
         self._tensors = param_tensors
 
     def memory(self, slot):
@@ -101,15 +105,11 @@ class _Ctx:
                     stream)
 
     def log(self, key, value):
-        if not self.logging:
-            return
-        with self.state._lock:
-            logs = self.state._logs.setdefault(self.step, {})
-            total, n = logs.get(key, (0.0, 0))
-            logs[key] = (total + value, n + 1)
+        if self.logging:
+            self.state.telemetry.log(self.step, key, value)
 
 
-class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
+class GradcompState:
     """Everything one registered hook owns. Build it with :func:`gradcomp.register`, or
     directly to call ``register_comm_hook(state, gradcomp.hook)`` yourself."""
 
@@ -144,66 +144,81 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
                             f"got {type(config).__name__}")
         self.method, self.config = method, config
         self.compressor = spec.compressor(config)
-        self.memory = ParamMemory()
+        self.param_names = param_names or {}    # id(parameter) -> name: the memory's keys
+        self.param_numels = param_numels or {}  # name -> elements (checkpoints check them)
         self.group = group
         self.stats_group = None  # the warm-up's statistics, where not ``group`` (HSDP: the mesh)
-        self._detach: list = []  # undo an adapter's hooks at close() (hooks/fsdp.py)
-        self._owned_groups = owned  # process groups created for this state: destroyed at close()
+        self.owned_groups = owned  # process groups created for this state: destroyed at close()
+        self._detach: list = []  # undo an adapter's hooks at close() (on_close)
         self._lane_groups = list(lane_groups)  # more process groups: more buckets in flight
-        self._param_names = param_names or {}
-        self._param_numels = param_numels or {}
         self._step = -1                 # index of the step in flight
-        self._records: dict[int, list] = {}  # step -> [Traffic, raw bytes], summed over buckets
         self._layouts: dict[int, tuple] = {}
         self.trace: list | None = None  # set to [] to record (event, bucket, start, end) times
-        self._writer = None
-        self._details = False
-        self._logs: dict = {}  # step -> key -> (sum, count) of what methods logged
-        self._written = -1     # the last step whose scalars went to the writer
-        self._pending: list[_Pending] = []   # delayed exchanges, oldest first
-        self._skipped: int | None = None     # index of a step whose gradients were not finite
         self.scaler = None  # a torch.amp.GradScaler whose scale the gradients carry
-        self._reuse_skipped = True  # a skipped step's index is taken again (not under FSDP)
-        self._params: dict[str, torch.Tensor] = {}
-        self.local_size = 0  # ranks per node of a hierarchical topology (0: flat)
+        self.reuse_skipped = True  # a skipped step's index is taken again (not under FSDP)
         self.topology_probe = None  # topology=auto's measurement (hooks/ddp.py), if it ran
-        self._adam = None  # the Adam binding (hooks/optimizer.py), once bound
         self.sharded = ""  # "FSDP"/"HSDP" when the FSDP adapter serves this state
-        self._local_init()
-        self._warmup_init()
+        # the components
+        self.memory = ParamMemory()
+        self.guard = Guard(self.memory)
+        self.warmup = Warmup(config, self.compressor.stateless)
+        self.delay = Delayed()
+        self.rounds = LocalSteps(config)
+        self.telemetry = Telemetry()
+        self.hierarchy = Hierarchy()
+        self.adam = None  # the Adam binding (hooks/optimizer.py), once bound
         self._setup_runtime()
 
     # ------------------------------------------------------------------ runtime
     def _setup_runtime(self):
         self._lanes = [Lane(self._worker, g) for g in [self.group, *self._lane_groups]]
         self._seq = Sequencer(len(self._lanes))
-        self._lock = threading.Lock()
         self._error: BaseException | None = None
-        self._shard_cache: dict = {}
 
     def __getstate__(self):
-        d = self.__dict__.copy()
+        """Pickled without its runtime (process groups, threads, the model's tensors, the
+        optimizer's hooks): the exchanges in flight are waited for first."""
         self.drain()
-        for k in ("group", "stats_group", "_lane_groups", "_lanes", "_seq", "_lock", "_error", "_shard_cache",
-                  "_param_names",
-                  "_params", "_writer", "scaler", "_outer_buckets", "_outer_buffers",
-                  "_local_hooks", "_adam", "_owned_groups", "_detach"):
+        d = self.__dict__.copy()
+        for k in ("group", "stats_group", "_lane_groups", "_lanes", "_seq", "_error",
+                  "param_names", "scaler", "adam", "owned_groups", "_detach"):
             d.pop(k, None)
         return d
 
     def __setstate__(self, d):
         self.__dict__.update(d)
-        self.__dict__.setdefault("_reuse_skipped", True)
-        self.group, self._param_names, self._params, self._writer = None, {}, {}, None
-        self.stats_group, self._detach = None, []
-        self._lane_groups, self.scaler, self.local_size = [], None, 0
-        self._adam, self._owned_groups = None, []
-        self._local_setup()
+        self.group, self.stats_group, self.param_names, self.scaler = None, None, {}, None
+        self._lane_groups, self._detach, self.owned_groups, self.adam = [], [], [], None
+        self.hierarchy = Hierarchy()
         self._setup_runtime()
 
     @property
     def world_size(self) -> int:
         return self._lanes[0].comm.world_size
+
+    @property
+    def rank(self) -> int:
+        """This rank's index in the state's group."""
+        return self._lanes[0].comm.rank
+
+    @property
+    def flat_comm(self) -> Comm:
+        """The first lane's collectives over every rank of the group (the guard's flag)."""
+        return self._lanes[0].comm
+
+    @property
+    def local_size(self) -> int:
+        """Ranks per node of a hierarchical topology (0: flat)."""
+        return self.hierarchy.local_size
+
+    def on_close(self, undo) -> None:
+        """Call ``undo()`` at close() (an adapter's hooks on the model or FSDP's groups)."""
+        self._detach.append(undo)
+
+    def resume_at(self, step: int) -> None:
+        """The next step is ``step`` (a checkpoint's: ``state.step`` when it was written)."""
+        self._step = step - 1
+        self.telemetry.mark_written(self._step)
 
     def add_lanes(self, groups: Sequence) -> None:
         """More process groups, one lane each (before the first exchange)."""
@@ -222,31 +237,42 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
         return self._step + 1
 
     # ------------------------------------------------------------------ the work
-    def _begin(self, bucket: int) -> int:
+    def begin(self, bucket: int) -> int:
         """Book-keeping on the caller's thread: the step counter. A step whose gradients held
         inf/NaN on some rank is not an optimizer step (a GradScaler skips it): without delay,
         the next step reuses its index, so schedules and random streams go on as if it
         never happened. Here, before any bucket of a step is queued, the adaptive warm-up
         decides whether the step is compressed (warmup.py)."""
         if bucket == 0:
-            if (self._skipped is not None and self._skipped == self._step and not self.config.delay
-                    and self._reuse_skipped):
-                self._skipped = None
-                with self._lock:
-                    self._records.pop(self._step, None)
-                    self._logs.pop(self._step, None)
-                self._warmup_redo(self._step)
+            if (self.guard.skipped is not None and self.guard.skipped == self._step
+                    and not self.config.delay and self.reuse_skipped):
+                self.guard.skipped = None
+                self.telemetry.forget(self._step)
+                self.warmup.redo(self._step)
             else:
                 self._step += 1
-            self._warmup_begin(max(self._step, 0))
+            self.warmup.begin(max(self._step, 0), self._sum_window, self.telemetry.log_scalar)
         return max(self._step, 0)
+
+    def _sum_window(self, acc: torch.Tensor, step: int) -> int:
+        """The warm-up's one collective: its window's values summed over every rank (under
+        HSDP the whole mesh, so the job switches at one step), issued while no exchange is in
+        flight (the same program point on every rank). Returns how many ranks."""
+        self.drain()
+        group = self.stats_group if self.stats_group is not None else self.group
+        world = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+        if world > 1:
+            t = Traffic()
+            collectives.all_reduce_now(acc, "sum", group, traffic=t)
+            self.telemetry.add(step, t)
+        return world
 
     def reduce(self, x: torch.Tensor, params: Sequence[ParamSlice], bucket: int = 0,
                param_tensors=None) -> torch.Tensor:
         """Synchronously reduce one flat bucket (any float dtype); returns the average in
         x's dtype. The DDP hook runs exactly this, on the communication thread."""
-        step = self._begin(bucket)
-        self._warmup_observe(step, x, params)
+        step = self.begin(bucket)
+        self.warmup.observe(step, x, params)
         live = self.compressor.live([base_name(p.name) for p in params])  # (HSDP: pieces)
         return self._reduce(self._lanes[0], Exchange(bucket, x, list(params), step,
                                                      params=param_tensors, live=live))
@@ -257,9 +283,9 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
         buffers' average)."""
         buf, params, bucket, param_tensors = ex.buf, ex.slices, ex.bucket, ex.params
         step, scale, live, plain = ex.step, ex.scale, ex.live, ex.plain
-        if bucket == 0 and self._writer is not None:
+        if bucket == 0 and self.telemetry.logging:
             # the last step every exchange of which has finished by now
-            self._write_scalars(step - 1 - self.config.delay)
+            self._write(step - 1 - self.config.delay)
         traffic = Traffic()
         for c in lane.comms():
             c.traffic = traffic
@@ -268,7 +294,7 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
             x = x / scale
         t0 = time.perf_counter()
         if lane.inter is not None:  # hierarchical: the method runs on this rank's shard
-            shards = self._shards(params, lane.intra.rank, buf.device)
+            shards = self.hierarchy.shards(params, lane.intra.rank, buf.device)
             ctx = _Ctx(self, lane.inter, bucket, shards.mine, shards.pieces(param_tensors),
                        buf.device, step, shards.live(live))
             L, real = lane.intra.world_size, shards.real
@@ -291,7 +317,7 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
         elif self.compressor.stateless:
             out = run(x, self.compressor.reduce)
         else:
-            dense = self._dense(step)
+            dense = self.warmup.dense(step)
             # the residual diagnostic: compressed steps, flat topology (not measured per shard)
             slot = (self.compressor.residual_slot if ctx.details and self.config.error_feedback
                     and not dense and lane.inter is None else None)
@@ -303,45 +329,33 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
             ctx.wire16 = dense and self.dense_wire16()
             method = self.compressor.dense if dense else self.compressor.reduce
             # Adam: compressed in the update's own scale, g / sqrt(v) (hooks/optimizer.py)
-            pre = None if dense or self._adam is None else self._adam.scale(params, buf.device)
-            mom = None if dense or self._adam is None else self._adam.momentum(params, buf.device)
+            pre = None if dense or self.adam is None else self.adam.scale(params, buf.device)
+            mom = None if dense or self.adam is None else self.adam.momentum(params, buf.device)
             if mom is not None:  # Adam's next first moment, a g + b (hooks/optimizer.py)
                 x = torch.addcmul(mom[1], x, mom[0])
             if pre is not None:
                 x = x * pre
-            out = self._guarded(x, ctx, lane.comm, lambda y: run(y, method))
+            out = self.guard.run(x, ctx, lane.comm, lambda y: run(y, method))
             if pre is not None:
                 out = out / pre
             if mom is not None:
                 out = (out - mom[1]).div_(mom[0])
-            if slot and self._skipped != step:
+            if slot and self.guard.skipped != step:
                 kept = _sq_norm(None, params, self.memory.peek(slot, names))
-                self._log_ratio(step, "residual_energy", kept, owed)
+                self.telemetry.log_ratio(step, "residual_energy", kept, owed)
         if scale is not None:
             out = out * scale
         if out is not buf:
             buf.copy_(out)
         traffic.total_s += time.perf_counter() - t0
-        with self._lock:
-            rec = self._records.setdefault(step, [Traffic(), 0])
-            rec[0].merge(traffic)
-            rec[1] += buf.numel() * buf.element_size()
-            for old in [k for k in self._records if k < step - self.config.delay - 4]:
-                del self._records[old]
+        self.telemetry.add(step, traffic, buf.numel() * buf.element_size(),
+                           keep=step - self.config.delay - 4)
         return buf
-
-    def _shards(self, params, local: int, device) -> Shards:
-        key = (tuple(p.name for p in params), str(device))
-        with self._lock:
-            hit = self._shard_cache.get(key)
-            if hit is None:
-                hit = self._shard_cache[key] = Shards(params, self.local_size, local, device)
-            return hit
 
     def set_topology(self, local_size: int, groups) -> None:
         """Hierarchical: ``local_size`` ranks per node; ``groups``: per lane, (the node's
         group, the group of this local index across nodes). Before the first exchange."""
-        self.local_size = local_size
+        self.hierarchy.local_size = local_size
         for lane, (intra, inter) in zip(self._lanes, groups):
             lane.set_hierarchy(intra, inter)
 
@@ -353,7 +367,7 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
         collective order)."""
         names = []
         for p in params:
-            name = self._param_names.get(id(p))
+            name = self.param_names.get(id(p))
             if name is None:
                 raise RuntimeError(
                     "a bucket holds a parameter the state does not know: build the state with "
@@ -362,8 +376,8 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
             names.append(name)
         slices = _slices(zip(names, params))
         devices = [buf.device] if buf.is_cuda else None
-        if self.local:  # an inner step: this rank's gradient, or under a hierarchy the node's
-            if not self._local_hooks:
+        if self.rounds.active:  # an inner step: this rank's gradient, or a hierarchy's node's
+            if not self.rounds.bound:
                 raise RuntimeError(f"local_steps={self.config.local_steps}: no optimizer to run "
                                    f"the outer step from; build the state with gradcomp.register"
                                    f"(model, ..., optimizer=opt) or call state.bind_local(model."
@@ -376,11 +390,11 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
             self._enqueue(lane, Exchange(bucket, buf, slices, self.step, plain=_node_average,
                                          fut=fut), last)
             return fut
-        step = self._begin(bucket)
+        step = self.begin(bucket)
         scale = self._scale()
-        self._warmup_observe(step, buf, slices, scale)
-        if self._adam is not None and not self._dense(step):
-            self._adam.scale(slices, buf.device)  # built here, while the optimizer is idle
+        self.warmup.observe(step, buf, slices, scale)
+        if self.adam is not None and not self.warmup.dense(step):
+            self.adam.scale(slices, buf.device)  # built here, while the optimizer is idle
         live = self.compressor.live(names)
         lane = self._lanes[bucket % len(self._lanes)]
         D = self.config.delay
@@ -404,16 +418,14 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
         # plus the correction (average - local) of step - D. The copy, and the parameters
         # where the method reads them (DGC's weight decay), are taken now: the optimizer
         # updates the parameters while the exchange runs.
-        for name, p in zip(names, params):
-            self._params[name] = p
         tensors = list(params)
         if self.compressor.reads_params(live):
             tensors = [p.detach().clone() for p in params]
         job = torch.futures.Future(devices=devices)  # its wait orders after the lane's stream
         self._enqueue(lane, Exchange(bucket, buf.clone(), slices, step, params=tensors, live=live,
                                      fut=job, delayed=True), last)
-        self._pending.append(_Pending(step, slices, job))
-        corr = self._take(step - D, slices, buf)
+        self.delay.add(step, slices, job, zip(names, params))
+        corr = self.delay.take(step - D, slices, buf)
         if corr is not None:
             buf.add_(corr)
         fut = torch.futures.Future(devices=devices)
@@ -430,6 +442,128 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
         ex.rnd = self._seq.open(ex.bucket, last)
         self._put(lane, ex)
 
+    def _send_outer(self, bucket, x, slices, tensors, last, plain):
+        """Local steps' outer exchange of one bucket (hooks/local_steps.py) in the global
+        order: the method's (a step of its own), or ``plain``: the buffers' plain average.
+        Returns (its future, its step)."""
+        step = self.begin(bucket) if not plain else max(self._step, 0)
+        if not plain:
+            self.warmup.observe(step, x, slices)
+        live = self.compressor.live([s.name for s in slices]) if not plain else None
+        lane = self._lanes[bucket % len(self._lanes)]
+        fut = torch.futures.Future(devices=[x.device] if x.is_cuda else None)
+        self._enqueue(lane, Exchange(bucket, x, slices, step, params=tensors, live=live,
+                                     plain=self.compressor.dense if plain else None, fut=fut),
+                      last)
+        return fut, step
+
+    def bind_local(self, module: torch.nn.Module, optimizer, bucket_bytes: int | None) -> None:
+        """``local_steps`` > 1: lay the outer buckets out and hook ``optimizer``'s steps
+        (hooks/local_steps.py). Called by ``register``."""
+        self.rounds.bind(module, optimizer, bucket_bytes, self.param_names, self._send_outer)
+
+    def drain(self, before: int | None = None) -> None:
+        """Wait until every queued exchange (of the steps before ``before``) has finished."""
+        self.rounds.drain(before)
+        self.delay.drain(before)
+
+    def flush(self) -> dict:
+        """End of training. With ``delay``: wait for the exchanges still in flight and put the
+        sum of their corrections into each parameter's ``.grad``; call ``optimizer.step()``
+        once more after it and every averaged gradient has been applied. Returns the
+        corrections by parameter name. With ``local_steps`` and ``local_delay=1``: wait for
+        the outer exchange in flight and apply it to the parameters (and buffers) now;
+        called at a round's end, every rank then holds the global point (no
+        ``optimizer.step()`` after it). A no-op otherwise."""
+        self.rounds.flush()
+        return self.delay.flush()
+
+    # ------------------------------------------------------------------ telemetry
+    def attach(self, writer, details: bool = False) -> None:
+        """Log per-step scalars to a TensorBoard ``SummaryWriter`` (or anything with
+        ``add_scalar``): compression ratio, wire and sent bytes, the norm of each memory slot
+        (residuals, velocities) and what the method records (DGC's sparsity and mean sampled
+        threshold; with ``details`` also PowerSGD's relative approximation error and, for a
+        method whose residual is its own message's error (``Compressor.residual_slot``:
+        onebit's first stage, terngrad, topk, threshold), ``residual_energy``: ||residual after
+        the step||^2 / ||gradient + residual before||^2, summed over the step's buckets, i.e.
+        1 - delta of error feedback's contraction (at or above 1 the residual does not
+        shrink); both cost passes over the gradient). Written from the communication thread
+        when a step's exchanges have all finished; nothing is computed while no writer is
+        attached."""
+        self.telemetry.attach(writer, details, self._step)
+
+    def _write(self, step: int) -> None:
+        self.telemetry.write(step, self.memory, self.warmup.compressing(step))
+
+    def stats(self) -> dict:
+        """Bytes of the latest step: ``raw_bytes`` (the gradients' own size, what a plain
+        allreduce hands over), ``sent_bytes`` (the messages this rank handed to collectives),
+        ``wire_bytes`` / ``raw_wire_bytes`` (what ring-style collectives put on this rank's
+        link for those two; ``intra_node_wire_bytes`` the part that stayed inside a node
+        under a hierarchical topology, ``inter_node_wire_bytes`` the rest, which crossed
+        between nodes (under a flat topology all of it may), their ``ratio``, the number of
+        ``collectives``, and the seconds spent inside collectives (``comm_s``) and
+        compressing/decompressing (``codec_s``), summed over the step's buckets. With
+        ``delay=D`` the latest step whose exchanges have all finished is D steps back. The
+        warm-up's schedule: ``compressing`` (whether the step in flight is compressed; False
+        for plain allreduce), ``warmup_switch_step`` (the first compressed step; None while
+        the adaptive rule has not decided) and ``warmup_ratio`` (the adaptive rule's last
+        window ratio r, None before two windows). ``topology``: "flat" or "hierarchical";
+        ``topology_probe``: what ``topology=auto`` measured on several nodes (seconds per
+        exchange of one bucket each way, the slowest rank's, and the choice), None where it
+        did not run."""
+        t, raw = self.telemetry.record(self._step - self.config.delay)
+        W = self.world_size
+        raw_wire = raw * 2 * (W - 1) / W
+        return {
+            "step": self.step, "raw_bytes": raw, "sent_bytes": t.sent,
+            "wire_bytes": t.wire, "raw_wire_bytes": raw_wire,
+            "intra_node_wire_bytes": t.intra, "inter_node_wire_bytes": t.wire - t.intra,
+            "ratio": raw / t.sent if t.sent else float("inf"),
+            "collectives": t.collectives,
+            "comm_s": t.comm_s, "codec_s": t.total_s - t.comm_s,
+            "compressing": bool(self.warmup.compressing(max(self._step, 0))),
+            "warmup_switch_step": self.warmup.switch_step(), "warmup_ratio": self.warmup.ratio,
+            "topology": "hierarchical" if self.local_size else "flat",
+            "topology_probe": self.topology_probe,
+        }
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """Everything needed to resume exactly (hooks/checkpoint.py assembles it)."""
+        return checkpoint.state_dict(self)
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Load a checkpoint of :meth:`state_dict`: all of it, or (ValueError/TypeError naming
+        what is wrong) nothing (hooks/checkpoint.py)."""
+        checkpoint.load_state_dict(self, sd)
+
+    def stateful(self) -> "checkpoint.DistributedCheckpoint":
+        """This state for ``torch.distributed.checkpoint`` (a ``Stateful``)::
+
+            dcp.save({"model": model, "optim": opt, "gradcomp": state.stateful()}, ...)
+
+        Each rank's state is its own (residuals of its own gradients), so it goes in under a
+        key of its rank, as one opaque entry (the bytes of ``state_dict()``): DCP would
+        otherwise keep one rank's copy of equal keys, and could not load memory a fresh state
+        has not created yet."""
+        return checkpoint.DistributedCheckpoint(self)
+
+    def all_ranks(self) -> "checkpoint.AllRanksCheckpoint":
+        """This state for a framework's checkpoint that one rank writes and every rank
+        loads (Lightning's, Accelerate's ``save_state``, the HF Trainer's)::
+
+            accelerator.register_for_checkpointing(state.all_ranks())
+
+        Its ``state_dict()`` is collective (every rank calls it, as those frameworks do):
+        each rank's state is gathered onto global rank 0, whose copy holds all of them;
+        ``load_state_dict()`` on every rank takes its own rank's from that copy."""
+        return checkpoint.AllRanksCheckpoint(self)
+
+    memory_names = staticmethod(checkpoint.memory_names)
+
+    # ------------------------------------------------------------------ Adam
     def _scale(self):
         """The loss scale the current gradients carry (a copy: the scaler updates it in place
         after the step), or None without an enabled GradScaler."""
@@ -441,22 +575,22 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
     def bind_adam(self, optimizer) -> None:
         """With Adam/AdamW and ``adam`` "auto"/"freeze": freeze Adam's second moment for the
         compressed parameters once compression starts (hooks/optimizer.py)."""
-        if (self.compressor.stateless or self.config.adam == "off" or self.local
+        if (self.compressor.stateless or self.config.adam == "off" or self.rounds.active
                 or not optimizer_binding.is_adam(optimizer)):
             return
-        names = self._param_names
+        names = self.param_names
         mode = self.adam_mode()
-        self._adam = optimizer_binding.FrozenVariance(
+        self.adam = optimizer_binding.FrozenVariance(
             optimizer, lambda p: id(p) in names and self.compressor.compresses(names[id(p)],
                                                                                tuple(p.shape)),
-            lambda: not self._dense(max(self._step, 0)), names,
+            lambda: not self.warmup.dense(max(self._step, 0)), names,
             precondition=mode == "precondition", momentum=mode == "momentum")
 
     def dense_wire16(self) -> bool:
         """Whether the warm-up's dense steps go as bf16 (``dense_wire``; "auto": with
         Adam/AdamW bound)."""
         w = self.config.dense_wire
-        return w == "bfloat16" or (w == "auto" and self._adam is not None)
+        return w == "bfloat16" or (w == "auto" and self.adam is not None)
 
     def adam_mode(self) -> str:
         """What ``adam`` runs with Adam/AdamW. "auto": the method's measured choice
@@ -479,21 +613,17 @@ class GradcompState(Guard, Local, Delayed, Telemetry, Checkpoint, Warmup):
         flushed."""
         for lane in self._lanes:
             lane.close()
-        destroy_groups(self._owned_groups)
+        destroy_groups(self.owned_groups)
         self.compressor.unbind()
-        if self._adam is not None:
-            self._adam.close()
-            self._adam = None
-        self._local_close()
+        if self.adam is not None:
+            self.adam.close()
+            self.adam = None
+        self.rounds.close()
         for undo in self._detach:  # an adapter's own hooks (hooks/fsdp.py)
             undo()
         self._detach = []
         self.group = self.stats_group = None
-        if self._writer is not None:
-            for step in range(self._written + 1, self._step + 1):
-                self._write_scalars(step)
-            if hasattr(self._writer, "flush"):
-                self._writer.flush()
+        self.telemetry.close(self._step, self.memory, self.warmup.compressing)
 
     def _put(self, lane: Lane, job) -> None:
         if lane.put(job):

@@ -19,6 +19,7 @@ part j, in bucket order, padded at the end to the longest shard. Piece j of para
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 
@@ -115,6 +116,31 @@ class Shards:
 # ----------------------------------------------------------------------------- topology=auto
 PROBE_REPEATS = 3  # timed exchanges per topology (after one untimed: first-use costs)
 PROBE_MAX_BYTES = 25 * 1024 * 1024  # the probe bucket: at most DDP's default bucket
+
+
+class Hierarchy:
+    """A component of the state: the topology it runs (``local_size`` ranks per node; 0:
+    flat) and each bucket layout's shards, built once (thread-safe: the lanes ask)."""
+
+    def __init__(self):
+        self.local_size = 0
+        self._cache: dict = {}
+        self._lock = threading.Lock()
+
+    def __getstate__(self):  # pickled flat: the groups are not
+        return {}
+
+    def __setstate__(self, d):
+        self.__init__()
+
+    def shards(self, params, local: int, device) -> Shards:
+        """The shards of a bucket laid out as ``params``, for local rank ``local``."""
+        key = (tuple(p.name for p in params), str(device))
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is None:
+                hit = self._cache[key] = Shards(params, self.local_size, local, device)
+            return hit
 
 
 def probe_bucket(named_params, cap_bytes: int) -> list[ParamSlice]:

@@ -41,78 +41,83 @@ import collections
 import math
 
 import torch
-import torch.distributed as dist
-
-from .. import comm
-from ..comm import Traffic
 
 
 class Warmup:
-    """Mixin of GradcompState: when a compressing method's steps start to compress."""
+    """A component of the state: when a compressing method's steps start to compress (the
+    rule above). ``stateless``: the method never compresses (plain allreduce)."""
 
-    def _warmup_init(self) -> None:
-        self._wu_entries: list = []  # (step, parameter names, their ||g_p||^2) of this window
-        self._wu_next = self.config.warmup_window  # the step at which the current window ends
-        self._wu_prev: float | None = None   # N of the last finalized window
-        self._wu_ratio: float | None = None  # r of the last finalized window
-        self._wu_switch: int | None = None   # the first compressed step, once decided
+    def __init__(self, config, stateless: bool):
+        self.config, self.stateless = config, stateless
+        self._entries: list = []  # (step, parameter names, their ||g_p||^2) of this window
+        self._next = config.warmup_window  # the step at which the current window ends
+        self._prev: float | None = None   # N of the last finalized window
+        self.ratio: float | None = None   # r of the last finalized window
+        self._switch: int | None = None   # the first compressed step, once decided
 
     @property
-    def _wu_watching(self) -> bool:
+    def watching(self) -> bool:
         """Whether the adaptive rule is still measuring."""
         c = self.config
-        return (not self.compressor.stateless and c.dense_steps is None
-                and c.warmup_rule == "adaptive" and self._wu_switch is None)
+        return (not self.stateless and c.dense_steps is None
+                and c.warmup_rule == "adaptive" and self._switch is None)
 
-    def _dense(self, step: int) -> bool:
+    def dense(self, step: int) -> bool:
         """Whether step ``step`` of a stateful method goes as a plain fp32 allreduce."""
         c = self.config
         if c.dense_steps is not None:
             return step < c.dense_steps
         if c.warmup_rule == "none":
             return False
-        return self._wu_switch is None or step < self._wu_switch
+        return self._switch is None or step < self._switch
 
-    def _switch_step(self) -> int | None:
+    def compressing(self, step: int) -> bool | None:
+        """Whether step ``step`` is compressed (None: the method never compresses)."""
+        return None if self.stateless else not self.dense(step)
+
+    def switch_step(self) -> int | None:
         """The first compressed step (None: not yet known, or never: plain allreduce)."""
         c = self.config
-        if self.compressor.stateless:
+        if self.stateless:
             return None
         if c.dense_steps is not None:
             return c.dense_steps
-        return 0 if c.warmup_rule == "none" else self._wu_switch
+        return 0 if c.warmup_rule == "none" else self._switch
 
-    def _warmup_observe(self, step: int, x: torch.Tensor, params, scale=None) -> None:
+    def observe(self, step: int, x: torch.Tensor, params, scale=None) -> None:
         """Record ||x_p||^2 of each parameter p in ``params`` (x: a bucket of this rank's
         gradient at ``step``). Kept per parameter, not per bucket, and summed in name order
         at the window's end: the statistic does not depend on DDP's bucket layout (which
         differs between a job and its resumption), so a resumed job decides bit-exactly
         alike."""
-        if not self._wu_watching or not params:
+        if not self.watching or not params:
             return
         views = [x[p.offset : p.offset + p.numel] for p in params]
         sq = torch.stack(torch._foreach_norm(views, 2, dtype=torch.float32)).double().square()
         if scale is not None:
             sq = sq / scale.double().square()
-        self._wu_entries.append((step, [p.name for p in params], sq))
+        self._entries.append((step, [p.name for p in params], sq))
 
-    def _warmup_redo(self, step: int) -> None:
+    def redo(self, step: int) -> None:
         """Step ``step`` runs again (its gradients were not finite): forget what it added."""
-        self._wu_entries = [e for e in self._wu_entries if e[0] != step]
+        self._entries = [e for e in self._entries if e[0] != step]
 
-    def _warmup_begin(self, step: int) -> None:
-        """At step ``step``'s first bucket: finalize a window that just ended, decide."""
-        if not self._wu_watching:
+    def begin(self, step: int, sum_over_ranks, log) -> None:
+        """At step ``step``'s first bucket: finalize a window that just ended, decide.
+        ``sum_over_ranks(acc, step)`` sums the window's per-step values over every rank in
+        place (the one collective, issued by the state in its order) and returns how many
+        ranks; ``log(step, key, value)`` records a scalar."""
+        if not self.watching:
             return
         c = self.config
-        if step >= self._wu_next:
-            self._wu_next += c.warmup_window
-            self._warmup_finalize(step)
-        if self._wu_switch is None and c.warmup_max_steps and step >= c.warmup_max_steps:
-            self._wu_switch = step
+        if step >= self._next:
+            self._next += c.warmup_window
+            self._finalize(step, sum_over_ranks, log)
+        if self._switch is None and c.warmup_max_steps and step >= c.warmup_max_steps:
+            self._switch = step
 
-    def _warmup_finalize(self, step: int) -> None:
-        entries, self._wu_entries = self._wu_entries, []
+    def _finalize(self, step: int, sum_over_ranks, log) -> None:
+        entries, self._entries = self._entries, []
         W = self.config.warmup_window
         device = entries[-1][2].device if entries else torch.device("cpu")
         acc = torch.zeros(W, dtype=torch.float64, device=device)
@@ -125,44 +130,31 @@ class Warmup:
             steps = sorted(count)
             for s, part in zip(steps, torch.split(vals, [count[s] for s in steps])):
                 acc[s % W] = part.sum()
-        self.drain()  # no exchange in flight: this collective is the only one issued now
-        world = 1
-        # HSDP: every rank of the mesh (the exchange's group holds one shard's replicas), so
-        # the whole job switches at one step
-        group = self.stats_group if self.stats_group is not None else self.group
-        if group is not None and dist.is_initialized():
-            world = dist.get_world_size(group)
-        if world > 1:
-            t = Traffic()
-            comm.all_reduce_now(acc, "sum", group, traffic=t)
-            with self._lock:
-                self._records.setdefault(step, [Traffic(), 0])[0].merge(t)
+        world = sum_over_ranks(acc, step)
         vals = acc.cpu()  # the one host read of the window
         vals = vals[torch.isfinite(vals)]
         if not vals.numel():  # every step of the window was skipped
             return
         norm = math.sqrt(float(vals.mean()) / world)
-        prev, self._wu_prev = self._wu_prev, norm
-        if self._writer is not None:
-            self._log_ratio(step, "warmup_grad_norm", norm, 1.0)
+        prev, self._prev = self._prev, norm
+        log(step, "warmup_grad_norm", norm)
         if prev is None:
             return
         ratio = abs(norm - prev) / prev if prev > 0 else (0.0 if norm == 0 else math.inf)
-        self._wu_ratio = ratio
-        if self._writer is not None:
-            self._log_ratio(step, "warmup_ratio", ratio, 1.0)
+        self.ratio = ratio
+        log(step, "warmup_ratio", ratio)
         if ratio < self.config.warmup_threshold:
-            self._wu_switch = step
+            self._switch = step
 
-    def warmup_state_dict(self) -> dict:
-        return {"entries": [(s, list(names), sq.cpu().clone()) for s, names, sq in self._wu_entries],
-                "next": self._wu_next, "prev": self._wu_prev, "ratio": self._wu_ratio,
-                "switch": self._wu_switch}
+    def state_dict(self) -> dict:
+        return {"entries": [(s, list(names), sq.cpu().clone()) for s, names, sq in self._entries],
+                "next": self._next, "prev": self._prev, "ratio": self.ratio,
+                "switch": self._switch}
 
-    def load_warmup_state_dict(self, sd: dict | None) -> None:
-        self._warmup_init()
+    def load_state_dict(self, sd: dict | None) -> None:
+        self.__init__(self.config, self.stateless)
         if sd is None:  # a checkpoint from before the adaptive warm-up
             return
-        self._wu_entries = [(s, list(names), sq.clone()) for s, names, sq in sd["entries"]]
-        self._wu_next, self._wu_prev = sd["next"], sd["prev"]
-        self._wu_ratio, self._wu_switch = sd["ratio"], sd["switch"]
+        self._entries = [(s, list(names), sq.clone()) for s, names, sq in sd["entries"]]
+        self._next, self._prev = sd["next"], sd["prev"]
+        self.ratio, self._switch = sd["ratio"], sd["switch"]

@@ -55,7 +55,6 @@ import torch
 
 from ..compressors.base import unwrap_optimizer
 from .delayed import _slices
-from .engine import Exchange
 from .optimizer import step_hooks
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
@@ -113,34 +112,54 @@ def _node_average(x: torch.Tensor, ctx) -> torch.Tensor:
     return x
 
 
-class Local:
-    """Mixin of GradcompState: local steps and the outer step (see the module doc)."""
+class LocalSteps:
+    """A component of the state: local steps and the outer step (see the module doc). Its
+    exchanges go through the state's ``send`` (given at ``bind``), in the global order."""
 
-    def _local_init(self) -> None:
+    def __init__(self, config):
+        self.config = config
         self._inner = 0                      # optimizer steps taken (inner steps)
-        self._start: list | None = None      # per outer bucket: G, fp32 flat
+        self.start: list | None = None       # per outer bucket: G, fp32 flat
         self._anchor: list | None = None     # per outer bucket: R, where this round's D starts
         self._outer_m: list | None = None    # per outer bucket: outer momentum
         self._round: _Round | None = None    # local_delay=1: the exchange in flight
-        self._local_setup()
+        self._runtime()
 
-    def _local_setup(self) -> None:
-        """The runtime part (not pickled): the model's tensors and the optimizer's hooks."""
+    def _runtime(self) -> None:
+        """The runtime part (not pickled): the model's tensors, the optimizer's hooks."""
         self._outer_buckets: list = []       # [(slices, parameter tensors)]
         self._outer_buffers: list = []       # [(name, buffer)] floating-point buffers
-        self._local_hooks: list = []
+        self._hooks: list = []
+        self._send = None
+
+    def __getstate__(self):
+        d = self.__dict__.copy()
+        for k in ("_outer_buckets", "_outer_buffers", "_hooks", "_send"):
+            del d[k]
+        return d
+
+    def __setstate__(self, d):
+        self.__dict__.update(d)
+        self._runtime()
 
     @property
-    def local(self) -> bool:
-        """Whether this state syncs every ``local_steps`` > 1 steps."""
+    def active(self) -> bool:
+        """Whether the state syncs every ``local_steps`` > 1 steps."""
         return self.config.local_steps > 1
 
-    def bind_local(self, module: torch.nn.Module, optimizer, bucket_bytes: int | None) -> None:
-        """Lay the outer buckets out (every trainable parameter, in module order, cut at
-        ``bucket_bytes`` of fp32) and hook ``optimizer``'s steps. Called by ``register``."""
+    @property
+    def bound(self) -> bool:
+        """Whether an optimizer's steps run the rounds (``bind``)."""
+        return bool(self._hooks)
+
+    def bind(self, module: torch.nn.Module, optimizer, bucket_bytes: int | None, names,
+             send) -> None:
+        """Lay the outer buckets out (every trainable parameter of ``names`` (id -> name), in
+        module order, cut at ``bucket_bytes`` of fp32) and hook ``optimizer``'s steps.
+        ``send(bucket, x, slices, tensors, last, plain)`` queues one exchange and returns
+        (its future, its step): the method's (``plain`` False) or the plain average."""
         cap = bucket_bytes or DEFAULT_BUCKET_BYTES
         optimizer = unwrap_optimizer(optimizer)  # the steps that run (not a wrapper's skips)
-        names = self._param_names
         buckets, cur, size = [], [], 0
         for p in module.parameters():
             if id(p) not in names:
@@ -155,12 +174,13 @@ class Local:
         self._outer_buckets = [(_slices(b), [p for _, p in b]) for b in buckets]
         self._outer_buffers = [(n, b) for n, b in module.named_buffers()
                                if b.dtype.is_floating_point]
-        self._local_hooks = step_hooks(optimizer, "local", self._inner_pre, self._inner_post)
+        self._send = send
+        self._hooks = step_hooks(optimizer, "local", self._inner_pre, self._inner_post)
 
-    def _local_close(self) -> None:
-        for h in self._local_hooks:
+    def close(self) -> None:
+        for h in self._hooks:
             h.remove()
-        self._local_hooks = []
+        self._hooks = []
 
     # ------------------------------------------------------------------ rounds
     def _flat_params(self, tensors) -> torch.Tensor:
@@ -169,8 +189,8 @@ class Local:
     def _inner_pre(self, optimizer, args, kwargs) -> None:
         # G is taken at the first step, not at registration: a model loaded after register()
         # (from a checkpoint, or pretrained weights) starts the first round
-        if self._start is None:
-            self._start = [self._flat_params(ts) for _, ts in self._outer_buckets]
+        if self.start is None:
+            self.start = [self._flat_params(ts) for _, ts in self._outer_buckets]
             self._reanchor()
 
     def _shared_anchor(self) -> bool:
@@ -183,7 +203,7 @@ class Local:
         half-precision parameters: they hold G rounded, and that rounding is no progress
         (measured from G it would pull G towards its rounded value every round)."""
         if self._shared_anchor():
-            self._anchor = self._start
+            self._anchor = self.start
         else:
             self._anchor = [self._flat_params(ts) for _, ts in self._outer_buckets]
 
@@ -211,26 +231,16 @@ class Local:
         buffers = None
         if self._outer_buffers:
             buffers = torch.cat([b.detach().reshape(-1).float() for _, b in self._outer_buffers])
-        futures, bfut = [], None
+        futures, bfut, step = [], None, None
         for b, ((slices, tensors), d) in enumerate(zip(self._outer_buckets, deltas)):
-            fut = self._outer_job(b, d, slices, tensors, b == n - 1 and buffers is None, None)
+            fut, s = self._send(b, d, slices, tensors, b == n - 1 and buffers is None, False)
             futures.append(fut)
+            step = s if step is None else step
         if buffers is not None:
             slices = _slices((f"buffer:{name}", t) for name, t in self._outer_buffers)
-            bfut = self._outer_job(n, buffers.clone(), slices, None, True,
-                                   self.compressor.dense)
-        return _Round(self._step, futures, bfut, buffers)
-
-    def _outer_job(self, bucket, x, slices, tensors, last, plain) -> torch.futures.Future:
-        step = self._begin(bucket) if plain is None else max(self._step, 0)
-        if plain is None:
-            self._warmup_observe(step, x, slices)
-        live = self.compressor.live([s.name for s in slices]) if plain is None else None
-        lane = self._lanes[bucket % len(self._lanes)]
-        fut = torch.futures.Future(devices=[x.device] if x.is_cuda else None)
-        self._enqueue(lane, Exchange(bucket, x, slices, step, params=tensors, live=live,
-                                     plain=plain, fut=fut), last)
-        return fut
+            bfut, s = self._send(n, buffers.clone(), slices, None, True, True)
+            step = s if step is None else step
+        return _Round(step, futures, bfut, buffers)
 
     def _outer_apply(self, rnd: _Round, progress) -> None:
         """The outer step with the round's averages: G = G - lr (A + mu m); parameters =
@@ -239,7 +249,7 @@ class Local:
         avgs = rnd.averages()
         if self._outer_m is None and mu:
             self._outer_m = [torch.zeros_like(a) for a in avgs]
-        for b, (g, a, (_, tensors)) in enumerate(zip(self._start, avgs, self._outer_buckets)):
+        for b, (g, a, (_, tensors)) in enumerate(zip(self.start, avgs, self._outer_buckets)):
             if mu:
                 m = self._outer_m[b]
                 m.mul_(mu).add_(a)
@@ -261,16 +271,16 @@ class Local:
             off += t.numel()
 
     def drain(self, before: int | None = None) -> None:
-        """Also waits for the outer exchange in flight (local_delay=1)."""
+        """Wait for the outer exchange in flight (local_delay=1) if it is of a step before
+        ``before`` (None: any)."""
         if self._round is not None and (before is None or self._round.step < before):
             self._round.averages()
             self._round.buffers()
-        super().drain(before)
 
-    def flush(self) -> dict:
+    def flush(self) -> None:
         """With ``local_delay=1``: wait for the outer exchange in flight and apply it to the
         parameters (and buffers) now; called at a round's end, every rank then holds the
-        global point. No ``optimizer.step()`` is needed after it. Otherwise as below."""
+        global point. No ``optimizer.step()`` is needed after it."""
         if self._round is not None:
             rnd, self._round = self._round, None
             with torch.no_grad():
@@ -278,7 +288,6 @@ class Local:
                             for r, (_, ts) in zip(self._anchor, self._outer_buckets)]
                 self._outer_apply(rnd, progress)
                 self._reanchor()
-        return super().flush()
 
     # ------------------------------------------------------------------ checkpoints
     def _named(self, flats) -> dict | None:
@@ -297,28 +306,28 @@ class Local:
         return [torch.cat([named[s.name].reshape(-1).float() for s in slices])
                 for slices, _ in self._outer_buckets]
 
-    def local_state_dict(self) -> dict | None:
+    def state_dict(self) -> dict | None:
         """The rounds' state: inner steps taken, G, this round's start, the outer momentum,
         and the exchange in flight (waited for: its averages and the buffers sent)."""
-        if not self.local:
+        if not self.active:
             return None
         rnd = None
         if self._round is not None:
             r = self._round
             rnd = {"step": r.step, "averages": self._named(r.averages()),
                    "buffers_average": r.buffers(), "buffers_sent": r.buffers_sent}
-        return {"inner_steps": self._inner, "start": self._named(self._start),
+        return {"inner_steps": self._inner, "start": self._named(self.start),
                 "anchor": self._named(self._anchor), "momentum": self._named(self._outer_m),
                 "round": rnd}
 
-    def load_local_state_dict(self, sd: dict | None) -> None:
-        if not self.local:
+    def load_state_dict(self, sd: dict | None) -> None:
+        if not self.active:
             return
         if sd is None:
             raise ValueError("checkpoint has no local_steps state (saved with local_steps=1)")
         self._inner = sd["inner_steps"]
-        self._start = self._flats(sd["start"])
-        self._anchor = self._start if self._shared_anchor() else self._flats(sd["anchor"])
+        self.start = self._flats(sd["start"])
+        self._anchor = self.start if self._shared_anchor() else self._flats(sd["anchor"])
         self._outer_m = self._flats(sd["momentum"])
         r = sd.get("round")
         self._round = None if r is None else _Round.done(
