@@ -15,7 +15,7 @@ from gradcomp_bench.timing import measure
 from gradcomp.compressors.topk import sparse_select
 from gradcomp.kernels.segmented import CAPACITY_FACTOR, TARGET_FACTOR
 from gradcomp.kernels import reference
-from gradcomp.kernels import triton_kernels as tk
+from gradcomp.kernels import triton as tk
 
 DEV = torch.device("cuda")
 N = 25_000_000
@@ -36,10 +36,10 @@ def sweep():
         cells = []
         for b in (2048, 4096, 8192, 16384):
             for w in (4, 8):
-                tk.BLOCK, tk.NUM_WARPS = b, w
+                tk.common.BLOCK, tk.common.NUM_WARPS = b, w
                 cells.append(copies[name] / ms(fn))
         print(f"{name:<20}" + "".join(f"{c:>10.2f}" for c in cells))
-    tk.BLOCK, tk.NUM_WARPS = 4096, 4
+    tk.common.BLOCK, tk.common.NUM_WARPS = 4096, 4
 
 
 def dgc(n=N, ratio=0.001):
@@ -52,14 +52,14 @@ def dgc(n=N, ratio=0.001):
     g.manual_seed(0)
     sample = torch.randint(0, n, (m,), generator=g, device=DEV)
     thr = reference.sample_threshold(x, target, sample)
-    nb = triton.cdiv(n, tk.BLOCK)
+    nb = triton.cdiv(n, tk.common.BLOCK)
     counts = torch.empty(nb, dtype=torch.int32, device=DEV)
     start = torch.zeros(nb, dtype=torch.int64, device=DEV)
     cv = torch.zeros(capacity, device=DEV)
     ci = torch.zeros(capacity, dtype=torch.int32, device=DEV)
-    tk._count_kernel[(nb,)](x, thr, counts, n, BLOCK_=tk.BLOCK)
+    tk.topk._count_kernel[(nb,)](x, thr, counts, n, BLOCK_=tk.common.BLOCK)
     start = torch.cumsum(counts, 0, dtype=torch.int64) - counts
-    tk._compact_kernel[(nb,)](x, thr, start, cv, ci, n, capacity, BLOCK_=tk.BLOCK)
+    tk.topk._compact_kernel[(nb,)](x, thr, start, cv, ci, n, capacity, BLOCK_=tk.common.BLOCK)
     rows = {
         "copy of x (read+write)": lambda: torch.empty_like(x).copy_(x),
         "x.abs()": lambda: x.abs(),
@@ -67,9 +67,9 @@ def dgc(n=N, ratio=0.001):
         "x[sample].abs()": lambda: x[sample].abs(),
         "sample_threshold(x)": lambda: reference.sample_threshold(x, target, sample),
         "topk(sample, ks)": lambda: torch.topk(x[sample].abs(), max(1, target * m // n), sorted=False),
-        "count kernel": lambda: tk._count_kernel[(nb,)](x, thr, counts, n, BLOCK_=tk.BLOCK),
+        "count kernel": lambda: tk.topk._count_kernel[(nb,)](x, thr, counts, n, BLOCK_=tk.common.BLOCK),
         "cumsum(counts)": lambda: torch.cumsum(counts, 0, dtype=torch.int64) - counts,
-        "compact kernel": lambda: tk._compact_kernel[(nb,)](x, thr, start, cv, ci, n, capacity, BLOCK_=tk.BLOCK),
+        "compact kernel": lambda: tk.topk._compact_kernel[(nb,)](x, thr, start, cv, ci, n, capacity, BLOCK_=tk.common.BLOCK),
         f"topk(cand {capacity}, {k})": lambda: torch.topk(cv.abs(), k, sorted=False),
         f"kthvalue(cand, {capacity - k + 1})": lambda: torch.kthvalue(cv.abs(), capacity - k + 1),
         "sort(cand)": lambda: torch.sort(cv.abs()),

@@ -48,9 +48,74 @@ def test_lower_layers_import_nothing_above_them(layer, below):
     allowed = {layer, *below}
     bad = []
     for p in (ROOT / layer).rglob("*.py"):
+        package = p.relative_to(ROOT).parent.parts  # where a relative import starts
         for node in ast.walk(ast.parse(p.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level >= 2 and node.module:
-                top = node.module.split(".")[0]
-                if top not in allowed:
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package[: len(package) - (node.level - 1)]
+                target = (*base, *(node.module.split(".") if node.module else ()))
+                if target and target[0] not in allowed:
                     bad.append(f"{p.name}: from {'.' * node.level}{node.module}")
+    assert not bad, bad
+
+
+# torch's internals the adapters must reach (FSDP2's reduce hooks, GradScaler's scale, a
+# view's base): named one by one, so a new private read of our own objects fails the test
+TORCH_PRIVATES = {"_get_fsdp_state", "_fsdp_param_groups", "_reduce_scatter_process_group",
+                  "_reduce_scatter_comm", "_all_reduce_hook", "_orig_size", "_scale", "_base"}
+
+
+def test_no_module_reads_another_objects_private_attributes():
+    """Every component of the state (hooks/warmup.py, delayed.py, local_steps.py, guard.py,
+    telemetry.py, topology.py, the checkpoint's assembly, the state itself) is reached through
+    its interface: no ``x._name`` where x is not ``self`` (or ``cls``) anywhere in the library,
+    and no private name imported from another module."""
+    bad = []
+    for p in ROOT.rglob("*.py"):
+        tree = ast.parse(p.read_text())
+        where = p.relative_to(ROOT.parent)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                    and not node.attr.startswith("__") and node.attr not in TORCH_PRIVATES
+                    and ast.unparse(node.value) not in ("self", "cls", "torch")):
+                bad.append(f"{where}:{node.lineno} {ast.unparse(node)}")
+            if isinstance(node, ast.ImportFrom) and node.level:  # our own modules
+                bad += [f"{where}:{node.lineno} import {a.name}" for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not bad, bad
+
+
+def test_the_state_owns_components_not_mixins():
+    """GradcompState derives from nothing; each component is an attribute of its own class,
+    defined in its own module."""
+    from gradcomp.hooks.state import GradcompState
+    assert GradcompState.__bases__ == (object,)
+    st = GradcompState("onebit")
+    try:
+        homes = {name: type(getattr(st, name)).__module__ for name in
+                 ("memory", "guard", "warmup", "delay", "rounds", "telemetry", "hierarchy")}
+    finally:
+        st.close()
+    assert len(set(homes.values())) == len(homes), homes
+    assert "gradcomp.hooks.state" not in homes.values(), homes
+
+
+def test_kernels_dispatch_in_one_place_without_an_import_loop():
+    """Every step's implementation is looked up by ``gradcomp.kernels.implementation`` (the
+    Triton modules are imported nowhere else in the library), and the Triton modules import
+    only the reference and each other (the old triton_kernels -> lowrank -> kernels loop)."""
+    bad = []
+    for p in ROOT.rglob("*.py"):
+        rel = p.relative_to(ROOT)
+        package = rel.parent.parts
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package[: len(package) - (node.level - 1)]
+                target = ".".join((*base, *(node.module.split(".") if node.module else ()),))
+                names = {f"{target}.{a.name}" if target else a.name for a in node.names}
+                if rel.parts[:2] == ("kernels", "triton"):
+                    if not all(n.startswith(("kernels.triton", "kernels.reference")) for n in names):
+                        bad.append(f"{rel}: {sorted(names)}")
+                elif any(n.startswith("kernels.triton") for n in names) and rel != Path(
+                        "kernels/__init__.py"):
+                    bad.append(f"{rel}: {sorted(names)}")
     assert not bad, bad

@@ -21,7 +21,7 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from gradcomp.kernels import reference as ref  # noqa: E402
-from gradcomp.kernels import triton_kernels as tk  # noqa: E402
+from gradcomp.kernels import triton as tk  # noqa: E402
 
 INTERPRET = os.environ["TRITON_INTERPRET"] not in ("", "0")
 if not INTERPRET and not torch.cuda.is_available():
@@ -69,7 +69,7 @@ class Guards:
 @pytest.fixture(autouse=True)
 def guards(monkeypatch):
     g = Guards()
-    monkeypatch.setattr(tk, "_alloc", g.alloc)
+    monkeypatch.setattr(tk.common, "alloc", g.alloc)
     yield g
     g.check()
 
@@ -77,8 +77,8 @@ def guards(monkeypatch):
 @pytest.fixture(params=["default", "small"])
 def block(request, monkeypatch):
     if request.param == "small":
-        monkeypatch.setattr(tk, "BLOCK", SMALL_BLOCK)
-    return tk.BLOCK
+        monkeypatch.setattr(tk.common, "BLOCK", SMALL_BLOCK)
+    return tk.common.BLOCK
 
 
 def poisoned(g, t):
@@ -177,7 +177,7 @@ def test_onebit_compress_matches_reference(guards, block, chunk, dtype):
 
 @pytest.mark.parametrize("chunk", [72, 128, 520])
 def test_onebit_compress_chunks_longer_than_a_block(guards, monkeypatch, chunk):
-    monkeypatch.setattr(tk, "BLOCK", SMALL_BLOCK)  # chunk > block: the two-sweep kernel
+    monkeypatch.setattr(tk.common, "BLOCK", SMALL_BLOCK)  # chunk > block: the two-sweep kernel
     for m in (1, 3):
         check_onebit(guards, randn(m * chunk, m), chunk, with_residual=True)
         check_onebit(guards, randn(m * chunk, m, torch.bfloat16), chunk, with_residual=False)
@@ -397,7 +397,7 @@ def test_select_topk_large(guards):
 
 
 def test_select_topk_overflow_and_underflow(guards, monkeypatch):
-    monkeypatch.setattr(tk, "BLOCK", SMALL_BLOCK)
+    monkeypatch.setattr(tk.common, "BLOCK", SMALL_BLOCK)
     x = randn(1000, 3)
     zero = torch.tensor(0.0, device=DEV)
     check_select(guards, x, zero, 10, 20)                                 # all pass: first 20 kept
@@ -443,42 +443,42 @@ import triton.backends
 from triton.backends.compiler import GPUTarget
 if "nvidia" not in triton.backends.backends:
     sys.exit(3)
-from gradcomp.kernels import triton_kernels as tk
+from gradcomp.kernels import triton as tk
 P, C = "*fp32", "constexpr"
 specs = [
-    (tk._onebit_compress_rows, ["*bf16", P, "*u8", P, "i32", "i32"], dict(HAS_RES=True, ROWS=4, BYTES=128)),
-    (tk._onebit_compress_rows, [P, P, "*u8", P, "i32", "i32"], dict(HAS_RES=False, ROWS=512, BYTES=1)),
-    (tk._onebit_compress_long, ["*fp16", P, "*u8", P, "i32", "i32"], dict(HAS_RES=True, BYTES=512)),
-    (tk._onebit_decompress_kernel, ["*u8", P, P, "i32", "i32", "i32", "i32", "fp32"], dict(BYTES=512)),
-    (tk._ternary_compress_kernel, [P, P, P, "*i64", "*i64", "*i64", "*u8", "i64", "i32"],
+    (tk.onebit._onebit_compress_rows, ["*bf16", P, "*u8", P, "i32", "i32"], dict(HAS_RES=True, ROWS=4, BYTES=128)),
+    (tk.onebit._onebit_compress_rows, [P, P, "*u8", P, "i32", "i32"], dict(HAS_RES=False, ROWS=512, BYTES=1)),
+    (tk.onebit._onebit_compress_long, ["*fp16", P, "*u8", P, "i32", "i32"], dict(HAS_RES=True, BYTES=512)),
+    (tk.onebit._onebit_decompress_kernel, ["*u8", P, P, "i32", "i32", "i32", "i32", "fp32"], dict(BYTES=512)),
+    (tk.terngrad._ternary_compress_kernel, [P, P, P, "*i64", "*i64", "*i64", "*u8", "i64", "i32"],
      dict(HAS_RES=True, PER_SEG=False, BYTES=1024)),
-    (tk._ternary_compress_kernel, ["*bf16", P, P, "*i32", "*i64", "*i64", "*u8", "u64", "i32"],
+    (tk.terngrad._ternary_compress_kernel, ["*bf16", P, P, "*i32", "*i64", "*i64", "*u8", "u64", "i32"],
      dict(HAS_RES=False, PER_SEG=True, BYTES=1024)),
-    (tk._ternary_decompress_kernel, ["*u8", P, "*i64", P, "i32", "i32", "i32", "i32", "fp32"], dict(BYTES=1024)),
-    (tk._count_kernel, [P, P, "*i32", "i32"], dict(BLOCK_=4096)),
-    (tk._compact_kernel, ["*fp16", P, "*i64", P, "*i32", "i32", "i32"], dict(BLOCK_=4096)),
-    (tk._scatter_add_kernel, [P, "*i64", P, "i32", "i32", "fp32"], dict(BLOCK_=4096)),
-    (tk._psgd_project_kernel, [P, P, P, "*i64", "*i64"], dict(BN=32, BK=64, R=4)),
-    (tk._psgd_back_kernel, ["*bf16", P, P, "*i64", "*i64"], dict(BN=32, BK=64, R=1)),
-    (tk._psgd_expand_kernel, [P, P, "*fp16", "*i64", "*i64", "fp32"], dict(BN=32, BK=64, R=8)),
-    (tk._psgd_orthonormalize_kernel, [P, "*i64"], dict(FALLBACK=1e-12, BN=128, R=4, PASSES=3)),
-    (tk._seg_count_kernel, [P, P, "*i32", "*i32", "i32"], dict(BLOCK_=2048)),
-    (tk._seg_before_kernel, [P, P, "*i32", "*i64", "*i64", "*i64"], dict(BLOCK_=2048)),
-    (tk._seg_compact_kernel, ["*fp16", P, "*i32", "*i64", "*i64", "*i64", "*i64", "*fp16", "*i64",
+    (tk.terngrad._ternary_decompress_kernel, ["*u8", P, "*i64", P, "i32", "i32", "i32", "i32", "fp32"], dict(BYTES=1024)),
+    (tk.topk._count_kernel, [P, P, "*i32", "i32"], dict(BLOCK_=4096)),
+    (tk.topk._compact_kernel, ["*fp16", P, "*i64", P, "*i32", "i32", "i32"], dict(BLOCK_=4096)),
+    (tk.topk._scatter_add_kernel, [P, "*i64", P, "i32", "i32", "fp32"], dict(BLOCK_=4096)),
+    (tk.powersgd._psgd_project_kernel, [P, P, P, "*i64", "*i64"], dict(BN=32, BK=64, R=4)),
+    (tk.powersgd._psgd_back_kernel, ["*bf16", P, P, "*i64", "*i64"], dict(BN=32, BK=64, R=1)),
+    (tk.powersgd._psgd_expand_kernel, [P, P, "*fp16", "*i64", "*i64", "fp32"], dict(BN=32, BK=64, R=8)),
+    (tk.powersgd._psgd_orthonormalize_kernel, [P, "*i64"], dict(FALLBACK=1e-12, BN=128, R=4, PASSES=3)),
+    (tk.topk._seg_count_kernel, [P, P, "*i32", "*i32", "i32"], dict(BLOCK_=2048)),
+    (tk.topk._seg_before_kernel, [P, P, "*i32", "*i64", "*i64", "*i64"], dict(BLOCK_=2048)),
+    (tk.topk._seg_compact_kernel, ["*fp16", P, "*i32", "*i64", "*i64", "*i64", "*i64", "*fp16", "*i64",
                               "i32"], dict(BLOCK_=2048)),
-    (tk._threshold_tau_kernel, [P, "*i64", "*i64", "*i64", P, "*i64", P, "*i64", P, P, "i32",
+    (tk.threshold._threshold_tau_kernel, [P, "*i64", "*i64", "*i64", P, "*i64", P, "*i64", P, P, "i32",
                                 "fp32", "fp32"], dict(ADAPTIVE=True, BLOCK_=1024)),
-    (tk._threshold_tau_kernel, [P, "*i64", "*i64", "*i64", P, "*i64", P, "*i64", P, P, "i32",
+    (tk.threshold._threshold_tau_kernel, [P, "*i64", "*i64", "*i64", P, "*i64", P, "*i64", P, P, "i32",
                                 "fp32", "fp32"], dict(ADAPTIVE=False, BLOCK_=1024)),
-    (tk._threshold_encode_kernel, [P, "*i64", "*i64", P, "*i32", P, "i32"],
+    (tk.threshold._threshold_encode_kernel, [P, "*i64", "*i64", P, "*i32", P, "i32"],
      dict(HAS_RES=True, BLOCK_=2048)),
-    (tk._threshold_decode_kernel, ["*i32", "*i64", P, "i32", "i32", "i32"], dict(BLOCK_=2048)),
+    (tk.threshold._threshold_decode_kernel, ["*i32", "*i64", P, "i32", "i32", "i32"], dict(BLOCK_=2048)),
 ]
 for fn, types, cx in specs:
     names = fn.arg_names
     sig = dict(zip(names, types + [C] * (len(names) - len(types))))
     triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=cx),
-                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=tk.NUM_WARPS))
+                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=tk.common.NUM_WARPS))
 print("compiled", len(specs))
 """
 

@@ -30,8 +30,8 @@ def test_segmented_select_equals_the_per_parameter_reference(compact, monkeypatc
     Triton kernels with blocks of 256 elements: segments across blocks, blocks across
     segments."""
     if compact == "triton":
-        from gradcomp.kernels import triton_kernels
-        monkeypatch.setattr(triton_kernels, "BLOCK", 256)
+        from gradcomp.kernels.triton import common
+        monkeypatch.setattr(common, "BLOCK", 256)
     rng = random.Random(0)
     g = torch.Generator().manual_seed(0)
     for trial in range(40):

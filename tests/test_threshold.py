@@ -207,8 +207,8 @@ def test_spec_string_options_are_typed():
 def test_the_gpu_path_equals_the_cpu_path(spec, monkeypatch):
     """The Triton kernels (tau, encode, decode, candidates; run by the interpreter, in blocks
     of 256) give the CPU path's bits: outputs, residuals and taus, step after step."""
-    from gradcomp.kernels import triton_kernels
-    monkeypatch.setattr(triton_kernels, "BLOCK", 256)
+    from gradcomp.kernels.triton import common
+    monkeypatch.setattr(common, "BLOCK", 256)
     params = layout(NAMES)
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(_numel(params), generator=g) * (1 + step) for step in range(4)]

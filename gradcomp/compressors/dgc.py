@@ -47,8 +47,8 @@ from ..config import MethodConfig, check
 from .base import Compressor, register_method, unwrap_optimizer, zero_dense
 from .topk import check_value_dtype, exchange_sparse, round_values, select, value_dtype
 
-_KEYS = ("momentum", "nesterov", "weight_decay")
-_OFF = {"momentum": 0.0, "nesterov": False, "weight_decay": 0.0}
+MOMENTUM_KEYS = ("momentum", "nesterov", "weight_decay")
+MOMENTUM_OFF = {"momentum": 0.0, "nesterov": False, "weight_decay": 0.0}
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ class DGCConfig(MethodConfig):
 
     def fixed(self) -> bool:
         """Momentum/weight decay given as options (not read from the optimizer)."""
-        return any(getattr(self, k) != _OFF[k] for k in _KEYS)
+        return any(getattr(self, k) != MOMENTUM_OFF[k] for k in MOMENTUM_KEYS)
 
 
 @functools.lru_cache(maxsize=256)
@@ -142,16 +142,16 @@ class DGC(Compressor):
         if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
             # Adam's first moment is its momentum and it applies its own weight decay: dgc
             # runs as top-k with its accumulation, Adam's variance frozen (adam='freeze')
-            given = {k: options[k] for k in _KEYS if options.get(k, _OFF[k])}
+            given = {k: options[k] for k in MOMENTUM_KEYS if options.get(k, MOMENTUM_OFF[k])}
             if given:
                 raise TypeError(f"dgc's momentum correction needs torch.optim.SGD, got "
                                 f"{type(optimizer).__name__} with {given}: Adam keeps its own "
                                 f"momentum and weight decay; leave them out (dgc then runs as "
                                 f"top-k with its accumulation), or use 'topk'")
             return options
-        held = any(any(g.get(k, _OFF[k]) for k in _KEYS) for g in groups)
+        held = any(any(g.get(k, MOMENTUM_OFF[k]) for k in MOMENTUM_KEYS) for g in groups)
         if not isinstance(optimizer, torch.optim.SGD):
-            if held or any(options.get(k, _OFF[k]) for k in _KEYS):
+            if held or any(options.get(k, MOMENTUM_OFF[k]) for k in MOMENTUM_KEYS):
                 raise TypeError(f"dgc's momentum correction needs torch.optim.SGD, got "
                                 f"{type(optimizer).__name__}; use 'topk' for other optimizers")
             return options
@@ -163,12 +163,12 @@ class DGC(Compressor):
                 raise ValueError(f"dgc with dampening={g['dampening']!r} (param group {i}): "
                                  f"allowed 0")
         if held:
-            for k in _KEYS:
-                if k in options and any(g.get(k, _OFF[k]) != options[k] for g in groups):
+            for k in MOMENTUM_KEYS:
+                if k in options and any(g.get(k, MOMENTUM_OFF[k]) != options[k] for g in groups):
                     raise ValueError(f"{k}={options[k]!r} given to dgc while the optimizer has "
                                      f"{k}={groups[0].get(k)!r}: it would be applied twice; "
                                      f"leave it out, dgc reads it from the optimizer")
-            options = {k: v for k, v in options.items() if k not in _KEYS}
+            options = {k: v for k, v in options.items() if k not in MOMENTUM_KEYS}
         return options
 
     def attach_momentum(self, source) -> None:

@@ -114,7 +114,7 @@ class PowerSGD(Compressor):
                for p in g.params] for g in lay.groups]
         # the matrices M, for the details below (without error feedback out is x, rewritten)
         m_src = x.clone() if ctx.details and not cfg.error_feedback else x
-        if backend("powersgd", x) == "triton":
+        if backend("powersgd_project", x) == "triton":
             out, buf = self._reduce_table(x, ctx, lay, qs)
         else:
             out, buf = self._reduce_batched(x, ctx, lay, qs)

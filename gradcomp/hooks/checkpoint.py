@@ -142,6 +142,7 @@ def state_dict(state) -> dict:
     this layout; ``rank`` the rank that wrote it (each rank's memory is its own: a
     checkpoint loads into the rank that wrote it); ``digest`` a SHA-256 of every tensor,
     checked on load."""
+    state.drain()  # the exchanges in flight write the memory: first let them finish
     sd = {"format": FORMAT, "method": state.method, "config": state.config.to_dict(),
           "world_size": state.world_size, "rank": _rank(state),
           "ranks_per_node": state.local_size,

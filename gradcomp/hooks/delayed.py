@@ -9,7 +9,7 @@ import torch
 from ..compressors.base import ParamSlice
 
 
-def _slices(named) -> list[ParamSlice]:
+def flat_slices(named) -> list[ParamSlice]:
     """Flat layout of (name, tensor) pairs laid end to end."""
     out, off = [], 0
     for name, t in named:
@@ -36,7 +36,7 @@ class _Pending:
 
     @classmethod
     def done(cls, step: int, corrections: dict) -> "_Pending":
-        slices = _slices(corrections.items())
+        slices = flat_slices(corrections.items())
         fut = torch.futures.Future()
         fut.set_result(torch.cat([c.reshape(-1) for c in corrections.values()])
                        if corrections else torch.zeros(0))

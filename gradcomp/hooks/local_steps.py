@@ -54,7 +54,7 @@ from __future__ import annotations
 import torch
 
 from ..compressors.base import unwrap_optimizer
-from .delayed import _slices
+from .delayed import flat_slices
 from .optimizer import step_hooks
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
@@ -106,7 +106,7 @@ def check_local(state, optimizer, scaler) -> None:
                          f"steps than the rest; use bfloat16 without a scaler")
 
 
-def _node_average(x: torch.Tensor, ctx) -> torch.Tensor:
+def node_average(x: torch.Tensor, ctx) -> torch.Tensor:
     """Between nodes, nothing: under a hierarchical topology an inner step averages inside
     the node only (the node's reduce-scatter, this, the node's allgather)."""
     return x
@@ -171,7 +171,7 @@ class LocalSteps:
             size += 4 * p.numel()
         if cur:
             buckets.append(cur)
-        self._outer_buckets = [(_slices(b), [p for _, p in b]) for b in buckets]
+        self._outer_buckets = [(flat_slices(b), [p for _, p in b]) for b in buckets]
         self._outer_buffers = [(n, b) for n, b in module.named_buffers()
                                if b.dtype.is_floating_point]
         self._send = send
@@ -237,7 +237,7 @@ class LocalSteps:
             futures.append(fut)
             step = s if step is None else step
         if buffers is not None:
-            slices = _slices((f"buffer:{name}", t) for name, t in self._outer_buffers)
+            slices = flat_slices((f"buffer:{name}", t) for name, t in self._outer_buffers)
             bfut, s = self._send(n, buffers.clone(), slices, None, True, True)
             step = s if step is None else step
         return _Round(step, futures, bfut, buffers)

@@ -69,7 +69,7 @@ import torch
 
 from ..compressors import METHODS
 from ..compressors.base import unwrap_optimizer as unwrap
-from ..compressors.dgc import _KEYS, _OFF
+from ..compressors.dgc import MOMENTUM_KEYS, MOMENTUM_OFF
 
 ADAM_TYPES = (torch.optim.Adam, torch.optim.AdamW)
 # Measured with AdamW (bench/RESULTS.md section 8: the GPT, 2000 steps, mean of the seeds
@@ -439,13 +439,13 @@ class SGDMomentum:
         does not hold). Inside step() (a closure's backward) and after a step() that raised
         (its post-hook never ran) the groups are zeroed: the user's values are the saved ones."""
         if self._saved is not None:
-            return [tuple(s[k] for k in _KEYS) for s in self._saved] + [(0.0, False, 0.0)]
+            return [tuple(s[k] for k in MOMENTUM_KEYS) for s in self._saved] + [(0.0, False, 0.0)]
         out = []
         for g in self.optimizer.param_groups:
             legacy = g.pop("gradcomp_moved", None)  # optimizer checkpoints of gradcomp <= 0.1
-            if legacy and not any(g.get(k) for k in _KEYS):
+            if legacy and not any(g.get(k) for k in MOMENTUM_KEYS):
                 g.update(legacy)
-            out.append(tuple(g.get(k, _OFF[k]) for k in _KEYS))
+            out.append(tuple(g.get(k, MOMENTUM_OFF[k]) for k in MOMENTUM_KEYS))
         return out + [(0.0, False, 0.0)]
 
     def values(self, names) -> tuple | None:
@@ -466,16 +466,16 @@ class SGDMomentum:
         self._restore()  # a step() that raised never ran its post-hook
         groups = self._groups()[:-1]
         if self.fixed:
-            bad = [(i, dict(zip(_KEYS, v))) for i, v in enumerate(groups) if any(v)]
+            bad = [(i, dict(zip(MOMENTUM_KEYS, v))) for i, v in enumerate(groups) if any(v)]
             if bad:
                 raise ValueError(f"dgc applies the momentum/weight decay given in its options, "
                                  f"but param group {bad[0][0]} now holds {bad[0][1]} (a scheduler "
                                  f"cycling momentum, or your code): it would be applied twice. "
                                  f"Leave the options out so dgc reads them from the optimizer")
             return
-        self._saved = [{k: g.get(k, _OFF[k]) for k in _KEYS} for g in optimizer.param_groups]
+        self._saved = [{k: g.get(k, MOMENTUM_OFF[k]) for k in MOMENTUM_KEYS} for g in optimizer.param_groups]
         for g in optimizer.param_groups:
-            g.update(_OFF)
+            g.update(MOMENTUM_OFF)
 
     def _post(self, optimizer, args, kwargs) -> None:
         self._restore()

@@ -38,11 +38,11 @@ from ..config import MethodConfig
 from ..memory import ParamMemory
 from . import checkpoint
 from . import optimizer as optimizer_binding
-from .delayed import Delayed, _slices
+from .delayed import Delayed, flat_slices
 from .engine import Exchange, Lane, Sequencer, Ticket
 from .guard import Guard
-from .local_steps import LocalSteps, _node_average
-from .telemetry import Telemetry, _sq_norm
+from .local_steps import LocalSteps, node_average
+from .telemetry import Telemetry, sq_norm
 from .topology import Hierarchy, base_name
 from .warmup import Warmup
 
@@ -323,7 +323,7 @@ class GradcompState:
                     and not dense and lane.inter is None else None)
             if slot:
                 names = [p.name for p in params]
-                owed = _sq_norm(x, params, self.memory.peek(slot, names))
+                owed = sq_norm(x, params, self.memory.peek(slot, names))
             # warm-up: uncompressed (DGC's dense step still moves its velocity: guarded too),
             # in bf16 on the wire with dense_wire (Adam's warm-up by default)
             ctx.wire16 = dense and self.dense_wire16()
@@ -341,7 +341,7 @@ class GradcompState:
             if mom is not None:
                 out = (out - mom[1]).div_(mom[0])
             if slot and self.guard.skipped != step:
-                kept = _sq_norm(None, params, self.memory.peek(slot, names))
+                kept = sq_norm(None, params, self.memory.peek(slot, names))
                 self.telemetry.log_ratio(step, "residual_energy", kept, owed)
         if scale is not None:
             out = out * scale
@@ -374,7 +374,7 @@ class GradcompState:
                     "the model it serves, gradcomp.State(method, config, model=net), or use "
                     "gradcomp.register(ddp_model, method, optimizer=opt)")
             names.append(name)
-        slices = _slices(zip(names, params))
+        slices = flat_slices(zip(names, params))
         devices = [buf.device] if buf.is_cuda else None
         if self.rounds.active:  # an inner step: this rank's gradient, or a hierarchy's node's
             if not self.rounds.bound:
@@ -387,7 +387,7 @@ class GradcompState:
                 fut.set_result(buf)
                 return fut
             lane = self._lanes[bucket % len(self._lanes)]
-            self._enqueue(lane, Exchange(bucket, buf, slices, self.step, plain=_node_average,
+            self._enqueue(lane, Exchange(bucket, buf, slices, self.step, plain=node_average,
                                          fut=fut), last)
             return fut
         step = self.begin(bucket)

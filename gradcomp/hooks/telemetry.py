@@ -8,7 +8,7 @@ import torch
 from ..comm import Traffic
 
 
-def _sq_norm(x, params, views) -> torch.Tensor:
+def sq_norm(x, params, views) -> torch.Tensor:
     """Squared norm of x + the memory ``views`` (None: zero) over ``params``; x None: of the
     views alone."""
     total = torch.zeros((), dtype=torch.float64)

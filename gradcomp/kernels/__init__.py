@@ -30,13 +30,13 @@ from .reference import (  # noqa: F401  (re-exported helpers with no kernel of t
 _triton = None
 
 
-def _triton_module():
-    """The Triton kernels module, imported on first use; False when Triton is missing."""
+def _triton_kernels():
+    """The Triton kernels (kernels/triton/), imported on first use; False without Triton."""
     global _triton
     if _triton is None:
         try:
-            from . import triton_kernels
-            _triton = triton_kernels
+            from . import triton as kernels
+            _triton = kernels
         except ImportError:
             _triton = False
     return _triton
@@ -44,9 +44,11 @@ def _triton_module():
 
 def backend(name: str, t: torch.Tensor) -> str:
     """Which implementation of step ``name`` runs for tensors like ``t``: "triton",
-    "compiled", "cpu" or "reference"."""
+    "compiled", "cpu" or "reference". The one decision: every step's dispatch
+    (:func:`implementation`) and every choice of algorithm made for a backend (PowerSGD's
+    table of matrices, the segmented top-k's compaction) asks it."""
     mode = os.environ.get("GRADCOMP_KERNELS", "auto")
-    if mode != "reference" and (t.device.type == "cuda" or mode == "triton") and _triton_module():
+    if mode != "reference" and (t.device.type == "cuda" or mode == "triton") and _triton_kernels():
         return "triton"
     if mode == "auto" and name in compiled.STEPS and compiled.takes(t):
         return "compiled"
@@ -54,10 +56,20 @@ def backend(name: str, t: torch.Tensor) -> str:
     return "cpu" if blocked else "reference"
 
 
-def _impl(name: str, t: torch.Tensor):
-    which = backend(name, t)
-    module = {"triton": _triton, "compiled": compiled, "cpu": cpu}.get(which, reference)
+def implementation(name: str, t: torch.Tensor, which: str | None = None, reference_fn=None):
+    """The function that runs step ``name`` for tensors like ``t``: from the module of
+    ``which`` (default: :func:`backend`'s choice). The reference is :mod:`.reference`'s
+    function of that name, or ``reference_fn`` for a step specified elsewhere (PowerSGD's
+    matrix steps, in :mod:`.lowrank`)."""
+    which = which or backend(name, t)
+    if which == "reference":
+        return reference_fn or getattr(reference, name)
+    module = {"triton": _triton_kernels, "compiled": lambda: compiled, "cpu": lambda: cpu}[which]()
     return getattr(module, name)
+
+
+def _impl(name: str, t: torch.Tensor):
+    return implementation(name, t)
 
 
 def onebit_compress(x, residual, chunk):

@@ -37,7 +37,7 @@ import warnings
 import torch
 
 from . import cpu, reference
-from .reference import _PHILOX_KEY_A, _PHILOX_KEY_B, _PHILOX_ROUND_A, _PHILOX_ROUND_B, check_flat
+from .reference import PHILOX_KEY_A, PHILOX_KEY_B, PHILOX_ROUND_A, PHILOX_ROUND_B, check_flat
 
 # cpu.py's threshold: from 2^17 elements up the compiled steps took no more CPU time than the
 # blocked ones (bench/compiled_codec.py, bench/RESULTS.md section 6); below it, not measured
@@ -86,12 +86,12 @@ def _philox(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
     c0, c1 = counter & _U32, (counter >> 32) & _U32
     c2 = c3 = torch.zeros_like(counter)
     for i in range(10):
-        p0 = c0 * _PHILOX_ROUND_A  # mod 2^64: the low half exact, the high half masked
-        p1 = c2 * _PHILOX_ROUND_B
+        p0 = c0 * PHILOX_ROUND_A  # mod 2^64: the low half exact, the high half masked
+        p1 = c2 * PHILOX_ROUND_B
         c0, c1, c2, c3 = (((p1 >> 32) & _U32) ^ c1 ^ k0, p1 & _U32,
                           ((p0 >> 32) & _U32) ^ c3 ^ k1, p0 & _U32)
         if i < 9:
-            k0, k1 = (k0 + _PHILOX_KEY_A) & _U32, (k1 + _PHILOX_KEY_B) & _U32
+            k0, k1 = (k0 + PHILOX_KEY_A) & _U32, (k1 + PHILOX_KEY_B) & _U32
     x = c0.to(torch.int32)
     x = x ^ (x >> 31)
     return x.to(torch.float32) * 4.6566127342e-10

@@ -83,7 +83,7 @@ def onebit_compress(x: torch.Tensor, residual: torch.Tensor | None, chunk: int):
             if torch.isfinite(hi).all() and torch.isfinite(lo).all():
                 _sub_dequant(yb, hb, hi, lo)
             else:  # 0 * inf is NaN: the reference's selection for this block
-                yb.sub_(reference._dequant(pb.view(c1 - c0, chunk), hi, lo))
+                yb.sub_(reference.dequant(pb.view(c1 - c0, chunk), hi, lo))
     return bits, scales
 
 
@@ -131,7 +131,7 @@ def onebit_decompress(bits: torch.Tensor, scales: torch.Tensor, chunk: int, out:
                 target.addcmul_(hb, lo.unsqueeze(1))  # + lo where it is not, else + 0
             else:  # 0 * inf is NaN: the reference's selection
                 pos = reference.unpack_bits(bits[w, b0:b1]).view(c1 - c0, chunk)
-                target.copy_(reference._dequant(pos, hi, lo))
+                target.copy_(reference.dequant(pos, hi, lo))
             if w > 0:
                 ab.add_(target)
         out[c0 * chunk : c0 * chunk + m].view(c1 - c0, chunk).add_(ab, alpha=alpha)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _triton_module, backend
+from . import implementation
 
 # How many times each Gram-Schmidt column's projection on the columns before it is
 # subtracted, on every path (the CPU batch, this reference, the Triton kernel). Two passes
@@ -86,6 +86,8 @@ class MatrixTable:
     row_tiles: torch.Tensor   # (T, 2) int64: (matrix, first row) of each row tile
     col_tiles: torch.Tensor   # (U, 2) int64: (matrix, first column) of each column tile
     rank: int                 # the largest r, rounded up to a power of two (>= 1)
+    tile_rows: int = TILE_ROWS  # rows of a row tile (the kernels read the table's own)
+    tile_cols: int = TILE_COLS  # columns of a column tile
 
 
 def matrix_table(rows, device) -> MatrixTable:
@@ -106,15 +108,12 @@ def matrix_table(rows, device) -> MatrixTable:
                        1 << (r_max - 1).bit_length())
 
 
-def _kernels(t: torch.Tensor):
-    return _triton_module() if backend("powersgd", t) == "triton" else None
-
-
 def project(x: torch.Tensor, q: torch.Tensor, p: torch.Tensor, table: MatrixTable) -> torch.Tensor:
     """p[matrix k] = M_k Q_k for every matrix of the table; returns p."""
-    tk = _kernels(x)
-    if tk:
-        return tk.powersgd_project(x, q, p, table)
+    return implementation("powersgd_project", x, reference_fn=_project)(x, q, p, table)
+
+
+def _project(x, q, p, table):
     for x_off, n, m, r, p_off, q_off in table.rows:
         M = x[x_off : x_off + n * m].view(n, m).float()
         torch.mm(M, q[q_off : q_off + m * r].view(m, r), out=p[p_off : p_off + n * r].view(n, r))
@@ -123,9 +122,10 @@ def project(x: torch.Tensor, q: torch.Tensor, p: torch.Tensor, table: MatrixTabl
 
 def back(x: torch.Tensor, p: torch.Tensor, q: torch.Tensor, table: MatrixTable) -> torch.Tensor:
     """q[matrix k] = M_k^T P_k for every matrix of the table; returns q."""
-    tk = _kernels(x)
-    if tk:
-        return tk.powersgd_back(x, p, q, table)
+    return implementation("powersgd_back", x, reference_fn=_back)(x, p, q, table)
+
+
+def _back(x, p, q, table):
     for x_off, n, m, r, p_off, q_off in table.rows:
         M = x[x_off : x_off + n * m].view(n, m).float()
         torch.mm(M.t(), p[p_off : p_off + n * r].view(n, r), out=q[q_off : q_off + m * r].view(m, r))
@@ -136,9 +136,10 @@ def expand(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor, table: MatrixTab
            W: int) -> torch.Tensor:
     """out[matrix k] = P_k Q_k^T / W for every matrix of the table (its other elements are
     left alone); returns out."""
-    tk = _kernels(p)
-    if tk:
-        return tk.powersgd_expand(p, q, out, table, W)
+    return implementation("powersgd_expand", p, reference_fn=_expand)(p, q, out, table, W)
+
+
+def _expand(p, q, out, table, W):
     for x_off, n, m, r, p_off, q_off in table.rows:
         P, Q = p[p_off : p_off + n * r].view(n, r), q[q_off : q_off + m * r].view(m, r)
         out[x_off : x_off + n * m].view(n, m).copy_((P @ Q.t()).div_(W))
@@ -150,16 +151,18 @@ def orthonormalize(p: torch.Tensor, table: MatrixTable) -> torch.Tensor:
     columns 0..i-1 is subtracted ``GS_PASSES`` times (classical Gram-Schmidt with
     reorthogonalization), before that it is scaled to norm 1 and gets the fallback (see
     ``FALLBACK_SCALE``), after that it is divided by its norm. Returns p."""
-    tk = _kernels(p)
-    if tk:
-        return tk.powersgd_orthonormalize(p, table, GS_PASSES, FALLBACK_SCALE)
+    return implementation("powersgd_orthonormalize", p, reference_fn=_orthonormalize)(
+        p, table, GS_PASSES, FALLBACK_SCALE)
+
+
+def _orthonormalize(p, table, passes, fallback_scale):
     for _, n, _m, r, p_off, _ in table.rows:
         P = p[p_off : p_off + n * r].view(n, r)
         f = fallback(n, r, p.device)
         for i in range(r):
             col = P[:, i]
-            col.div_(col.dot(col).sqrt().clamp_min(1e-30)).add_(f[:, i], alpha=FALLBACK_SCALE)
-            for _ in range(GS_PASSES if i else 0):
+            col.div_(col.dot(col).sqrt().clamp_min(1e-30)).add_(f[:, i], alpha=fallback_scale)
+            for _ in range(passes if i else 0):
                 col.sub_(P[:, :i] @ (P[:, :i].t() @ col))
             col.div_(col.dot(col).sqrt().clamp_min(1e-30))
     return p

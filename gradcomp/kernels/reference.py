@@ -1,6 +1,6 @@
 """Pure-torch reference implementations of the quantize and select steps.
 
-These are the specification: every Triton kernel in :mod:`gradcomp.kernels.triton_kernels`
+These are the specification: every Triton kernel in :mod:`gradcomp.kernels.triton` (one module per method)
 has the same signature and is tested against the function of the same name here. They are
 also the production path for CPU tensors.
 
@@ -108,11 +108,11 @@ def onebit_compress(x: torch.Tensor, residual: torch.Tensor | None, chunk: int):
     nsum = yc.sum(dim=1) - psum
     scales = torch.stack([psum / npos.clamp_min(1), nsum / nneg.clamp_min(1)])
     if residual is not None:
-        torch.sub(yc, _dequant(pos, scales[0], scales[1]), out=residual.view(-1, chunk))
+        torch.sub(yc, dequant(pos, scales[0], scales[1]), out=residual.view(-1, chunk))
     return pack_bits(pos.view(-1)), scales
 
 
-def _dequant(pos: torch.Tensor, high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+def dequant(pos: torch.Tensor, high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     """where(pos, high, low) per chunk row: the scales exactly (the decoder's specification;
     a multiply-add would be faster on the CPU but can round the chosen scale)."""
     return torch.where(pos, high.unsqueeze(-1), low.unsqueeze(-1))
@@ -125,9 +125,9 @@ def onebit_decompress(bits: torch.Tensor, scales: torch.Tensor, chunk: int, out:
     bits: (W, n/8) uint8, scales: (W, 2, n/chunk). Reads W*(n/8 + 8n/chunk) + 4n, writes 4n.
     """
     pos = unpack_bits(bits).view(bits.shape[0], -1, chunk)
-    total = _dequant(pos[0], scales[0, 0], scales[0, 1])
+    total = dequant(pos[0], scales[0, 0], scales[0, 1])
     for w in range(1, pos.shape[0]):
-        total += _dequant(pos[w], scales[w, 0], scales[w, 1])
+        total += dequant(pos[w], scales[w, 0], scales[w, 1])
     out.view(-1, chunk).add_(total, alpha=alpha)
     return out
 
@@ -138,8 +138,8 @@ def onebit_decompress(bits: torch.Tensor, scales: torch.Tensor, chunk: int, out:
 # the same uniforms, so a CPU run and a GPU run with the same seeds agree.
 _U32 = (1 << 32) - 1
 _U64 = (1 << 64) - 1
-_PHILOX_KEY_A, _PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85
-_PHILOX_ROUND_A, _PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57
+PHILOX_KEY_A, PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85
+PHILOX_ROUND_A, PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57
 _PHILOX: dict = {}
 
 
@@ -149,8 +149,8 @@ def _philox_consts(device):
     hit = _PHILOX.get(key)
     if hit is None:
         hit = _PHILOX[key] = (
-            torch.tensor([[_PHILOX_ROUND_A], [_PHILOX_ROUND_B]], dtype=torch.int64, device=device),
-            torch.tensor([[_PHILOX_KEY_B], [_PHILOX_KEY_A]], dtype=torch.int64, device=device))
+            torch.tensor([[PHILOX_ROUND_A], [PHILOX_ROUND_B]], dtype=torch.int64, device=device),
+            torch.tensor([[PHILOX_KEY_B], [PHILOX_KEY_A]], dtype=torch.int64, device=device))
     return hit
 
 

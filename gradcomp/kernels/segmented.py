@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _triton_module, backend
+from . import backend, implementation
 
 # Candidate buffer = CAPACITY_FACTOR * k; the sampled threshold targets TARGET_FACTOR * k so
 # that the count that passes (about 1.5k +- a few sqrt(k)) rarely overflows the buffer.
@@ -250,8 +250,8 @@ def select_above(x: torch.Tensor, pl: SelectPlan, thr: torch.Tensor, compact: st
     if compact == "auto":  # the GPU's way wherever the GPU's kernels run (tests: on the CPU)
         compact = "triton" if backend("select_topk", x) == "triton" else "nonzero"
     if compact == "triton":
-        val, idx = _triton_module().segment_candidates(x, thr, pl.seg_of, pl.seg_start,
-                                                       pl.slot_base, pl.slot_end, C)
+        find = implementation("segment_candidates", x, "triton")
+        val, idx = find(x, thr, pl.seg_of, pl.seg_start, pl.slot_base, pl.slot_end, C)
         return _take_largest(val, idx, pl)
     mask = x.abs() >= thr[pl.seg_of]
     if compact == "nonzero":

@@ -1,0 +1,54 @@
+"""Triton kernels for the quantize and select steps (CUDA tensors), one module per method:
+``onebit.py``, ``terngrad.py``, ``topk.py`` (top-k and DGC's selection), ``powersgd.py``,
+``threshold.py``; ``common.py`` holds what they share.
+
+Every function here has the signature and semantics of the function of the same name in
+:mod:`gradcomp.kernels.reference` (PowerSGD's: :mod:`gradcomp.kernels.lowrank`;
+segment_candidates: the "cumsum" way of :mod:`gradcomp.kernels.segmented`), which is the
+specification; the tests compare them. :mod:`gradcomp.kernels` imports this module lazily, for CUDA tensors only, so
+the package imports without Triton. Under ``TRITON_INTERPRET=1`` the same kernels run on CPU
+tensors (that is how the tests run without a GPU).
+
+Passes over memory (n elements, fp32 x):
+  * onebit_compress: one kernel, one read of x and the residual, one write of the residual,
+    the packed signs and the per-chunk scales. Chunks longer than ``BLOCK`` elements take a
+    second sweep over the chunk (the first one only sums), which for a chunk of tens of KiB
+    is served from L2.
+  * onebit_decompress / ternary_decompress: one kernel that decodes all W messages and adds
+    them into ``out``: out is read and written once, each message read once.
+  * ternary_compress: one kernel (2-bit codes, four per byte, residual in place).
+  * select_topk: two short kernels over x (per-block counts; then an in-order compaction at
+    each block's exclusive offset, found with a cumsum over the tiny count vector), then an
+    exact ``torch.topk`` over the ``capacity`` candidates. Blocks past ``capacity`` stop
+    after reading one offset. No host synchronization.
+  * scatter_add: one kernel of atomic adds.
+  * segment_candidates (the segmented top-k's candidate step, kernels/segmented.py): a
+    count over x, a cumsum over the tiny per-block counts, one program per segment for the
+    candidates before it, a compaction: two reads of x.
+  * threshold_tau / threshold_encode / threshold_decode: threshold quantization's
+    per-parameter tau, its codes and residual, and the decode of the W messages (atomic
+    adds); each one launch over a bucket.
+  * powersgd_project / _back / _expand / _orthonormalize: PowerSGD's matrix steps over a
+    table of matrices of any shapes, one launch each (kernels/lowrank.py; float tolerance,
+    not bit-identity, against its reference: a product's summation order is the kernel's).
+
+Randomness. ``ternary_compress`` draws ``tl.rand`` (Philox4x32-10): per element i, key = the
+seed and counter = i, or with per-segment seeds key = seeds[k] and counter = i - starts[k] for
+an element of segment k. The reference computes the same stream in pure torch
+(:func:`gradcomp.kernels.reference.philox_uniform`), so the kernel and the reference agree bit
+for bit and a CPU run and a GPU run with the same seeds draw the same numbers.
+
+Inputs: ``x`` may be fp32, fp16 or bf16 (loaded and upcast to fp32 in the kernel); the
+residual, scales and accumulators are fp32. Flat inputs must be contiguous (``ValueError``
+otherwise): a silent ``.contiguous()`` would copy a whole bucket.
+"""
+from __future__ import annotations
+
+from . import common, onebit, powersgd, terngrad, threshold, topk  # noqa: F401
+from .onebit import onebit_compress, onebit_decompress  # noqa: F401
+from .powersgd import (  # noqa: F401
+    powersgd_back, powersgd_expand, powersgd_orthonormalize, powersgd_project,
+)
+from .terngrad import ternary_compress, ternary_decompress  # noqa: F401
+from .threshold import threshold_decode, threshold_encode, threshold_tau  # noqa: F401
+from .topk import scatter_add, segment_candidates, select_topk  # noqa: F401

@@ -1,0 +1,204 @@
+"""PowerSGD's Triton kernels (compressors/powersgd.py): the matrix steps over a table of
+matrices of any shapes, as kernels/lowrank.py's loops specify them."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import common as c
+
+
+# --------------------------------------------------------------------------- PowerSGD matrices
+# Grouped matrix steps over a table of matrices of any shapes (see :mod:`.lowrank`, whose
+# reference they match to float tolerance): one launch per step for a whole bucket. r is at
+# most a few: the products are broadcast multiply-adds over a (rows, cols, R) tile, not
+# tl.dot (no tf32, no minimum tile of 16 on the rank's side).
+@triton.jit
+def _psgd_tile(mats_ptr, tiles_ptr):
+    """This program's tile: (its first row or column, then its matrix's table row)."""
+    t = tl.program_id(0)
+    row = mats_ptr + 6 * tl.load(tiles_ptr + 2 * t)
+    return (tl.load(tiles_ptr + 2 * t + 1), tl.load(row), tl.load(row + 1), tl.load(row + 2),
+            tl.load(row + 3), tl.load(row + 4), tl.load(row + 5))
+
+
+@triton.jit
+def _psgd_project_kernel(
+    x_ptr,      # bucket, fp32/fp16/bf16                reads each matrix once
+    q_ptr,      # Q's, fp32                             reads m r per row tile
+    p_ptr,      # P's, fp32                             writes n r
+    mats_ptr,   # (K, 6) int64 table
+    tiles_ptr,  # (T, 2) int64 (matrix, first row)
+    BN: tl.constexpr, BK: tl.constexpr, R: tl.constexpr,
+):
+    first, x_off, n, m, r, p_off, q_off = _psgd_tile(mats_ptr, tiles_ptr)
+    rows = first + tl.arange(0, BN)
+    js = tl.arange(0, R)
+    rmask, jmask = rows < n, js < r
+    acc = tl.zeros((BN, R), tl.float32)
+    for c0 in range(0, m, BK):
+        cols = c0 + tl.arange(0, BK)
+        cmask = cols < m
+        a = tl.load(x_ptr + x_off + rows[:, None] * m + cols[None, :],
+                    mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        b = tl.load(q_ptr + q_off + cols[:, None] * r + js[None, :],
+                    mask=cmask[:, None] & jmask[None, :], other=0.0)
+        acc += tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+    tl.store(p_ptr + p_off + rows[:, None] * r + js[None, :], acc,
+             mask=rmask[:, None] & jmask[None, :])
+
+
+@triton.jit
+def _psgd_back_kernel(
+    x_ptr,      # bucket                                reads each matrix once
+    p_ptr,      # P's, fp32                             reads n r per column tile
+    q_ptr,      # Q's, fp32                             writes m r
+    mats_ptr, tiles_ptr,  # (U, 2) int64 (matrix, first column)
+    BN: tl.constexpr, BK: tl.constexpr, R: tl.constexpr,
+):
+    first, x_off, n, m, r, p_off, q_off = _psgd_tile(mats_ptr, tiles_ptr)
+    cols = first + tl.arange(0, BK)
+    js = tl.arange(0, R)
+    cmask, jmask = cols < m, js < r
+    acc = tl.zeros((BK, R), tl.float32)
+    for r0 in range(0, n, BN):
+        rows = r0 + tl.arange(0, BN)
+        rmask = rows < n
+        a = tl.load(x_ptr + x_off + rows[:, None] * m + cols[None, :],
+                    mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        b = tl.load(p_ptr + p_off + rows[:, None] * r + js[None, :],
+                    mask=rmask[:, None] & jmask[None, :], other=0.0)
+        acc += tl.sum(a[:, :, None] * b[:, None, :], axis=0)
+    tl.store(q_ptr + q_off + cols[:, None] * r + js[None, :], acc,
+             mask=cmask[:, None] & jmask[None, :])
+
+
+@triton.jit
+def _psgd_expand_kernel(
+    p_ptr, q_ptr,  # P's and Q's, fp32
+    out_ptr,       # bucket: each matrix written once (in out's dtype)
+    mats_ptr, tiles_ptr,  # row tiles, as project
+    W,
+    BN: tl.constexpr, BK: tl.constexpr, R: tl.constexpr,
+):
+    first, x_off, n, m, r, p_off, q_off = _psgd_tile(mats_ptr, tiles_ptr)
+    rows = first + tl.arange(0, BN)
+    js = tl.arange(0, R)
+    rmask, jmask = rows < n, js < r
+    a = tl.load(p_ptr + p_off + rows[:, None] * r + js[None, :],
+                mask=rmask[:, None] & jmask[None, :], other=0.0)
+    for c0 in range(0, m, BK):
+        cols = c0 + tl.arange(0, BK)
+        cmask = cols < m
+        b = tl.load(q_ptr + q_off + cols[:, None] * r + js[None, :],
+                    mask=cmask[:, None] & jmask[None, :], other=0.0)
+        v = tl.sum(a[:, None, :] * b[None, :, :], axis=2) / W
+        tl.store(out_ptr + x_off + rows[:, None] * m + cols[None, :],
+                 v.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _psgd_orthonormalize_kernel(
+    p_ptr,     # P's, fp32, in place: each read PASSES (r - 1) + 4 times per column
+    mats_ptr,
+    FALLBACK: tl.constexpr,
+    BN: tl.constexpr, R: tl.constexpr, PASSES: tl.constexpr,
+):
+    row = mats_ptr + 6 * tl.program_id(0)
+    n, r, p_off = tl.load(row + 1), tl.load(row + 3), tl.load(row + 4)
+    js = tl.arange(0, R)
+    jmask = js < r
+    base = p_ptr + p_off
+    for i in range(0, r):
+        _psgd_unit_column(base, i, n, r, FALLBACK, BN, True)  # norm 1, plus the fallback
+        for _ in range(0, PASSES):  # the projection, PASSES times (at i = 0 it is zero)
+            dots = tl.zeros((R,), tl.float32)  # dots[j] = P[:, j] . P[:, i]
+            for r0 in range(0, n, BN):
+                rows = r0 + tl.arange(0, BN)
+                blk = tl.load(base + rows[:, None] * r + js[None, :],
+                              mask=(rows < n)[:, None] & jmask[None, :], other=0.0)
+                col = tl.sum(tl.where(js[None, :] == i, blk, 0.0), axis=1)
+                dots += tl.sum(blk * col[:, None], axis=0)
+            dots = tl.where(js < i, dots, 0.0)
+            tl.debug_barrier()
+            for r0 in range(0, n, BN):
+                rows = r0 + tl.arange(0, BN)
+                rmask = rows < n
+                blk = tl.load(base + rows[:, None] * r + js[None, :],
+                              mask=rmask[:, None] & jmask[None, :], other=0.0)
+                col = tl.sum(tl.where(js[None, :] == i, blk, 0.0), axis=1)
+                tl.store(base + rows * r + i, col - tl.sum(blk * dots[None, :], axis=1),
+                         mask=rmask)
+            tl.debug_barrier()
+        _psgd_unit_column(base, i, n, r, FALLBACK, BN, False)
+
+
+@triton.jit
+def _psgd_unit_column(base, i, n, r, FALLBACK: tl.constexpr, BN: tl.constexpr,
+                      ADD: tl.constexpr):
+    """Column i of an n x r P divided by its norm (clamped at 1e-30), plus (ADD) FALLBACK
+    times :func:`gradcomp.kernels.lowrank.fallback_values`: its integer hash, whose low 16
+    bits are the same at any integer width."""
+    ss = tl.zeros((BN,), tl.float32)
+    for r0 in range(0, n, BN):
+        rows = r0 + tl.arange(0, BN)
+        col = tl.load(base + rows * r + i, mask=rows < n, other=0.0)
+        ss += col * col
+    norm = tl.maximum(tl.sqrt(tl.sum(ss, axis=0)), 1e-30)
+    for r0 in range(0, n, BN):
+        rows = r0 + tl.arange(0, BN)
+        col = tl.load(base + rows * r + i, mask=rows < n, other=0.0) / norm
+        if ADD:
+            h = ((rows.to(tl.int64) + 1) * 2654435761 + (i + 1) * 2246822519) & 65535
+            col += FALLBACK * (h.to(tl.float32) / 65536.0 - 0.5)
+        tl.store(base + rows * r + i, col, mask=rows < n)
+    tl.debug_barrier()
+
+
+def _check_table(table, *ts):
+    for t in ts:
+        c.check_flat(t, "buffer")
+    if table.mats.device != ts[0].device:
+        raise ValueError(f"the matrix table is on {table.mats.device}, the buffers on "
+                         f"{ts[0].device}")
+
+
+def powersgd_project(x, q, p, table):
+    """See :func:`gradcomp.kernels.lowrank.project`: one launch."""
+    _check_table(table, x, q, p)
+    if table.rows:
+        _psgd_project_kernel[(table.row_tiles.shape[0],)](
+            x, q, p, table.mats, table.row_tiles, BN=table.tile_rows, BK=table.tile_cols, R=table.rank,
+            num_warps=c.NUM_WARPS)
+    return p
+
+
+def powersgd_back(x, p, q, table):
+    """See :func:`gradcomp.kernels.lowrank.back`: one launch."""
+    _check_table(table, x, p, q)
+    if table.rows:
+        _psgd_back_kernel[(table.col_tiles.shape[0],)](
+            x, p, q, table.mats, table.col_tiles, BN=table.tile_rows, BK=table.tile_cols, R=table.rank,
+            num_warps=c.NUM_WARPS)
+    return q
+
+
+def powersgd_expand(p, q, out, table, W):
+    """See :func:`gradcomp.kernels.lowrank.expand`: one launch."""
+    _check_table(table, p, q, out)
+    if table.rows:
+        _psgd_expand_kernel[(table.row_tiles.shape[0],)](
+            p, q, out, table.mats, table.row_tiles, float(W), BN=table.tile_rows, BK=table.tile_cols,
+            R=table.rank, num_warps=c.NUM_WARPS)
+    return out
+
+
+def powersgd_orthonormalize(p, table, passes, fallback):
+    """See :func:`gradcomp.kernels.lowrank.orthonormalize`: one launch, a program per
+    matrix."""
+    _check_table(table, p)
+    if table.rows:
+        _psgd_orthonormalize_kernel[(len(table.rows),)](
+            p, table.mats, fallback, BN=4 * table.tile_rows, R=table.rank, PASSES=passes,
+            num_warps=c.NUM_WARPS)
+    return p

@@ -1,0 +1,211 @@
+"""The sparse methods' Triton kernels (compressors/topk.py, dgc.py): select_topk,
+scatter_add, and the segmented top-k's candidate step segment_candidates
+(kernels/segmented.py's "cumsum" way), as kernels/reference.py specifies them."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import common as c
+
+
+# --------------------------------------------------------------------------- top-k select
+@triton.jit
+def _count_kernel(
+    x_ptr,       # (n,) x                                   reads 4n
+    thr_ptr,     # () threshold                             reads 4
+    counts_ptr,  # (nblocks,) int32 candidates per block    writes 4n/BLOCK
+    n,
+    BLOCK_: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK_ + tl.arange(0, BLOCK_)
+    mask = offs < n
+    thr = tl.load(thr_ptr).to(tl.float32)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    hit = (tl.abs(x) >= thr) & mask
+    tl.store(counts_ptr + pid, tl.sum(hit.to(tl.int32), axis=0))
+
+
+@triton.jit
+def _compact_kernel(
+    x_ptr,      # (n,) x                                           reads <= 4n
+    thr_ptr,    # () threshold                                     reads 4
+    start_ptr,  # (nblocks,) int64 exclusive prefix sum of counts  reads 8n/BLOCK
+    val_ptr,    # (capacity,) fp32 candidate values, zeroed        writes <= 4 capacity
+    idx_ptr,    # (capacity,) int32 candidate indices, zeroed      writes <= 4 capacity
+    n, capacity,
+    BLOCK_: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    base = tl.load(start_ptr + pid)
+    if base < capacity:  # blocks whose candidates all fall past the buffer read nothing more
+        offs = pid.to(tl.int64) * BLOCK_ + tl.arange(0, BLOCK_)
+        mask = offs < n
+        thr = tl.load(thr_ptr).to(tl.float32)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        hit = (tl.abs(x) >= thr) & mask
+        slot = base + tl.cumsum(hit.to(tl.int32), axis=0) - 1  # index order within the block
+        keep = hit & (slot < capacity)
+        tl.store(val_ptr + slot, x, mask=keep)
+        tl.store(idx_ptr + slot, offs.to(tl.int32), mask=keep)
+
+
+def select_topk(x: torch.Tensor, threshold: torch.Tensor, k: int, capacity: int):
+    """See :func:`gradcomp.kernels.reference.select_topk`: the same candidate buffer (the first
+    ``capacity`` elements with |x| >= threshold in index order), so the same output.
+    Reads 4n twice (at most), writes 8 capacity; then top-k over the buffer."""
+    c.check_flat(x)
+    n = x.numel()
+    if not 0 <= k <= capacity:
+        raise ValueError(f"need 0 <= k <= capacity, got k={k}, capacity={capacity}")
+    if n >= 2**31:
+        raise ValueError(f"indices are int32: x must have < 2^31 elements, got {n}")
+    if not torch.is_tensor(threshold):
+        threshold = torch.tensor(float(threshold), dtype=torch.float32, device=x.device)
+    cand_val = c.alloc((capacity,), torch.float32, x.device).zero_()
+    cand_idx = c.alloc((capacity,), torch.int32, x.device).zero_()
+    if n and capacity:
+        nblocks = triton.cdiv(n, c.BLOCK)
+        counts = torch.empty(nblocks, dtype=torch.int32, device=x.device)
+        _count_kernel[(nblocks,)](x, threshold, counts, n, BLOCK_=c.BLOCK, num_warps=c.NUM_WARPS)
+        start = torch.cumsum(counts, 0, dtype=torch.int64) - counts  # exclusive scan, tiny
+        _compact_kernel[(nblocks,)](x, threshold, start, cand_val, cand_idx, n, capacity,
+                                    BLOCK_=c.BLOCK, num_warps=c.NUM_WARPS)
+    top = torch.topk(cand_val.abs(), k, sorted=False).indices
+    vals = cand_val[top]
+    idx = torch.where(vals != 0, cand_idx[top], 0)
+    return vals, idx.to(torch.int32)
+
+
+# --------------------------------------------------------------------------- scatter-add
+@triton.jit
+def _scatter_add_kernel(
+    val_ptr,  # (m,) values                         reads 4m (fp32)
+    idx_ptr,  # (m,) int32/int64 indices into out   reads 4m (int32)
+    out_ptr,  # (n,) accumulator                    atomic read-modify-write 4m + 4m
+    m, n, alpha,
+    BLOCK_: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK_ + tl.arange(0, BLOCK_)
+    mask = offs < m
+    v = tl.load(val_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    i = tl.load(idx_ptr + offs, mask=mask, other=0)
+    ok = mask & (i >= 0) & (i < n)  # an out-of-range index is dropped, never written
+    tl.atomic_add(out_ptr + i, v * alpha, mask=ok, sem="relaxed")
+
+
+def scatter_add(values: torch.Tensor, indices: torch.Tensor, out: torch.Tensor,
+                alpha: float = 1.0) -> torch.Tensor:
+    """See :func:`gradcomp.kernels.reference.scatter_add`. Duplicates accumulate (atomics, so
+    their order, hence the last bits of the sum, may vary from run to run on a GPU). Indices
+    outside [0, n) are dropped where the reference raises: checking would need a host sync."""
+    c.check_flat(out, "out")
+    c.check_contiguous(values, "values")
+    c.check_contiguous(indices, "indices")
+    m = values.numel()
+    if indices.numel() != m:
+        raise ValueError(f"values has {m} elements, indices {indices.numel()}")
+    if m == 0:
+        return out
+    _scatter_add_kernel[(triton.cdiv(m, c.BLOCK),)](
+        values.view(-1), indices.view(-1), out, m, out.numel(), float(alpha),
+        BLOCK_=c.BLOCK, num_warps=c.NUM_WARPS)
+    return out
+
+
+# --------------------------------------------------------------------------- segmented candidates
+# Step 3 of the segmented top-k (kernels/segmented.py, ``select_above``): the first cap_p
+# elements with |x| >= thr of each segment, in index order, into the segment's candidate
+# slots. Three launches and a cumsum over the tiny per-block counts, where the torch path
+# takes ~20 ops; the same slots as its "cumsum" way.
+@triton.jit
+def _seg_count_kernel(
+    x_ptr,       # (n,) x                                reads 4n
+    thr_ptr,     # (S,) fp32 threshold per segment (NaN: no candidate)
+    seg_ptr,     # (n,) int32 segment of each element    reads 4n
+    counts_ptr,  # (nblocks,) int32 candidates per block
+    n,
+    BLOCK_: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK_ + tl.arange(0, BLOCK_)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    t = tl.load(thr_ptr + tl.load(seg_ptr + offs, mask=mask, other=0), mask=mask, other=0.0)
+    hit = (tl.abs(x) >= t) & mask
+    tl.store(counts_ptr + pid, tl.sum(hit.to(tl.int32), axis=0))
+
+
+@triton.jit
+def _seg_before_kernel(
+    x_ptr, thr_ptr, seg_ptr,
+    start_ptr,   # (nblocks,) int64 candidates before each block
+    first_ptr,   # (S,) int64 first element of each segment
+    before_ptr,  # (S,) int64 out: candidates before each segment
+    BLOCK_: tl.constexpr,
+):
+    s = tl.program_id(0)
+    first = tl.load(first_ptr + s)
+    prev = tl.maximum(first - 1, 0)
+    b = prev // BLOCK_
+    offs = b * BLOCK_ + tl.arange(0, BLOCK_)
+    mask = offs <= prev
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    t = tl.load(thr_ptr + tl.load(seg_ptr + offs, mask=mask, other=0), mask=mask, other=0.0)
+    hit = (tl.abs(x) >= t) & mask
+    cnt = tl.load(start_ptr + b) + tl.sum(hit.to(tl.int64), axis=0)
+    tl.store(before_ptr + s, tl.where(first == 0, 0, cnt))
+
+
+@triton.jit
+def _seg_compact_kernel(
+    x_ptr, thr_ptr, seg_ptr,
+    start_ptr,      # (nblocks,) int64 candidates before each block
+    before_ptr,     # (S,) int64 candidates before each segment
+    slot_base_ptr,  # (S,) int64 first slot of each segment
+    slot_end_ptr,   # (S,) int64 end of its slots
+    val_ptr,        # (C + 1,) candidate values, in x's dtype     writes <= C
+    idx_ptr,        # (C + 1,) int64 candidate indices             writes <= C
+    n,
+    BLOCK_: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK_ + tl.arange(0, BLOCK_)
+    mask = offs < n
+    xv = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    seg = tl.load(seg_ptr + offs, mask=mask, other=0)
+    t = tl.load(thr_ptr + seg, mask=mask, other=0.0)
+    hit = (tl.abs(xv.to(tl.float32)) >= t) & mask
+    cand = tl.load(start_ptr + pid) + tl.cumsum(hit.to(tl.int64), axis=0)  # inclusive
+    slot = cand - 1 - tl.load(before_ptr + seg, mask=mask, other=0) \
+        + tl.load(slot_base_ptr + seg, mask=mask, other=0)
+    keep = hit & (slot < tl.load(slot_end_ptr + seg, mask=mask, other=0))
+    tl.store(val_ptr + slot, xv, mask=keep)
+    tl.store(idx_ptr + slot, offs, mask=keep)
+
+
+def segment_candidates(x: torch.Tensor, thr: torch.Tensor, seg_of: torch.Tensor,
+                       seg_start: torch.Tensor, slot_base: torch.Tensor, slot_end: torch.Tensor,
+                       slots: int):
+    """(values (C + 1,) in x's dtype, int64 indices (C + 1,)): for each segment s, the first
+    slot_end[s] - slot_base[s] elements of x with |x| >= thr[s] (NaN: none), in index order,
+    at slots slot_base[s]...; the others hold 0 (slot C, the torch path's spill slot, too).
+    The slots of :func:`gradcomp.kernels.segmented.select_above`'s "cumsum" way."""
+    c.check_flat(x)
+    n = x.numel()
+    val = c.alloc((slots + 1,), x.dtype, x.device).zero_()
+    idx = c.alloc((slots + 1,), torch.int64, x.device).zero_()
+    if n == 0 or slots == 0:
+        return val, idx
+    nblocks = triton.cdiv(n, c.BLOCK)
+    counts = torch.empty(nblocks, dtype=torch.int32, device=x.device)
+    _seg_count_kernel[(nblocks,)](x, thr, seg_of, counts, n, BLOCK_=c.BLOCK, num_warps=c.NUM_WARPS)
+    start = torch.cumsum(counts, 0, dtype=torch.int64) - counts  # exclusive scan, tiny
+    before = torch.empty(seg_start.numel(), dtype=torch.int64, device=x.device)
+    _seg_before_kernel[(seg_start.numel(),)](x, thr, seg_of, start, seg_start, before,
+                                             BLOCK_=c.BLOCK, num_warps=c.NUM_WARPS)
+    _seg_compact_kernel[(nblocks,)](x, thr, seg_of, start, before, slot_base, slot_end, val, idx,
+                                    n, BLOCK_=c.BLOCK, num_warps=c.NUM_WARPS)
+    return val, idx
