@@ -31,7 +31,7 @@ WARMUPS = {"onebit:chunk=64,warmup_window=1,warmup_threshold=100": 2,
            "dgc:ratio=0.05,delay=1,warmup_window=3,warmup_threshold=100": 6,
            "topk:ratio=0.05,warmup_window=1": None}
 SPECS = [f"{s},warmup=none" if ":" in s else f"{s}:warmup=none" for s in METHODS] + list(WARMUPS)
-SCHEDULE = ("compressing", "warmup_switch_step", "warmup_ratio")
+SCHEDULE = ("compressing", "warmup_switch_step", "warmup_norm_change")
 
 
 def _job(spec):

@@ -4,7 +4,7 @@ import torch
 
 import gradcomp
 from gradcomp.compressors.dgc import DGC
-from gradcomp.hooks.optimizer import SGDMomentum
+from gradcomp.hooks.optimizer import SGDMomentum, momentum_options
 
 
 def test_methods_lists_every_method_with_options():
@@ -61,7 +61,7 @@ def test_config_round_trips_through_dict():
 def test_dgc_reads_momentum_from_the_optimizer_and_hides_it_only_during_step():
     p = torch.nn.Parameter(torch.ones(3))
     opt = torch.optim.SGD([p], lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4)
-    assert DGC.prepare({"ratio": 0.01}, opt) == {"ratio": 0.01}  # read live, not copied
+    assert momentum_options({"ratio": 0.01}, opt) == {"ratio": 0.01}  # read live, not copied
     dgc = DGC(DGC.Config(ratio=0.01))
     dgc.attach_momentum(SGDMomentum(opt, {id(p): "w"}, dgc.config.fixed()))
     g = opt.param_groups[0]
@@ -88,21 +88,21 @@ def test_dgc_reads_momentum_from_the_optimizer_and_hides_it_only_during_step():
 def test_dgc_refuses_double_momentum_and_missing_optimizer():
     p = torch.nn.Parameter(torch.zeros(3))
     with pytest.raises(TypeError, match="optimizer="):
-        DGC.prepare({}, None)
+        momentum_options({}, None)
     with pytest.raises(ValueError, match="applied twice"):
-        DGC.prepare({"momentum": 0.5}, torch.optim.SGD([p], lr=0.1, momentum=0.9))
+        momentum_options({"momentum": 0.5}, torch.optim.SGD([p], lr=0.1, momentum=0.9))
     with pytest.raises(TypeError, match="torch.optim.SGD"):
-        DGC.prepare({"momentum": 0.9}, torch.optim.Adam([p]))
+        momentum_options({"momentum": 0.9}, torch.optim.Adam([p]))
     with pytest.raises(ValueError, match="dampening=0.1"):
-        DGC.prepare({}, torch.optim.SGD([p], lr=0.1, momentum=0.9, dampening=0.1))
+        momentum_options({}, torch.optim.SGD([p], lr=0.1, momentum=0.9, dampening=0.1))
     with pytest.raises(ValueError, match="maximize"):
-        DGC.prepare({}, torch.optim.SGD([p], lr=0.1, momentum=0.9, maximize=True))
+        momentum_options({}, torch.optim.SGD([p], lr=0.1, momentum=0.9, maximize=True))
     # Adam without momentum in the hook is allowed: nothing to apply twice
-    assert DGC.prepare({"momentum": 0.0}, torch.optim.Adam([p])) == {"momentum": 0.0}
+    assert momentum_options({"momentum": 0.0}, torch.optim.Adam([p])) == {"momentum": 0.0}
     # momentum given as an option with an optimizer that has none: fixed; a group that later
     # gains momentum (a cycling scheduler) raises at step() instead of applying it twice
     opt = torch.optim.SGD([p], lr=0.1)
-    dgc = DGC(DGC.Config(**DGC.prepare({"momentum": 0.9}, opt)))
+    dgc = DGC(DGC.Config(**momentum_options({"momentum": 0.9}, opt)))
     dgc.attach_momentum(SGDMomentum(opt, {id(p): "w"}, dgc.config.fixed()))
     assert dgc.live(["w"]) is None
     p.grad = torch.ones(3)

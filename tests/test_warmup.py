@@ -123,7 +123,7 @@ def test_plain_allreduce_has_no_warm_up():
     s = _state("allreduce")
     _sent(s, [1.0] * 3)
     st = s.stats()
-    assert (st["compressing"], st["warmup_switch_step"], st["warmup_ratio"]) == (False, None, None)
+    assert (st["compressing"], st["warmup_switch_step"], st["warmup_norm_change"]) == (False, None, None)
 
 
 class _Writer:
@@ -142,14 +142,14 @@ def test_stats_and_tensorboard_record_the_switch():
     seen = []
     for step, level in enumerate(levels):
         s.reduce(_grad(0, step, level), PARAMS)
-        seen.append((s.stats()["compressing"], s.stats()["warmup_ratio"]))
+        seen.append((s.stats()["compressing"], s.stats()["warmup_norm_change"]))
     s.close()
     assert [c for c, _ in seen] == [False] * 9 + [True] * 3
     assert seen[5][1] is None and seen[6][1] == pytest.approx(7.0, rel=1e-3)
     assert seen[9][1] == pytest.approx(0.125, rel=1e-3)
     assert s.stats()["warmup_switch_step"] == 9
     assert w.scalars["gradcomp/compressing"] == {i: float(i >= 9) for i in range(12)}
-    assert w.scalars["gradcomp/warmup_ratio"] == {6: pytest.approx(7.0, rel=1e-3),
+    assert w.scalars["gradcomp/warmup_norm_change"] == {6: pytest.approx(7.0, rel=1e-3),
                                                   9: pytest.approx(0.125, rel=1e-3)}
     assert set(w.scalars["gradcomp/warmup_grad_norm"]) == {3, 6, 9}
 
@@ -164,7 +164,7 @@ def test_non_finite_steps_are_left_out_of_the_window():
         s.reduce(x, PARAMS)
     # the inf step (guard: skipped, its index reused) left nothing in the window
     assert s.stats()["warmup_switch_step"] == 4
-    assert s.stats()["warmup_ratio"] == pytest.approx(0.0, abs=1e-6)
+    assert s.stats()["warmup_norm_change"] == pytest.approx(0.0, abs=1e-6)
 
 
 @pytest.mark.parametrize("options, match", [

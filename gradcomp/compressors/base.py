@@ -28,7 +28,7 @@ import torch
 from ..config import MethodConfig
 
 
-class Comm(Protocol):
+class Collectives(Protocol):
     """Collectives on flat tensors; with world size 1 they are the identity."""
 
     world_size: int
@@ -60,7 +60,7 @@ class ParamSlice:
 class BucketContext(Protocol):
     """What a compressor sees of one bucket at one step (implemented by the hook state)."""
 
-    comm: Comm
+    comm: Collectives
     step: int                 # optimizer steps completed before this one
     params: list[ParamSlice]  # layout of x
     device: torch.device      # x's device
@@ -104,20 +104,6 @@ def exact_match(patterns: str, name: str) -> bool:
     return any(fnmatch.fnmatchcase(name, p.strip()) for p in patterns.split("|") if p.strip())
 
 
-def unwrap_optimizer(optimizer):
-    """The torch optimizer inside a framework's wrapper: Accelerate's AcceleratedOptimizer
-    (itself a torch.optim.Optimizer subclass) holds it as ``.optimizer``, Lightning's
-    LightningOptimizer as ``._optimizer``. The hooks gradcomp puts on an optimizer go on this
-    one, whose ``step()`` every wrapper ends in."""
-    for _ in range(8):
-        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
-        if inner is None or inner is optimizer or (
-                isinstance(optimizer, torch.optim.Optimizer) and not hasattr(inner, "param_groups")):
-            break
-        optimizer = inner
-    return optimizer
-
-
 class Compressor(ABC):
     Config: type[MethodConfig] = MethodConfig
     name: str = ""
@@ -139,15 +125,9 @@ class Compressor(ABC):
     def __init__(self, config: MethodConfig):
         self.config = config
 
-    # Registration: what a method needs from the user's job beyond its options.
-    @classmethod
-    def prepare(cls, options: dict, optimizer) -> dict:
-        """Check ``optimizer`` and return the options to build the config from (register()
-        calls it before the config is built; DGC takes its momentum from the optimizer)."""
-        return options
-
     # whether the method applies the SGD optimizer's momentum and weight decay itself (DGC):
-    # hooks/optimizer.py then hands it their values per step (attach_momentum)
+    # hooks/optimizer.py checks the optimizer at registration (momentum_options) and hands it
+    # their values per step (attach_momentum)
     reads_momentum = False
 
     def attach_momentum(self, source) -> None:

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import MethodConfig, check
-from .base import Compressor, register_method, unwrap_optimizer, zero_dense
+from .base import Compressor, register_method, zero_dense
 from .topk import check_value_dtype, exchange_sparse, round_values, select, value_dtype
 
 MOMENTUM_KEYS = ("momentum", "nesterov", "weight_decay")
@@ -130,46 +130,6 @@ class DGC(Compressor):
     def __init__(self, config):
         super().__init__(config)
         self.source = None  # hooks/optimizer.py's SGDMomentum, once bound
-
-    @classmethod
-    def prepare(cls, options: dict, optimizer) -> dict:
-        if optimizer is None:
-            raise TypeError("dgc applies momentum inside the hook (momentum correction): pass "
-                            "optimizer=your_SGD so gradcomp reads its momentum at every step and "
-                            "it is never applied twice")
-        optimizer = unwrap_optimizer(optimizer)
-        groups = optimizer.param_groups
-        if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-            # Adam's first moment is its momentum and it applies its own weight decay: dgc
-            # runs as top-k with its accumulation, Adam's variance frozen (adam='freeze')
-            given = {k: options[k] for k in MOMENTUM_KEYS if options.get(k, MOMENTUM_OFF[k])}
-            if given:
-                raise TypeError(f"dgc's momentum correction needs torch.optim.SGD, got "
-                                f"{type(optimizer).__name__} with {given}: Adam keeps its own "
-                                f"momentum and weight decay; leave them out (dgc then runs as "
-                                f"top-k with its accumulation), or use 'topk'")
-            return options
-        held = any(any(g.get(k, MOMENTUM_OFF[k]) for k in MOMENTUM_KEYS) for g in groups)
-        if not isinstance(optimizer, torch.optim.SGD):
-            if held or any(options.get(k, MOMENTUM_OFF[k]) for k in MOMENTUM_KEYS):
-                raise TypeError(f"dgc's momentum correction needs torch.optim.SGD, got "
-                                f"{type(optimizer).__name__}; use 'topk' for other optimizers")
-            return options
-        for i, g in enumerate(groups):
-            if g.get("maximize"):
-                raise ValueError(f"dgc with maximize=True (param group {i}): not supported; "
-                                 f"minimize the negated loss")
-            if g.get("dampening", 0):
-                raise ValueError(f"dgc with dampening={g['dampening']!r} (param group {i}): "
-                                 f"allowed 0")
-        if held:
-            for k in MOMENTUM_KEYS:
-                if k in options and any(g.get(k, MOMENTUM_OFF[k]) != options[k] for g in groups):
-                    raise ValueError(f"{k}={options[k]!r} given to dgc while the optimizer has "
-                                     f"{k}={groups[0].get(k)!r}: it would be applied twice; "
-                                     f"leave it out, dgc reads it from the optimizer")
-            options = {k: v for k, v in options.items() if k not in MOMENTUM_KEYS}
-        return options
 
     def attach_momentum(self, source) -> None:
         self.source = source

@@ -1,5 +1,10 @@
-"""The adapters (DDP's comm hook, FSDP2's reduce hooks) over the hook state: the only code
-that touches GradBucket, futures and FSDP's internals."""
+"""Everything that runs a method inside a training job: the plug-in points (``ddp.py``: DDP's
+comm hook, the one module touching GradBucket; ``fsdp.py``: FSDP2's reduce hooks, the one
+touching FSDP's internals; ``register.py`` dispatches to them), the hook state
+(``state.py``) and its components (warm-up schedule, delay, local steps, guard, telemetry,
+topology: one module each), the engine that orders every collective (``engine.py``), the
+checkpoint's assembly (``checkpoint.py``) and the one binding to the user's optimizer
+(``optimizer.py``). docs/design.md maps them."""
 from .ddp import hook
 from .options import build_config, methods, parse_spec
 from .register import register

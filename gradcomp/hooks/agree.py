@@ -5,16 +5,9 @@ from __future__ import annotations
 
 import hashlib
 
-import torch
-
 from .. import comm
 from . import optimizer as optimizer_binding
 from .state import destroy_groups
-
-# what the ranks must agree on from the optimizer: its class and the hyperparameters a
-# method or the Adam binding reads, per param group
-_OPT_KEYS = ("lr", "momentum", "dampening", "nesterov", "betas", "eps", "weight_decay",
-             "amsgrad", "maximize", "decoupled_weight_decay")
 
 
 def agree(group, ranks, build, discard):
@@ -85,14 +78,5 @@ def fingerprint(module, optimizer, scaler) -> dict:
     out = {"parameters (names, shapes, dtypes)": h.hexdigest()[:16],
            "scaler": scaler is not None}
     if optimizer is not None:
-        opt = optimizer_binding.unwrap(optimizer)
-        out["optimizer"] = type(opt).__name__
-        for i, g in enumerate(getattr(opt, "param_groups", ())):
-            out[f"optimizer group {i}"] = {k: _plain(g[k]) for k in _OPT_KEYS if k in g}
+        out.update(optimizer_binding.fingerprint(optimizer))
     return out
-
-
-def _plain(v):
-    if isinstance(v, torch.Tensor):  # a tensor lr/beta: its value
-        return v.detach().cpu().tolist()
-    return list(v) if isinstance(v, tuple) else v

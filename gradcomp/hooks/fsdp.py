@@ -359,8 +359,7 @@ def _refuse(name, config, scaler, hsdp, optimizer) -> None:
         raise ValueError(f"adam={config.adam!r} under {kind}: a rank holds only its shard of "
                          f"Adam's state; allowed 'auto' (freeze here), 'freeze' or 'off'")
     if name == "dgc" and not hsdp:
-        groups = getattr(optimizer_binding.unwrap(optimizer), "param_groups", ()) or ()
-        if config.weight_decay or any(g.get("weight_decay") for g in groups):
+        if config.weight_decay or optimizer_binding.has_weight_decay(optimizer):
             raise ValueError("dgc with weight decay under FSDP (1-D mesh): its weight decay reads "
                              "every parameter's values in the exchange, and a rank holds only "
                              "its shard; allowed: weight_decay=0, HSDP (a 2-D mesh), or 'topk'")

@@ -53,9 +53,7 @@ from __future__ import annotations
 
 import torch
 
-from ..compressors.base import unwrap_optimizer
 from .delayed import flat_slices
-from .optimizer import step_hooks
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
 
@@ -152,14 +150,13 @@ class LocalSteps:
         """Whether an optimizer's steps run the rounds (``bind``)."""
         return bool(self._hooks)
 
-    def bind(self, module: torch.nn.Module, optimizer, bucket_bytes: int | None, names,
-             send) -> None:
+    def bind(self, module: torch.nn.Module, bucket_bytes: int | None, names, send) -> None:
         """Lay the outer buckets out (every trainable parameter of ``names`` (id -> name), in
-        module order, cut at ``bucket_bytes`` of fp32) and hook ``optimizer``'s steps.
-        ``send(bucket, x, slices, tensors, last, plain)`` queues one exchange and returns
-        (its future, its step): the method's (``plain`` False) or the plain average."""
+        module order, cut at ``bucket_bytes`` of fp32). ``send(bucket, x, slices, tensors,
+        last, plain)`` queues one exchange and returns (its future, its step): the method's
+        (``plain`` False) or the plain average. The optimizer's steps then call
+        :meth:`inner_pre` and :meth:`inner_post` (hooks/optimizer.py installs them: ``hook``)."""
         cap = bucket_bytes or DEFAULT_BUCKET_BYTES
-        optimizer = unwrap_optimizer(optimizer)  # the steps that run (not a wrapper's skips)
         buckets, cur, size = [], [], 0
         for p in module.parameters():
             if id(p) not in names:
@@ -175,7 +172,10 @@ class LocalSteps:
         self._outer_buffers = [(n, b) for n, b in module.named_buffers()
                                if b.dtype.is_floating_point]
         self._send = send
-        self._hooks = step_hooks(optimizer, "local", self._inner_pre, self._inner_post)
+
+    def hook(self, handles: list) -> None:
+        """The optimizer's step hooks that run the rounds (removed at close)."""
+        self._hooks = list(handles)
 
     def close(self) -> None:
         for h in self._hooks:
@@ -186,7 +186,7 @@ class LocalSteps:
     def _flat_params(self, tensors) -> torch.Tensor:
         return torch.cat([t.detach().reshape(-1).float() for t in tensors])
 
-    def _inner_pre(self, optimizer, args, kwargs) -> None:
+    def inner_pre(self, optimizer, args, kwargs) -> None:
         # G is taken at the first step, not at registration: a model loaded after register()
         # (from a checkpoint, or pretrained weights) starts the first round
         if self.start is None:
@@ -207,7 +207,7 @@ class LocalSteps:
         else:
             self._anchor = [self._flat_params(ts) for _, ts in self._outer_buckets]
 
-    def _inner_post(self, optimizer, args, kwargs) -> None:
+    def inner_post(self, optimizer, args, kwargs) -> None:
         self._inner += 1
         if self._inner % self.config.local_steps == 0:
             with torch.no_grad():

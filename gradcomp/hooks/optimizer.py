@@ -68,10 +68,12 @@ from __future__ import annotations
 import torch
 
 from ..compressors import METHODS
-from ..compressors.base import unwrap_optimizer as unwrap
 from ..compressors.dgc import MOMENTUM_KEYS, MOMENTUM_OFF
 
 ADAM_TYPES = (torch.optim.Adam, torch.optim.AdamW)
+# the optimizer hyperparameters every rank must agree on (registration's fingerprint)
+_OPT_KEYS = ("lr", "momentum", "dampening", "nesterov", "betas", "eps", "weight_decay",
+             "amsgrad", "maximize", "decoupled_weight_decay")
 # Measured with AdamW (bench/RESULTS.md section 8: the GPT, 2000 steps, mean of the seeds
 # there): validation loss above allreduce's, in percent, per method at its defaults and the
 # exchange "auto" runs it with (DDP: "momentum" or the method's own; FSDP/HSDP, delay:
@@ -149,6 +151,86 @@ def check_method(name, config, optimizer) -> None:
                          f"sees compressed gradients: measured to lose accuracy)")
 
 
+def unwrap(optimizer):
+    """The torch optimizer inside a framework's wrapper: Accelerate's AcceleratedOptimizer
+    (itself a torch.optim.Optimizer subclass) holds it as ``.optimizer``, Lightning's
+    LightningOptimizer as ``._optimizer``. The hooks gradcomp puts on an optimizer go on this
+    one, whose ``step()`` every wrapper ends in."""
+    for _ in range(8):
+        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        if inner is None or inner is optimizer or (
+                isinstance(optimizer, torch.optim.Optimizer) and not hasattr(inner, "param_groups")):
+            break
+        optimizer = inner
+    return optimizer
+
+
+def fingerprint(optimizer) -> dict:
+    """What every rank's optimizer must agree on: its class and its groups' hyperparameters
+    (hooks/agree.py compares them across ranks at registration)."""
+    opt = unwrap(optimizer)
+    out = {"optimizer": type(opt).__name__}
+    for i, g in enumerate(getattr(opt, "param_groups", ())):
+        out[f"optimizer group {i}"] = {k: _plain(g[k]) for k in _OPT_KEYS if k in g}
+    return out
+
+
+def _plain(v):
+    if isinstance(v, torch.Tensor):  # a tensor lr/beta: its value
+        return v.detach().cpu().tolist()
+    return list(v) if isinstance(v, tuple) else v
+
+
+def has_weight_decay(optimizer) -> bool:
+    """Whether a group of ``optimizer`` decays its weights."""
+    groups = getattr(unwrap(optimizer), "param_groups", ()) or ()
+    return any(g.get("weight_decay") for g in groups)
+
+
+def momentum_options(options: dict, optimizer) -> dict:
+    """At registration, for a method that applies SGD's momentum itself (``reads_momentum``:
+    DGC's momentum correction): check ``optimizer`` and return the options to build the
+    config from (the momentum, nesterov and weight decay the optimizer holds are read from it
+    at every step, never copied into the config)."""
+    if optimizer is None:
+        raise TypeError("dgc applies momentum inside the hook (momentum correction): pass "
+                        "optimizer=your_SGD so gradcomp reads its momentum at every step and "
+                        "it is never applied twice")
+    optimizer = unwrap(optimizer)
+    groups = optimizer.param_groups
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        # Adam's first moment is its momentum and it applies its own weight decay: dgc
+        # runs as top-k with its accumulation, Adam's variance frozen (adam='freeze')
+        given = {k: options[k] for k in MOMENTUM_KEYS if options.get(k, MOMENTUM_OFF[k])}
+        if given:
+            raise TypeError(f"dgc's momentum correction needs torch.optim.SGD, got "
+                            f"{type(optimizer).__name__} with {given}: Adam keeps its own "
+                            f"momentum and weight decay; leave them out (dgc then runs as "
+                            f"top-k with its accumulation), or use 'topk'")
+        return options
+    held = any(any(g.get(k, MOMENTUM_OFF[k]) for k in MOMENTUM_KEYS) for g in groups)
+    if not isinstance(optimizer, torch.optim.SGD):
+        if held or any(options.get(k, MOMENTUM_OFF[k]) for k in MOMENTUM_KEYS):
+            raise TypeError(f"dgc's momentum correction needs torch.optim.SGD, got "
+                            f"{type(optimizer).__name__}; use 'topk' for other optimizers")
+        return options
+    for i, g in enumerate(groups):
+        if g.get("maximize"):
+            raise ValueError(f"dgc with maximize=True (param group {i}): not supported; "
+                             f"minimize the negated loss")
+        if g.get("dampening", 0):
+            raise ValueError(f"dgc with dampening={g['dampening']!r} (param group {i}): "
+                             f"allowed 0")
+    if held:
+        for k in MOMENTUM_KEYS:
+            if k in options and any(g.get(k, MOMENTUM_OFF[k]) != options[k] for g in groups):
+                raise ValueError(f"{k}={options[k]!r} given to dgc while the optimizer has "
+                                 f"{k}={groups[0].get(k)!r}: it would be applied twice; "
+                                 f"leave it out, dgc reads it from the optimizer")
+        options = {k: v for k, v in options.items() if k not in MOMENTUM_KEYS}
+    return options
+
+
 def is_adam(optimizer) -> bool:
     return isinstance(unwrap(optimizer), ADAM_TYPES)
 
@@ -180,12 +262,15 @@ def bind(state, optimizer, *, module=None, bucket_bytes=None, warn: bool = False
          stacklevel: int = 4) -> None:
     """Attach to the user's optimizer all that the state's settings need, once every rank
     agreed (the adapters call this last): with ``local_steps`` the rounds' step hooks
-    (hooks/local.py); else the SGD momentum a method applies itself (DGC), the Adam binding
+    (hooks/local_steps.py); else the SGD momentum a method applies itself (DGC), the Adam binding
     (:class:`FrozenVariance`) and, with ``warn``, the measured-accuracy warning."""
     if optimizer is None:
         return
-    if state.rounds.active:  # inner steps are the optimizer's own
-        state.bind_local(module, optimizer, bucket_bytes)
+    if state.rounds.active:  # inner steps are the optimizer's own; the rounds end in its hooks
+        state.bind_local(module, bucket_bytes)
+        # the steps that run (not a wrapper's skips)
+        state.rounds.hook(step_hooks(optimizer, "local", state.rounds.inner_pre,
+                                     state.rounds.inner_post))
         return
     inner = unwrap(optimizer)
     if state.compressor.reads_momentum and isinstance(inner, torch.optim.SGD):

@@ -41,14 +41,16 @@ def merge_options(method: str, options: dict) -> tuple[str, dict]:
 def for_optimizer(method: str, options: dict, optimizer):
     """(name, config) as ``register`` builds them: the spec's options and the keywords, the
     method's measured defaults for Adam/AdamW (``Compressor.adam_defaults``) where the user
-    gave none, then what the method takes from the optimizer (``Compressor.prepare``: DGC's
-    momentum)."""
-    from .optimizer import is_adam
+    gave none, then what the method takes from the optimizer (hooks/optimizer.py's
+    ``momentum_options``: DGC's momentum)."""
+    from .optimizer import is_adam, momentum_options
     name, opts = merge_options(method, options)
     comp = METHODS[name].compressor
     if is_adam(optimizer) and opts.get("adam", "auto") != "off":
         opts = {**comp.adam_defaults, **opts}
-    return name, METHODS[name].config.from_dict(comp.prepare(opts, optimizer))
+    if comp.reads_momentum:
+        opts = momentum_options(opts, optimizer)
+    return name, METHODS[name].config.from_dict(opts)
 
 
 def build_config(method: str, **options):

@@ -380,8 +380,9 @@ class GradcompState:
             if not self.rounds.bound:
                 raise RuntimeError(f"local_steps={self.config.local_steps}: no optimizer to run "
                                    f"the outer step from; build the state with gradcomp.register"
-                                   f"(model, ..., optimizer=opt) or call state.bind_local(model."
-                                   f"module, opt, model.bucket_bytes_cap) before training")
+                                   f"(model, ..., optimizer=opt) or call gradcomp.hooks.optimizer."
+                                   f"bind(state, opt, module=model.module, bucket_bytes="
+                                   f"model.bucket_bytes_cap) before training")
             fut = torch.futures.Future(devices=devices)
             if not self.local_size:
                 fut.set_result(buf)
@@ -457,10 +458,11 @@ class GradcompState:
                       last)
         return fut, step
 
-    def bind_local(self, module: torch.nn.Module, optimizer, bucket_bytes: int | None) -> None:
-        """``local_steps`` > 1: lay the outer buckets out and hook ``optimizer``'s steps
-        (hooks/local_steps.py). Called by ``register``."""
-        self.rounds.bind(module, optimizer, bucket_bytes, self.param_names, self._send_outer)
+    def bind_local(self, module: torch.nn.Module, bucket_bytes: int | None) -> None:
+        """``local_steps`` > 1: lay the outer buckets out (hooks/local_steps.py); the
+        optimizer's step hooks that end the rounds are installed by hooks/optimizer.py's
+        ``bind``, which calls this."""
+        self.rounds.bind(module, bucket_bytes, self.param_names, self._send_outer)
 
     def drain(self, before: int | None = None) -> None:
         """Wait until every queued exchange (of the steps before ``before``) has finished."""
@@ -508,7 +510,7 @@ class GradcompState:
         ``delay=D`` the latest step whose exchanges have all finished is D steps back. The
         warm-up's schedule: ``compressing`` (whether the step in flight is compressed; False
         for plain allreduce), ``warmup_switch_step`` (the first compressed step; None while
-        the adaptive rule has not decided) and ``warmup_ratio`` (the adaptive rule's last
+        the adaptive rule has not decided) and ``warmup_norm_change`` (the adaptive rule's last
         window ratio r, None before two windows). ``topology``: "flat" or "hierarchical";
         ``topology_probe``: what ``topology=auto`` measured on several nodes (seconds per
         exchange of one bucket each way, the slowest rank's, and the choice), None where it
@@ -524,7 +526,7 @@ class GradcompState:
             "collectives": t.collectives,
             "comm_s": t.comm_s, "codec_s": t.total_s - t.comm_s,
             "compressing": bool(self.warmup.compressing(max(self._step, 0))),
-            "warmup_switch_step": self.warmup.switch_step(), "warmup_ratio": self.warmup.ratio,
+            "warmup_switch_step": self.warmup.switch_step(), "warmup_norm_change": self.warmup.ratio,
             "topology": "hierarchical" if self.local_size else "flat",
             "topology_probe": self.topology_probe,
         }

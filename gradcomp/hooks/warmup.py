@@ -142,7 +142,7 @@ class Warmup:
             return
         ratio = abs(norm - prev) / prev if prev > 0 else (0.0 if norm == 0 else math.inf)
         self.ratio = ratio
-        log(step, "warmup_ratio", ratio)
+        log(step, "warmup_norm_change", ratio)
         if ratio < self.config.warmup_threshold:
             self._switch = step
 
