@@ -59,7 +59,7 @@ class MethodConfig:
         Douillard et al. 2023): inner steps send nothing across nodes; every H steps the
         pseudo-gradient (round start - parameters) goes through the method, with its error
         feedback, and an outer SGD-Nesterov step (``outer_lr``, ``outer_momentum``) applies
-        the average. 1 = every step (the usual path). See hooks/local.py.
+        the average. 1 = every step (the usual path). See hooks/local_steps.py.
     outer_lr, outer_momentum: the outer optimizer's learning rate and Nesterov momentum.
     local_delay: 1 overlaps a round's outer exchange with the next round's inner steps and
         applies it one round late (Streaming DiLoCo, Douillard et al. 2025); 0 = at once.

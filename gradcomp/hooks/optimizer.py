@@ -2,8 +2,10 @@
 and FSDP adapters once every rank agreed), the step hooks every binding registers through
 (:func:`step_hooks`: one pair per binding, run after a ``step(closure)``'s backward where
 it matters, :func:`after_closure`), DGC's momentum read from SGD's param groups
-(:class:`SGDMomentum`), local steps' rounds (hooks/local.py registers through
-:func:`step_hooks`) and the Adam binding below.
+(:class:`SGDMomentum`) and the checks of DGC's options against it (:func:`momentum_options`),
+local steps' rounds (their step hooks, installed by :func:`bind`), what every rank's
+optimizer must agree on (:func:`fingerprint`) and the Adam binding below. No other module of
+the library reads an optimizer's groups or hooks its steps (tests/test_design.py).
 
 Adam and AdamW with compressed gradients (:class:`FrozenVariance`). Error feedback makes the
 *sum* over steps of the compressed gradients equal the sum of the true ones, which is all a

@@ -21,7 +21,7 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
     job, whose loss scale the gradients carry; the hook keeps its memory unscaled so that
     scale changes do not corrupt it (not with ``delay``: a rank's overflow would reach the
     others only D steps later). With ``local_steps`` > 1 ``optimizer`` is required: the
-    outer step runs from its step post-hook every ``local_steps`` steps (hooks/local.py).
+    outer step runs from its step post-hook every ``local_steps`` steps (hooks/local_steps.py).
     ``log_dir``: TensorBoard scalars per step (rank 0
     only unless ``log_all_ranks``; ``log_details`` adds costly diagnostics such as PowerSGD's
     approximation error: see :meth:`GradcompState.attach`). Must be called on every rank (it is collective):
