@@ -189,8 +189,12 @@ def _check_compatible(state, sd: dict) -> None:
         saved["warmup"] = "none" if saved["local_steps"] > 1 else "adaptive"
     mine["warmup"] = config.warmup_rule
     if sd.get("method") != state.method or saved != mine:
+        auto = ""
+        if state.method_probe is not None and sd.get("method") != state.method:
+            auto = (f"; method='auto' chose {state.method!r} in this job: to resume, register "
+                    f"the method the checkpoint's job ran, {sd.get('method')!r}")
         raise ValueError(f"checkpoint is for method {sd.get('method')!r} with {sd.get('config')}; "
-                         f"this state runs {state.method!r} with {config.to_dict()}")
+                         f"this state runs {state.method!r} with {config.to_dict()}{auto}")
     _check_adam(state, sd)
     if sd.get("world_size") != state.world_size:
         raise ValueError(f"checkpoint was saved with world size {sd.get('world_size')}; "

@@ -7,7 +7,7 @@ from torch.nn.parallel import DistributedDataParallel
 from . import optimizer as optimizer_binding
 from .agree import agree, discard, fingerprint, trainable
 from .local_steps import check_local
-from .options import for_optimizer
+from .options import for_optimizer, is_auto, merge_options
 from .state import GradcompState
 from .topology import node_size
 
@@ -42,6 +42,10 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
         return g
 
     group = new_group(ranks)
+    method_probe = None
+    if is_auto(method):  # the fastest method that holds, measured on this link
+        method, options, method_probe = _choose_method(model, method, optimizer, group, ranks,
+                                                       options, made)
 
     def build():
         if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= MAX_LANES:
@@ -64,6 +68,7 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
     # Validate locally, then compare with every rank before raising anything, so a rank whose
     # options are bad cannot leave the others waiting in a collective.
     state, mine = agree(group, ranks, build, lambda st: discard(st, made))
+    state.method_probe = method_probe
     local = mine["ranks per node"]
     # every rank agreed on `lanes`: each creates the same groups in the same order
     state.owned_groups = made
@@ -120,6 +125,31 @@ def _probe_topology(model, state, group, pair, local) -> int:
                             "ranks_per_node": local, "bucket_bytes": 4 * (
                                 params[-1].offset + params[-1].numel)}
     return chosen
+
+
+def _choose_method(model, spec, optimizer, group, ranks, options, made):
+    """method="auto" (hooks/auto.py): every rank validates the options against every
+    candidate and the ranks agree, then each candidate's exchange is timed on ``group``.
+    Returns (the chosen method, the options, what the probe measured)."""
+    from . import auto
+
+    def build():
+        opts = merge_options(spec, options, auto=True)[1]
+        cfgs = auto.configs(opts, optimizer)
+        return (opts, cfgs), {"method": spec, "options": repr(sorted(opts.items())),
+                              "candidates": list(cfgs),
+                              **fingerprint(model.module, optimizer, None)}
+
+    (opts, cfgs), _ = agree(group, ranks, build, lambda _: discard(None, made))
+    names, numels = trainable(model.module)
+    named = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
+
+    def make_state(name, cfg):
+        return GradcompState(name, cfg, group=group, param_names=dict(names),
+                             param_numels=dict(numels))
+
+    found = auto.probe(make_state, cfgs, named, group, getattr(model, "bucket_bytes_cap", None))
+    return found["chosen"], opts, found
 
 
 def _check_compiled_autograd(model) -> None:

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from ..compressors.base import ParamSlice
 from . import optimizer as optimizer_binding
-from .options import for_optimizer
+from .options import for_optimizer, is_auto
 from .. import comm
 from ..comm import Rider
 from .agree import agree, discard, fingerprint, trainable
@@ -274,6 +274,9 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
         if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= 32:
             raise ValueError(f"invalid lanes={lanes!r}: allowed an integer in [1, 32] (FSDP "
                              f"runs its exchanges in its own reduce step: one lane)")
+        if is_auto(method):
+            raise ValueError("method='auto' under FSDP/HSDP: not supported (its probe times "
+                             "DDP's exchange); name a method, e.g. 'terngrad' with AdamW")
         name, config = for_optimizer(method, options, optimizer)
         optimizer_binding.check_method(name, config, optimizer)
         _refuse(name, config, scaler, hsdp, optimizer)

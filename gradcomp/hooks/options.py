@@ -3,18 +3,28 @@
 (gradcomp/config.py) the same way for every entry point (``register``, ``gradcomp.State``,
 the integrations, the benchmark's CLI)."""
 from ..compressors import METHODS
+from ..config import MethodConfig
+
+AUTO = "auto"  # register(model, "auto"): the fastest method that holds (hooks/auto.py)
 
 
-def parse_spec(spec: str) -> tuple[str, dict]:
+def is_auto(spec) -> bool:
+    """Whether ``spec`` asks for method="auto" (with or without options)."""
+    return isinstance(spec, str) and spec.strip().partition(":")[0] == AUTO
+
+
+def parse_spec(spec: str, auto: bool = False) -> tuple[str, dict]:
     """``"name:key=value,key=value"`` -> (name, {key: value}) with values typed per option;
-    a key given twice is refused."""
+    a key given twice is refused. ``auto``: "auto" is a name too (its options: those every
+    method shares)."""
+    allowed = ", ".join(sorted(METHODS) + ([AUTO] if auto else []))
     if not isinstance(spec, str):
         raise TypeError(f"method must be a name or spec string such as 'onebit' or "
-                        f"'powersgd:rank=4', got {spec!r}: allowed {', '.join(sorted(METHODS))}")
+                        f"'powersgd:rank=4', got {spec!r}: allowed {allowed}")
     name, _, rest = spec.strip().partition(":")
-    if name not in METHODS:
-        raise ValueError(f"unknown method {name!r}: allowed {', '.join(sorted(METHODS))}")
-    cfg = METHODS[name].config
+    if name not in METHODS and not (auto and name == AUTO):
+        raise ValueError(f"unknown method {name!r}: allowed {allowed}")
+    cfg = MethodConfig if name == AUTO else METHODS[name].config
     opts = {}
     for item in filter(None, (s.strip() for s in rest.split(","))):
         key, eq, value = item.partition("=")
@@ -29,9 +39,9 @@ def parse_spec(spec: str) -> tuple[str, dict]:
     return name, opts
 
 
-def merge_options(method: str, options: dict) -> tuple[str, dict]:
+def merge_options(method: str, options: dict, auto: bool = False) -> tuple[str, dict]:
     """(name, the spec's options + ``options``); an option given in both is an error."""
-    name, opts = parse_spec(method)
+    name, opts = parse_spec(method, auto)
     clash = sorted(set(opts) & set(options))
     if clash:
         raise ValueError(f"option(s) {', '.join(clash)} given both in {method!r} and as arguments")

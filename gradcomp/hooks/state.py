@@ -157,6 +157,7 @@ class GradcompState:
         self.scaler = None  # a torch.amp.GradScaler whose scale the gradients carry
         self.reuse_skipped = True  # a skipped step's index is taken again (not under FSDP)
         self.topology_probe = None  # topology=auto's measurement (hooks/ddp.py), if it ran
+        self.method_probe = None  # method="auto"'s measurement (hooks/auto.py), if it ran
         self.sharded = ""  # "FSDP"/"HSDP" when the FSDP adapter serves this state
         # the components
         self.memory = ParamMemory()
@@ -514,7 +515,9 @@ class GradcompState:
         window ratio r, None before two windows). ``topology``: "flat" or "hierarchical";
         ``topology_probe``: what ``topology=auto`` measured on several nodes (seconds per
         exchange of one bucket each way, the slowest rank's, and the choice), None where it
-        did not run."""
+        did not run; ``method_probe``: what ``method="auto"`` measured (each candidate's
+        seconds per exchange of the probe bucket, the choice, the predicted exchange seconds
+        per step), None where it did not run."""
         t, raw = self.telemetry.record(self._step - self.config.delay)
         W = self.world_size
         raw_wire = raw * 2 * (W - 1) / W
@@ -528,7 +531,7 @@ class GradcompState:
             "compressing": bool(self.warmup.compressing(max(self._step, 0))),
             "warmup_switch_step": self.warmup.switch_step(), "warmup_norm_change": self.warmup.ratio,
             "topology": "hierarchical" if self.local_size else "flat",
-            "topology_probe": self.topology_probe,
+            "topology_probe": self.topology_probe, "method_probe": self.method_probe,
         }
 
     # ------------------------------------------------------------------ checkpoints

@@ -156,21 +156,33 @@ def probe_bucket(named_params, cap_bytes: int) -> list[ParamSlice]:
 
 
 def probe_times(make_state, params, group, pairs, local) -> tuple[float, float]:
-    """Seconds one exchange of the probe bucket takes (the median of PROBE_REPEATS, the
-    slowest rank's), flat and hierarchical, measured with throwaway states of the method
-    (``make_state()``: compressing from the first step, no memory kept afterwards)."""
+    """Seconds one exchange of the probe bucket takes, flat and hierarchical (see
+    :func:`time_exchanges`), with throwaway states of the method (``make_state()``:
+    compressing from the first step, no memory kept afterwards)."""
+    def hierarchical():
+        st = make_state()
+        st.set_topology(local, pairs)
+        return st
+    flat, hier = time_exchanges([make_state, hierarchical], params, group)
+    return flat, hier
+
+
+def time_exchanges(make_states, params, group) -> list[float]:
+    """Seconds one exchange of the bucket ``params`` takes with each state that
+    ``make_states`` build (collective: every rank builds and times the same ones in the same
+    order): after one untimed exchange (allocations, connections), the median of
+    PROBE_REPEATS, each started together (a barrier); the slowest rank's, so every rank
+    decides alike. Each state is closed after its timing."""
     import statistics
     import time
 
     n = params[-1].offset + params[-1].numel
     x = torch.randn(n, generator=torch.Generator().manual_seed(0))
     times = []
-    for hierarchical in (False, True):
-        st = make_state()
-        if hierarchical:
-            st.set_topology(local, pairs)
+    for make in make_states:
+        st = make()
         try:
-            st.reduce(x.clone(), params)  # untimed: first use (allocations, connections)
+            st.reduce(x.clone(), params)
             spans = []
             for _ in range(PROBE_REPEATS):
                 comm.barrier(group)
@@ -182,4 +194,4 @@ def probe_times(make_state, params, group, pairs, local) -> tuple[float, float]:
         times.append(statistics.median(spans))
     t = torch.tensor(times, dtype=torch.float64)
     comm.all_reduce_now(t, "max", group)  # every rank decides alike
-    return float(t[0]), float(t[1])
+    return [float(v) for v in t]
