@@ -30,6 +30,8 @@ def parse_method(spec: str) -> tuple[str, dict]:
     library's own :func:`gradcomp.parse_spec` (and checked by its config), a baseline's with
     its defaults filled in. ValueError names what is wrong."""
     name, _, rest = spec.strip().partition(":")
+    if name == "auto":  # the library picks the method at registration (hooks/auto.py)
+        return parse_spec(spec, auto=True)
     if name not in BASELINES:
         build_config(spec)  # the option values too, not only their names
         return parse_spec(spec)
