@@ -215,7 +215,9 @@ def cmd_ddp(args) -> int:
                 res = bench.run_train(w, cfg, link=link, per_node=per_node)[0]
         row = bench.summarize(m, res, w, rate, args.warmup, args.model)
         rows.append(row)
-        raw.append({"method": m, "world": w, "link_bps": rate, "step_times": res["step_times"]})
+        raw.append({"method": m, "world": w, "link_bps": rate, "step_times": res["step_times"],
+                    **({"method_probe": (res.get("stats") or {}).get("method_probe")}
+                       if m.startswith("auto") else {})})
         tag = f"w{w}/{_rate_name(rate)}/{m}"
         for s, t in enumerate(res["step_times"]):
             scalars.add(f"{tag}/step_time_s", t, s)
