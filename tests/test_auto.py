@@ -87,3 +87,43 @@ def _register_bad(rank, world):
 def test_auto_with_a_methods_own_option_is_refused_on_every_rank(spawn):
     got = spawn(_register_bad, 2, timeout=120)
     assert all(g and "ratio" in g for g in got), got  # rank 0 too: the ranks agreed first
+
+
+def test_integrations_take_auto_with_the_shared_options_only():
+    from gradcomp.integrations import check_options
+    check_options("auto", {"warmup": "none", "lanes": 2})
+    with pytest.raises(ValueError, match="ratio"):
+        check_options("auto", {"ratio": 0.1})
+
+
+def test_a_compressor_still_defining_prepare_is_refused_at_registration():
+    from gradcomp.compressors.base import register_method
+    from gradcomp.compressors.topk import TopK
+
+    class Old(TopK):
+        name = "old-with-prepare"
+
+        @classmethod
+        def prepare(cls, options, optimizer):
+            return options
+    with pytest.raises(TypeError, match="prepare: no longer called"):
+        register_method(Old)
+
+
+def _register_auto_local(rank, world):
+    net = small_net()
+    model = DDP(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    state = gradcomp.register(model, "auto", optimizer=opt, local_steps=2, local_delay=1)
+    train_steps(model, opt, rank, range(4))
+    state.flush()
+    out = state.method, [p.detach().clone() for p in net.parameters()]
+    state.close()
+    return out
+
+
+def test_auto_with_local_steps_probes_every_step_exchanges_and_trains(spawn):
+    (m0, w0), (m1, w1) = spawn(_register_auto_local, 2, timeout=240)
+    assert m0 == m1
+    for a, b in zip(w0, w1):  # flush() at a round's end: every rank holds the global point
+        torch.testing.assert_close(a, b)

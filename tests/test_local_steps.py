@@ -134,7 +134,7 @@ def test_outer_step_is_torch_sgd_nesterov_on_the_average(runs):
 
 
 def _late_by_hand(rank, world, spec, lr, mu, rounds):
-    """local_delay=1's rule written out on whole-model vectors (see hooks/local.py): at a
+    """local_delay=1's rule written out on whole-model vectors (see hooks/local_steps.py): at a
     round's end P = R - theta; the previous round's average A arrives: m = mu m + A,
     G = G - lr (A + mu m), theta = G - P; P is sent; R = theta. flush() applies the last."""
     from torch.nn.utils import parameters_to_vector as p2v, vector_to_parameters as v2p

@@ -292,5 +292,9 @@ def register_method(cls: type[Compressor]) -> type[Compressor]:
     """Class decorator: make a compressor available by its ``name``."""
     if not cls.name or cls.name in METHODS:
         raise ValueError(f"method name {cls.name!r} is empty or already registered")
+    if "prepare" in vars(cls):
+        raise TypeError(f"{cls.__name__}.prepare: no longer called (what a method takes from "
+                        f"the optimizer is gradcomp/hooks/optimizer.py's, e.g. "
+                        f"momentum_options for reads_momentum); remove it")
     METHODS[cls.name] = MethodSpec(cls.name, cls.Config, cls, cls.description)
     return cls

@@ -6,9 +6,10 @@ for this optimizer, chosen at registration by measurement.
    ``optimizer.HOLDS_PCT`` of allreduce's validation loss, bench/RESULTS.md section 8:
    :func:`optimizer.held`); with any other optimizer the ResNet-18 / SGD workload's (within
    ``SGD_HOLDS_POINTS`` top-1 points of allreduce at 12 epochs, RESULTS 4: ``SGD_POINTS``).
-2. Every rank validates the options against every candidate (``auto`` takes the options
-   every method shares: ``warmup``, ``delay``, ``seed``, ...), and the ranks agree before any
-   probe runs (hooks/agree.py), so bad options raise on every rank, never hang.
+2. Every rank validates the options against every candidate, with the optimizer checks
+   each would get (``auto`` takes the options every method shares: ``warmup``, ``delay``,
+   ``seed``, ...), and the ranks agree before any probe runs (hooks/agree.py), so bad
+   options raise on every rank, never hang, and whichever candidate wins registers.
 3. The probe: each candidate exchanges the model's last bucket (DDP's first, at most one
    bucket's bytes: hooks/topology.py's probe bucket) over the job's own process group, on
    the real link, with a throwaway state compressing from the first step: one untimed
@@ -69,17 +70,17 @@ def pick(seconds: dict) -> str:
     return min(seconds, key=lambda c: (seconds[c], list(seconds).index(c)))
 
 
-def probe(make_state, configs: dict, named_params, group, bucket_bytes) -> dict:
-    """Time each candidate's exchange of the probe bucket (collective: every rank, the same
-    order); returns what ``state.method_probe`` holds."""
+def probe(make_state, configs: dict, named_params, group, bucket_bytes, device=None) -> dict:
+    """Time each candidate's exchange of the probe bucket on ``device`` (the model's;
+    collective: every rank, the same order); returns what ``state.method_probe`` holds."""
     cap = min(bucket_bytes or PROBE_MAX_BYTES, PROBE_MAX_BYTES)
     params = probe_bucket(named_params, cap)
     states = []
     for name, config in configs.values():
         cfg = replace(config, warmup="none", dense_steps=None, adam="off", delay=0,
-                      local_steps=1, topology="flat")
+                      local_steps=1, local_delay=0, topology="flat")
         states.append(lambda name=name, cfg=cfg: make_state(name, cfg))
-    times = time_exchanges(states, params, group)
+    times = time_exchanges(states, params, group, device)
     seconds = dict(zip(configs, times))
     chosen = pick(seconds)
     probe_elems = params[-1].offset + params[-1].numel

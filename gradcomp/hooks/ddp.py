@@ -107,7 +107,7 @@ def _probe_topology(model, state, group, pair, local) -> int:
     from .topology import PROBE_MAX_BYTES, probe_bucket, probe_times
 
     cfg = replace(state.config, warmup="none", dense_steps=None, adam="off", delay=0,
-                  local_steps=1, topology="flat")
+                  local_steps=1, local_delay=0, topology="flat")
     named = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
     cap = min(getattr(model, "bucket_bytes_cap", PROBE_MAX_BYTES) or PROBE_MAX_BYTES,
               PROBE_MAX_BYTES)
@@ -118,7 +118,8 @@ def _probe_topology(model, state, group, pair, local) -> int:
                              param_names=dict(state.param_names),
                              param_numels=dict(state.param_numels))
 
-    flat, hier = probe_times(make_state, params, group, [pair], local)
+    flat, hier = probe_times(make_state, params, group, [pair], local,
+                             _device(model.module))
     chosen = local if hier < flat else 0
     state.topology_probe = {"flat_s": flat, "hierarchical_s": hier,
                             "chosen": "hierarchical" if chosen else "flat",
@@ -136,8 +137,12 @@ def _choose_method(model, spec, optimizer, group, ranks, options, made):
     def build():
         opts = merge_options(spec, options, auto=True)[1]
         cfgs = auto.configs(opts, optimizer)
+        for name, config in cfgs.values():  # whichever wins, registration then succeeds
+            optimizer_binding.check_method(name, config, optimizer)
+        _check_compiled_autograd(model)
         return (opts, cfgs), {"method": spec, "options": repr(sorted(opts.items())),
                               "candidates": list(cfgs),
+                              "bucket_bytes_cap": getattr(model, "bucket_bytes_cap", None),
                               **fingerprint(model.module, optimizer, None)}
 
     (opts, cfgs), _ = agree(group, ranks, build, lambda _: discard(None, made))
@@ -148,8 +153,18 @@ def _choose_method(model, spec, optimizer, group, ranks, options, made):
         return GradcompState(name, cfg, group=group, param_names=dict(names),
                              param_numels=dict(numels))
 
-    found = auto.probe(make_state, cfgs, named, group, getattr(model, "bucket_bytes_cap", None))
+    try:
+        found = auto.probe(make_state, cfgs, named, group,
+                           getattr(model, "bucket_bytes_cap", None), _device(model.module))
+    except BaseException:
+        discard(None, made)
+        raise
     return found["chosen"], opts, found
+
+
+def _device(module):
+    """The device of the module's first parameter (the CPU without any)."""
+    return next((p.device for p in module.parameters()), None)
 
 
 def _check_compiled_autograd(model) -> None:

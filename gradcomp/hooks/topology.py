@@ -155,7 +155,7 @@ def probe_bucket(named_params, cap_bytes: int) -> list[ParamSlice]:
     return out
 
 
-def probe_times(make_state, params, group, pairs, local) -> tuple[float, float]:
+def probe_times(make_state, params, group, pairs, local, device=None) -> tuple[float, float]:
     """Seconds one exchange of the probe bucket takes, flat and hierarchical (see
     :func:`time_exchanges`), with throwaway states of the method (``make_state()``:
     compressing from the first step, no memory kept afterwards)."""
@@ -163,21 +163,24 @@ def probe_times(make_state, params, group, pairs, local) -> tuple[float, float]:
         st = make_state()
         st.set_topology(local, pairs)
         return st
-    flat, hier = time_exchanges([make_state, hierarchical], params, group)
+    flat, hier = time_exchanges([make_state, hierarchical], params, group, device)
     return flat, hier
 
 
-def time_exchanges(make_states, params, group) -> list[float]:
+def time_exchanges(make_states, params, group, device=None) -> list[float]:
     """Seconds one exchange of the bucket ``params`` takes with each state that
     ``make_states`` build (collective: every rank builds and times the same ones in the same
     order): after one untimed exchange (allocations, connections), the median of
     PROBE_REPEATS, each started together (a barrier); the slowest rank's, so every rank
-    decides alike. Each state is closed after its timing."""
+    decides alike. Each state is closed after its timing. ``device``: the model's (the
+    bucket lives there, as the job's will; on CUDA each timed span ends synchronized)."""
     import statistics
     import time
 
+    device = torch.device(device or "cpu")
+    cuda = device.type == "cuda"
     n = params[-1].offset + params[-1].numel
-    x = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(device)
     times = []
     for make in make_states:
         st = make()
@@ -185,13 +188,18 @@ def time_exchanges(make_states, params, group) -> list[float]:
             st.reduce(x.clone(), params)
             spans = []
             for _ in range(PROBE_REPEATS):
+                y = x.clone()
+                if cuda:
+                    torch.cuda.synchronize(device)
                 comm.barrier(group)
                 t0 = time.perf_counter()
-                st.reduce(x.clone(), params)
+                st.reduce(y, params)
+                if cuda:
+                    torch.cuda.synchronize(device)
                 spans.append(time.perf_counter() - t0)
         finally:
             st.close()
         times.append(statistics.median(spans))
-    t = torch.tensor(times, dtype=torch.float64)
+    t = torch.tensor(times, dtype=torch.float64, device=device)
     comm.all_reduce_now(t, "max", group)  # every rank decides alike
-    return [float(v) for v in t]
+    return [float(v) for v in t.cpu()]

@@ -43,9 +43,14 @@ REGISTER_KEYWORDS = ("lanes", "scaler", "log_dir", "log_all_ranks", "log_details
 def check_options(method: str, options: dict) -> None:
     """The method and its options, checked when an integration is made (before the framework
     wraps the model), so a bad one is named at once; register()'s own keywords pass through."""
-    from ..hooks.options import build_config
+    from ..hooks.options import build_config, is_auto, merge_options
 
-    build_config(method, **{k: v for k, v in options.items() if k not in REGISTER_KEYWORDS})
+    opts = {k: v for k, v in options.items() if k not in REGISTER_KEYWORDS}
+    if is_auto(method):  # the shared options (the optimizer is not known yet here)
+        from ..hooks.auto import configs
+        configs(merge_options(method, opts, auto=True)[1], None)
+        return
+    build_config(method, **opts)
 
 
 def single_process_warning(framework: str) -> None:

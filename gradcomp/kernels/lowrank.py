@@ -86,8 +86,8 @@ class MatrixTable:
     row_tiles: torch.Tensor   # (T, 2) int64: (matrix, first row) of each row tile
     col_tiles: torch.Tensor   # (U, 2) int64: (matrix, first column) of each column tile
     rank: int                 # the largest r, rounded up to a power of two (>= 1)
-    tile_rows: int = TILE_ROWS  # rows of a row tile (the kernels read the table's own)
-    tile_cols: int = TILE_COLS  # columns of a column tile
+    tile_rows: int            # rows of a row tile (the kernels read the table's own)
+    tile_cols: int            # columns of a column tile
 
 
 def matrix_table(rows, device) -> MatrixTable:
@@ -105,7 +105,7 @@ def matrix_table(rows, device) -> MatrixTable:
         return torch.tensor(v, dtype=torch.int64, device=device).view(-1, width)
 
     return MatrixTable(rows, t(rows, 6), t(row_tiles, 2), t(col_tiles, 2),
-                       1 << (r_max - 1).bit_length())
+                       1 << (r_max - 1).bit_length(), TILE_ROWS, TILE_COLS)
 
 
 def project(x: torch.Tensor, q: torch.Tensor, p: torch.Tensor, table: MatrixTable) -> torch.Tensor:
