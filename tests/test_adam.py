@@ -424,7 +424,7 @@ def test_adamw_resume_in_fresh_processes_is_bit_exact(spawn, tmp_path):
 def _warnings(rank, world):
     import warnings
     out = {}
-    for spec in ["onebit", "onebit:chunk=64", "terngrad", "onebit"]:
+    for spec in ["powersgd", "powersgd:rank=2", "terngrad", "powersgd"]:
         model = DDP(nn.Linear(8, 8))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         with warnings.catch_warnings(record=True) as seen:
@@ -438,11 +438,11 @@ def _warnings(rank, world):
 
 def test_a_method_measured_not_to_hold_with_adamw_warns_once_naming_one_that_did(spawn):
     r0, r1 = spawn(_warnings, 2, timeout=90)
-    first, again = r0["onebit"]
-    assert len(first) == 1 and "onebit at its defaults with AdamW" in first[0]
+    first, again = r0["powersgd"]
+    assert len(first) == 1 and "powersgd at its defaults with AdamW" in first[0]
     assert "'terngrad'" in first[0] and "RESULTS.md section 8" in first[0]
     assert again == []  # once per process
-    assert r0["onebit:chunk=64"] == [[]] and r0["terngrad"] == [[]]  # not what was measured
+    assert r0["powersgd:rank=2"] == [[]] and r0["terngrad"] == [[]]  # not what was measured
     assert all(w == [] for ws in r1.values() for w in ws)  # rank 0 only
 
 

@@ -83,7 +83,7 @@ _OPT_KEYS = ("lr", "momentum", "dampening", "nesterov", "betas", "eps", "weight_
 # HOLDS_PCT, naming the methods that held.
 ADAM_GAP_PCT = {("onebit", "freeze"): 4.26, ("topk", "freeze"): 3.68, ("powersgd", "freeze"): 4.44,
                 ("threshold", "freeze"): 14.0, ("dgc", "freeze"): 18.8,
-                ("onebit", "momentum"): 1.20, ("topk", "momentum"): 1.04,
+                ("onebit", "momentum"): 0.15, ("topk", "momentum"): 0.54,
                 ("threshold", "momentum"): 6.20, ("dgc", "momentum"): 15.8}
 HOLDS_PCT = 1.0
 # options that do not change what a method computes (a run with only these is "at defaults")
