@@ -81,10 +81,10 @@ _OPT_KEYS = ("lr", "momentum", "dampening", "nesterov", "betas", "eps", "weight_
 # exchange "auto" runs it with (DDP: "momentum" or the method's own; FSDP/HSDP, delay:
 # "freeze"). register() warns once when a method runs at defaults whose gap is above
 # HOLDS_PCT, naming the methods that held.
-ADAM_GAP_PCT = {("onebit", "freeze"): 4.26, ("topk", "freeze"): 3.68, ("powersgd", "freeze"): 4.44,
+ADAM_GAP_PCT = {("onebit", "freeze"): 4.26, ("topk", "freeze"): 3.68, ("powersgd", "freeze"): 4.58,
                 ("threshold", "freeze"): 14.0, ("dgc", "freeze"): 18.8,
                 ("onebit", "momentum"): 0.15, ("topk", "momentum"): 0.54,
-                ("threshold", "momentum"): 6.20, ("dgc", "momentum"): 15.8}
+                ("threshold", "momentum"): 5.35, ("dgc", "momentum"): 15.1}
 HOLDS_PCT = 1.0
 # options that do not change what a method computes (a run with only these is "at defaults")
 _NEUTRAL = {"seed", "topology", "local_size", "min_numel", "exact", "adam", "delay",
