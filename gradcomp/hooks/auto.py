@@ -26,13 +26,11 @@ less than its seconds), the warm-up's dense steps, and a link whose speed change
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
-
 from ..compressors import METHODS
 from ..config import MethodConfig
 from . import optimizer as optimizer_binding
 from .options import for_optimizer
-from .topology import PROBE_MAX_BYTES, probe_bucket, time_exchanges
+from .topology import PROBE_MAX_BYTES, probe_bucket, probe_config, time_exchanges
 
 # ResNet-18 / CIFAR-10 with momentum SGD under OneCycleLR, 12 epochs, mean of 3 seeds, every
 # method at its defaults: top-1 points against allreduce (bench/RESULTS.md section 4)
@@ -77,9 +75,7 @@ def probe(make_state, configs: dict, named_params, group, bucket_bytes, device=N
     params = probe_bucket(named_params, cap)
     states = []
     for name, config in configs.values():
-        cfg = replace(config, warmup="none", dense_steps=None, adam="off", delay=0,
-                      local_steps=1, local_delay=0, topology="flat")
-        states.append(lambda name=name, cfg=cfg: make_state(name, cfg))
+        states.append(lambda name=name, cfg=probe_config(config): make_state(name, cfg))
     times = time_exchanges(states, params, group, device)
     seconds = dict(zip(configs, times))
     chosen = pick(seconds)

@@ -102,12 +102,9 @@ def _probe_topology(model, state, group, pair, local) -> int:
     """topology=auto on several nodes: time one bucket's exchange of the method both ways
     (hooks/topology.py) and keep hierarchical only where it was faster; the ranks per node
     chosen (0: flat). What was measured goes in ``state.topology_probe`` (and ``stats()``)."""
-    from dataclasses import replace
+    from .topology import PROBE_MAX_BYTES, probe_bucket, probe_config, probe_times
 
-    from .topology import PROBE_MAX_BYTES, probe_bucket, probe_times
-
-    cfg = replace(state.config, warmup="none", dense_steps=None, adam="off", delay=0,
-                  local_steps=1, local_delay=0, topology="flat")
+    cfg = probe_config(state.config)
     named = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
     cap = min(getattr(model, "bucket_bytes_cap", PROBE_MAX_BYTES) or PROBE_MAX_BYTES,
               PROBE_MAX_BYTES)

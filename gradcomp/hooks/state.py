@@ -105,8 +105,7 @@ class _Ctx:
                     stream)
 
     def log(self, key, value):
-        if self.logging:
-            self.state.telemetry.log(self.step, key, value)
+        self.state.telemetry.log(self.step, key, value)  # (nothing without a writer)
 
 
 class GradcompState:
@@ -190,8 +189,7 @@ class GradcompState:
         self.__dict__.update(d)
         self.group, self.stats_group, self.param_names, self.scaler = None, None, {}, None
         self._lane_groups, self._detach, self.owned_groups, self.adam = [], [], [], None
-        self.hierarchy = Hierarchy()
-        self._setup_runtime()
+        self._setup_runtime()  # (the hierarchy unpickles flat: hooks/topology.py)
 
     @property
     def world_size(self) -> int:

@@ -155,6 +155,14 @@ def probe_bucket(named_params, cap_bytes: int) -> list[ParamSlice]:
     return out
 
 
+def probe_config(config):
+    """``config`` as a probe runs it: compressing from the first step, synchronous, flat,
+    without Adam or local steps (a throwaway state keeps nothing past the probe)."""
+    from dataclasses import replace
+    return replace(config, warmup="none", dense_steps=None, adam="off", delay=0,
+                   local_steps=1, local_delay=0, topology="flat")
+
+
 def probe_times(make_state, params, group, pairs, local, device=None) -> tuple[float, float]:
     """Seconds one exchange of the probe bucket takes, flat and hierarchical (see
     :func:`time_exchanges`), with throwaway states of the method (``make_state()``:
@@ -163,8 +171,7 @@ def probe_times(make_state, params, group, pairs, local, device=None) -> tuple[f
         st = make_state()
         st.set_topology(local, pairs)
         return st
-    flat, hier = time_exchanges([make_state, hierarchical], params, group, device)
-    return flat, hier
+    return tuple(time_exchanges([make_state, hierarchical], params, group, device))
 
 
 def time_exchanges(make_states, params, group, device=None) -> list[float]:

@@ -68,43 +68,39 @@ def implementation(name: str, t: torch.Tensor, which: str | None = None, referen
     return getattr(module, name)
 
 
-def _impl(name: str, t: torch.Tensor):
-    return implementation(name, t)
-
-
 def onebit_compress(x, residual, chunk):
-    return _impl("onebit_compress", x)(x, residual, chunk)
+    return implementation("onebit_compress", x)(x, residual, chunk)
 
 
 def onebit_decompress(bits, scales, chunk, out, alpha=1.0):
-    return _impl("onebit_decompress", out)(bits, scales, chunk, out, alpha)
+    return implementation("onebit_decompress", out)(bits, scales, chunk, out, alpha)
 
 
 def ternary_compress(x, residual, scale, seg, seed, starts=None):
-    return _impl("ternary_compress", x)(x, residual, scale, seg, seed, starts)
+    return implementation("ternary_compress", x)(x, residual, scale, seg, seed, starts)
 
 
 def ternary_decompress(packed, scale, seg, out, alpha=1.0):
-    return _impl("ternary_decompress", out)(packed, scale, seg, out, alpha)
+    return implementation("ternary_decompress", out)(packed, scale, seg, out, alpha)
 
 
 def select_topk(x, threshold, k, capacity):
-    return _impl("select_topk", x)(x, threshold, k, capacity)
+    return implementation("select_topk", x)(x, threshold, k, capacity)
 
 
 def scatter_add(values, indices, out, alpha=1.0):
-    return _impl("scatter_add", out)(values, indices, out, alpha)
+    return implementation("scatter_add", out)(values, indices, out, alpha)
 
 
 def threshold_tau(mag, nonzero_end, est_start, est_end, taus, where, guard, seg_param, param_seg,
                   fixed, ema):
-    return _impl("threshold_tau", guard)(mag, nonzero_end, est_start, est_end, taus, where, guard,
-                                         seg_param, param_seg, fixed, ema)
+    return implementation("threshold_tau", guard)(mag, nonzero_end, est_start, est_end, taus,
+                                                  where, guard, seg_param, param_seg, fixed, ema)
 
 
 def threshold_encode(x, vals, idx, owner, tau, residual):
-    return _impl("threshold_encode", x)(x, vals, idx, owner, tau, residual)
+    return implementation("threshold_encode", x)(x, vals, idx, owner, tau, residual)
 
 
 def threshold_decode(got, K, P, owner, out):
-    return _impl("threshold_decode", out)(got, K, P, owner, out)
+    return implementation("threshold_decode", out)(got, K, P, owner, out)
