@@ -44,8 +44,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world, addr, port, outdir, args, pg_timeout, threads, env):
-    """One rank: join the gloo group, run ``fn``, save its result (or the traceback)."""
+def _entry(fn, rank, world, addr, port, outdir, args, pg_timeout, threads, env, base_env=None):
+    """One rank: join the gloo group, run ``fn``, save its result (or the traceback).
+    ``base_env``: the parent's environment at spawn time (a forkserver's child starts from the
+    server's, which may be older)."""
+    if base_env is not None:
+        os.environ.clear()
+        os.environ.update(base_env)
     os.environ.update(env)
     torch.set_num_threads(threads)
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank),
@@ -69,6 +74,22 @@ def _entry(fn, rank, world, addr, port, outdir, args, pg_timeout, threads, env):
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001
         os._exit(0)
+
+
+_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "gradcomp", "gradcomp_bench.launch"]
+
+
+def _context():
+    """Where the ranks come from: a fork server that imported torch and gradcomp once (a rank
+    then starts in a fraction of a second, not the seconds of a fresh interpreter importing
+    torch), or ``GRADCOMP_SPAWN=spawn`` for fresh interpreters."""
+    how = os.environ.get("GRADCOMP_SPAWN", "forkserver")
+    if how not in ("forkserver", "spawn"):
+        raise ValueError(f"GRADCOMP_SPAWN={how!r}: expected 'forkserver' or 'spawn'")
+    ctx = mp.get_context(how)
+    if how == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
 
 
 def _link_main(job_path: str, rank: int) -> None:
@@ -180,9 +201,11 @@ def spawn(fn, world: int = 2, args: tuple = (), timeout: float | None = 300, pg_
     port = free_port()
     with tempfile.TemporaryDirectory() as d:
         if link is None:
-            ctx = mp.get_context("spawn")
+            ctx = _context()
+            base = dict(os.environ)
             procs = [ctx.Process(target=_entry, daemon=True,
-                                 args=(fn, r, world, addr, port, d, args, pg_timeout, threads, envs[r]))
+                                 args=(fn, r, world, addr, port, d, args, pg_timeout, threads, envs[r],
+                                       base))
                      for r in range(world)]
             for p in procs:
                 p.start()

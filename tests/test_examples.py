@@ -4,6 +4,7 @@ launchers on this machine)."""
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -33,20 +34,30 @@ def test_example_runs_and_its_ranks_agree(script, args, nproc, needs, tmp_path):
         assert (tmp_path / "hf" / "checkpoint-6" / "gradcomp.pt").is_file()
 
 
-def test_multinode_command_joins_two_nodes():
+def test_multinode_command_joins_two_nodes(tmp_path):
     port = free_port()
     env = {**os.environ, "NNODES": "2", "MASTER": f"127.0.0.1:{port}", "OMP_NUM_THREADS": "1",
            "PYTHONWARNINGS": "ignore"}
     cmd = ["bash", os.path.join(EX, "multinode.sh"), "--method", "onebit", "--steps", "4"]
+    # each node writes to a file, not a pipe: a pipe read only after the other node's end
+    # can fill (64 KB of launcher logs) and block that node before torchrun's exit barrier,
+    # which node 0 (the store's host) then waits on
+    logs = [tmp_path / f"node{i}.log" for i in (0, 1)]
+    files = [open(f, "w") for f in logs]
     nodes = [subprocess.Popen(cmd, env={**env, "NODE_RANK": str(i)}, cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              stdout=files[i], stderr=subprocess.STDOUT, text=True)
              for i in (0, 1)]
-    outs = []
+    deadline = time.monotonic() + 240
     try:
         for p in nodes:
-            outs.append(p.communicate(timeout=240)[0])
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass  # reported below with both nodes' logs
     finally:
-        for p in nodes:
+        for p, f in zip(nodes, files):
             p.kill()
+            p.wait()
+            f.close()
+    outs = [f.read_text() for f in logs]
     assert [p.returncode for p in nodes] == [0, 0], "\n".join(o[-2000:] for o in outs)
     assert "ranks agree: True" in outs[0], outs[0][-2000:]

@@ -76,3 +76,29 @@ def test_a_link_for_another_node_count_is_refused():
         n = 2
     with pytest.raises(ValueError, match="the link joins 2 nodes; world=3 with per_node=1 needs 3"):
         spawn(_where, 3, link=TwoNodes())
+
+
+def _env(rank, world, names):
+    return {n: os.environ.get(n) for n in names}
+
+
+@pytest.mark.parametrize("how", ["forkserver", "spawn"])
+def test_a_rank_sees_the_callers_environment_at_the_time_of_the_call(how, monkeypatch):
+    """Ranks come from a fork server started at the first call (its environment is that
+    call's); a variable set later by the caller, or removed, must reach the ranks as it is now,
+    and ``env=`` still goes on top."""
+    monkeypatch.setenv("GRADCOMP_SPAWN", how)
+    spawn(_env, 2, args=([],), timeout=120)  # the server exists from here on
+    monkeypatch.setenv("GRADCOMP_TEST_LATE", "late")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    out = spawn(_env, 2, args=(["GRADCOMP_TEST_LATE", "TRITON_INTERPRET", "GRADCOMP_TEST_ENV"],),
+                env={"GRADCOMP_TEST_ENV": "x"}, timeout=120)
+    for seen in out:
+        assert seen == {"GRADCOMP_TEST_LATE": "late", "TRITON_INTERPRET": None,
+                        "GRADCOMP_TEST_ENV": "x"}
+
+
+def test_a_bad_start_method_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("GRADCOMP_SPAWN", "fork")
+    with pytest.raises(ValueError, match="GRADCOMP_SPAWN='fork': expected 'forkserver' or 'spawn'"):
+        spawn(_env, 2, args=([],))
