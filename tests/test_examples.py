@@ -3,7 +3,6 @@ with its ranks' parameters equal, and the multi-node command joins two "nodes" (
 launchers on this machine)."""
 import os
 import subprocess
-import sys
 import time
 
 import pytest
