@@ -139,8 +139,8 @@ class PowerSGD(Compressor):
         W = ctx.comm.world_size
         Ms, Ps = [], []
         for g, q in zip(lay.groups, qs):
-            M = g.take(x)  # a copy: the batch's matrices end to end
-            Ms.append(M)
+            M = g.take(x)  # the batch's matrices end to end (a view where they lie so in x:
+            Ms.append(M)   # x is not written before the last read of M, the Q's below)
             Ps.append(bmm(M, torch.stack(q)))
         # 1st collective: every P and every uncompressed tensor together
         buf = torch.cat([P.view(-1) for P in Ps] + lay.take_dense(x))
@@ -150,7 +150,7 @@ class PowerSGD(Compressor):
         # 2nd collective: every Q
         qbuf = torch.cat([bmm(M.transpose(1, 2), P).view(-1) for M, P in zip(Ms, Ps)])
         ctx.comm.allreduce(qbuf)
-        out = x.clone() if self.config.error_feedback else x
+        out = lay.result_buffer(x) if self.config.error_feedback else x
         for g, P, q, (a, b) in zip(lay.groups, Ps, qs, lay.q_spans):
             Q = qbuf[a:b].view(g.B, g.m, g.r)
             torch._foreach_copy_(q, Q.unbind(0))
@@ -202,9 +202,10 @@ class _Group:
                                   for p in self.params])
 
     def take(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, n, m): the group's matrices, copied out of x."""
+        """(B, n, m): the group's matrices; a view of x where they lie end to end in it, else
+        a copy."""
         if self.idx is None:
-            flat = x[self.span[0] : self.span[1]].clone()
+            flat = x[self.span[0] : self.span[1]]
         else:
             flat = x.index_select(0, self.idx)
         return flat.view(self.B, self.n, self.m)
@@ -236,7 +237,18 @@ class _Layout:
         self.dense_idx = (torch.cat([torch.arange(p.offset, p.offset + p.numel, device=device)
                                      for p in dense]) if dense else None)
         self.dense_numel = sum(p.numel for p in dense)
+        # where the matrices and the dense parameters, end to end with nothing between,
+        # cover the bucket from 0: its end, else None
+        spans = sorted((p.offset, p.offset + p.numel) for p in [m[0] for m in mats] + dense)
+        self.covered = (spans[-1][1] if spans and all(
+            a == b for (a, _), b in zip(spans, [0] + [e for _, e in spans])) else None)
         self._table = None
+
+    def result_buffer(self, x: torch.Tensor) -> torch.Tensor:
+        """A buffer for the result beside x: uninitialized where the exchange writes every
+        element of it (the matrices, then the dense parameters, cover the bucket), else a copy
+        of x."""
+        return torch.empty_like(x) if self.covered == x.numel() else x.clone()
 
     def table(self, device) -> lowrank.MatrixTable:
         """Every matrix's place in x, in the P message and in the Q message (for the GPU
