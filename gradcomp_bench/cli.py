@@ -4,6 +4,8 @@
     gradcomp-bench ddp --model resnet18 --link 100mbit,1gbit --latency 50ms
     gradcomp-bench convergence --epochs 30 --data ~/cifar-10-batches-py
     gradcomp-bench kernels
+    gradcomp-bench plan --gpus 8,64,1024 --links 1gbit,100gbit   # the cost model's projection
+    gradcomp-bench plan --check             # the cost model against the rig's measurements
     torchrun --nnodes 2 --nproc-per-node 1 ... -m gradcomp_bench.cli ddp   # your real network
 
 Under torchrun each process is one rank (NCCL on GPUs, gloo on CPUs) and rank 0 prints.
@@ -521,6 +523,63 @@ def cmd_kernels(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from . import plan
+    from .netlink import parse_rate
+    if args.check is not None:
+        files = args.check or sorted(str(p) for pat in ("ddp_*.json", "latency_*.json")
+                                     for p in Path("bench/results").glob(pat))
+        for f in files:
+            if not Path(f).is_file():
+                raise UsageError(f"--check: no such file {f!r}")
+        rows = plan.check(files)
+        if not rows:
+            raise UsageError("--check: no row the model covers in " + ", ".join(files))
+        print("| run | W | measured s | predicted s | error |\n|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['run']} | {r['world']} | {r['measured_s']:.3f} | {r['predicted_s']:.3f} "
+                  f"| {r['error']:+.0%} |")
+        ok = sum(abs(r["error"]) <= 0.15 for r in rows)
+        print(f"\n{ok} of {len(rows)} rows within 15% (ALPHA={plan.ALPHA}, BETA={plan.BETA}, "
+              f"fitted on {plan.CALIBRATION})")
+        if args.json:
+            _write_json(args, Path("."), "plan-check", {"rows": rows})
+        return 0
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for m in methods:
+        if m not in plan.RATIO:
+            raise UsageError(f"--methods: {m!r} is not modelled; expected one of "
+                             + ", ".join(plan.RATIO))
+    try:
+        worlds = [int(w) for w in args.gpus.split(",")]
+    except ValueError:
+        raise UsageError(f"--gpus {args.gpus!r}: expected integers >= 2, e.g. 8,64,1024") from None
+    if any(w < 2 for w in worlds):
+        raise UsageError(f"--gpus {args.gpus!r}: expected integers >= 2, e.g. 8,64,1024")
+    try:
+        links = [parse_rate(t) for t in args.links.split(",")]
+        latency = plan._seconds(args.latency)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if not args.compute_ms > 0:
+        raise UsageError(f"--compute-ms {args.compute_ms}: expected a positive number of ms")
+    rows = plan.project(args.model, methods, worlds, links, args.compute_ms / 1e3, args.device,
+                        latency)
+    print(f"{args.model}, {args.device}, compute {args.compute_ms:g} ms per step, latency "
+          f"{args.latency or '0'}: projected step / compute-only (the fastest in bold)\n")
+    print("| ranks | link | " + " | ".join(methods) + " |\n|" + "---|" * (len(methods) + 2))
+    for W in worlds:
+        for bps in links:
+            cell = {r["method"]: r["x_compute"] for r in rows
+                    if r["world"] == W and r["link_bps"] == bps}
+            best = min(cell, key=cell.get)
+            print(f"| {W} | {bps / 1e9:g} Gbit/s | " + " | ".join(
+                (f"**{cell[m]:.2f}x**" if m == best else f"{cell[m]:.2f}x") for m in methods) + " |")
+    if args.json:
+        _write_json(args, Path("."), "plan", {"rows": rows})
+    return 0
+
+
 def cmd_seeds(args) -> int:
     from . import report
     docs = []
@@ -655,6 +714,23 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--plot", default=None, metavar="DIR",
                    help="language-model runs: the val-loss and val-loss-vs-bytes figures of "
                         "all the files together, into DIR")
+    pl = sub.add_parser("plan", help="cost model: projected step time per method for 8-1024 "
+                                      "ranks and 100 Mbit/s-400 Gbit/s; --check against the "
+                                      "rig's measurements")
+    pl.add_argument("--check", nargs="*", default=None, metavar="JSON",
+                    help="predicted against measured for ddp JSON files (default: "
+                         "bench/results/ddp_*.json and latency_*.json)")
+    pl.add_argument("--model", default="resnet18")
+    pl.add_argument("--device", choices=("h100", "cpu"), default="h100",
+                    help="whose codec cost per element (bench/RESULTS.md sections 5, 1f)")
+    pl.add_argument("--compute-ms", type=float, default=12.0,
+                    help="the step without communication (default: ResNet-18, batch 32, on "
+                         "an H100: 12 ms)")
+    pl.add_argument("--gpus", default="8,64,256,1024")
+    pl.add_argument("--links", default="100mbit,1gbit,10gbit,100gbit,400gbit")
+    pl.add_argument("--latency", default=None, help="one-way latency, e.g. 50us or 5ms")
+    pl.add_argument("--methods", default="allreduce,onebit,terngrad,topk,powersgd,dgc,threshold")
+    pl.add_argument("--json", default=None, metavar="PATH")
     return p
 
 
@@ -662,7 +738,7 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
         return {"ddp": cmd_ddp, "convergence": cmd_convergence, "kernels": cmd_kernels,
-                "overlap": cmd_overlap, "seeds": cmd_seeds}[args.cmd](args)
+                "overlap": cmd_overlap, "seeds": cmd_seeds, "plan": cmd_plan}[args.cmd](args)
     except UsageError as exc:
         print(f"gradcomp-bench: error: {exc}", file=sys.stderr)
         return 2
