@@ -216,9 +216,16 @@ def _auto_job(rank, world):
             state, params, _, _ = _train(rank, AUTO)
         finally:
             topology.probe_times = real
-        out[forced] = (state.stats(), params, _train(
-            rank, f"topk:ratio=0.05,topology={forced},local_size=2")[1])
+        explicit, explicit_params, _, _ = _train(rank, f"topk:ratio=0.05,topology={forced},local_size=2")
+        out[forced] = (state.stats(), params, explicit_params,
+                       (_member_groups(state), _member_groups(explicit)))
     return out
+
+
+def _member_groups(state):
+    """How many open process groups the state owns that this rank is a member of."""
+    import torch.distributed as dist
+    return sum(isinstance(g, dist.ProcessGroup) for g in state.owned_groups)
 
 
 @pytest.fixture(scope="module")
@@ -241,7 +248,10 @@ def test_topology_auto_measures_both_and_keeps_the_faster(auto_runs):
 @pytest.mark.parametrize("forced", ["flat", "hierarchical"])
 def test_topology_auto_follows_the_measurement(auto_runs, forced):
     for r in auto_runs:
-        stats, params, explicit = r[forced]
+        stats, params, explicit, (groups, explicit_groups) = r[forced]
         assert stats["topology"] == forced and stats["topology_probe"]["chosen"] == forced
+        # the probe's node groups are not kept where it chose flat: the groups are the
+        # explicit topology's (lanes; with hierarchical, a node and a cross-node group each)
+        assert groups == explicit_groups
         for a, b in zip(params, explicit):
             assert torch.equal(a, b)

@@ -8,7 +8,7 @@ from . import optimizer as optimizer_binding
 from .agree import agree, discard, fingerprint, trainable
 from .local_steps import check_local
 from .options import for_optimizer, is_auto, merge_options
-from .state import GradcompState
+from .state import GradcompState, destroy_groups
 from .topology import node_size
 
 MAX_LANES = 32
@@ -81,8 +81,14 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
 
     pairs = []
     if local and state.config.topology == "auto":  # hierarchical only where it is faster
+        first = len(made)
         pairs.append(node_pair())
         local = _probe_topology(model, state, group, pairs[0], local)
+        if not local:  # flat: the probe's node groups are not kept open until close()
+            unused = made[first:]
+            del made[first:]
+            destroy_groups(unused)
+            pairs.clear()
     state.add_lanes([new_group(ranks) for _ in range(lanes - 1)])
     if local:  # ... and the same node and cross-node groups, one pair per lane
         pairs += [node_pair() for _ in range(lanes - len(pairs))]
