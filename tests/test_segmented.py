@@ -194,3 +194,47 @@ def test_sparse_values_travel_in_two_bytes_and_memory_keeps_the_rounding(spec, g
         nz = sent[sent != 0]
         assert torch.equal(nz, nz.to(wire).float())  # what arrives is representable
         assert sent.abs().max() <= torch.finfo(wire).max
+
+
+# ------------------------------------------------------------------ runs (one cat per move)
+def test_runs_lay_contiguous_pieces_with_zero_gaps_as_an_index_copy_would():
+    from gradcomp.compressors.base import Runs
+    g = torch.Generator().manual_seed(0)
+    src = torch.randn(100, generator=g)
+    runs = [(10, 50, 7), (0, 3, 5), (40, 20, 0), (60, 90, 10), (30, 70, 1)]  # any order
+    out = torch.full((100,), 9.0)
+    Runs(runs, 100, 100)(src, out)
+    want = torch.zeros(100)
+    for s, d, n in runs:
+        want[d : d + n] = src[s : s + n]
+    assert torch.equal(out, want)  # every element written: the gaps 0, not left as they were
+    assert torch.equal(Runs([], 100, 5)(src, torch.zeros(5)), torch.zeros(5))
+    for bad in ([(0, 0, 5), (10, 3, 5)], [(0, 0, 5), (3, 10, 5)]):  # destinations, sources
+        with pytest.raises(ValueError, match="runs overlap"):
+            Runs(bad, 100, 100)
+
+
+@pytest.mark.parametrize("W", [1, 2, 3])
+def test_onebits_part_layout_by_runs_equals_it_by_indices(W, monkeypatch):
+    """The 1-bit part layout moves by runs (one cat) on the CPU; beyond MAX_RUNS, and on a
+    GPU, by per-element indices: the same elements either way, dense parameters and the
+    padding 0."""
+    import gradcomp.compressors.onebit as onebit
+    layout = ((0, 700), (700, 5), (705, 64), (800, 1000))  # 769..800: a dense parameter
+    n, chunk = 1800, 8
+    onebit._parts.cache_clear()
+    by_runs = onebit._parts(layout, n, W, W - 1, chunk, torch.device("cpu"))
+    monkeypatch.setattr(onebit, "MAX_RUNS", 0)
+    onebit._parts.cache_clear()
+    by_index = onebit._parts(layout, n, W, W - 1, chunk, torch.device("cpu"))
+    onebit._parts.cache_clear()
+    assert by_runs.runs(torch.zeros(1)) and not by_index.runs(torch.zeros(1))
+    x = torch.randn(n, generator=torch.Generator().manual_seed(W))
+    a, b = by_runs.spread(x, "t.a").clone(), by_index.spread(x, "t.b").clone()
+    assert torch.equal(a, b)
+    assert torch.equal(by_runs.gather(a), by_index.gather(b))
+    kept = by_runs.gather(a)
+    assert torch.equal(kept[769:800], torch.zeros(31)) and torch.equal(kept[:769], x[:769])
+    part = by_runs.part
+    assert torch.equal(by_runs.own_part(x, torch.full((part,), 5.0)),
+                       by_index.own_part(x, torch.full((part,), 5.0)))

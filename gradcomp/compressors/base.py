@@ -228,6 +228,49 @@ def positions(layout: tuple, device) -> torch.Tensor:
     return (torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64)).to(device)
 
 
+class Runs:
+    """Contiguous runs of one flat layout laid into another, in ONE ``torch.cat``: a plan
+    built once per layout, then per call a split of the source into views and one copy of
+    the destination's every element (what no run covers is written 0). Against an
+    ``index_select``/``index_copy_`` by an int64 position per element it reads no index and
+    copies whole runs: measured 8 against 31-35 ms for ResNet-18's 11.2M elements on one CPU
+    thread (1-bit's part layout, W = 2).
+
+    ``runs``: (source start, destination start, length) triples; the destination ranges must
+    not overlap, nor the source ranges."""
+
+    def __init__(self, runs, src_len: int, dst_len: int):
+        runs = sorted((d, s, n) for s, d, n in runs if n > 0)
+        cuts = sorted({0, src_len} | {s for _, s, _ in runs} | {s + n for _, s, n in runs})
+        self.sizes = [b - a for a, b in zip(cuts, cuts[1:])]
+        piece = {a: i for i, a in enumerate(cuts[:-1])}
+        plan, at = [], 0
+        for d, s, n in runs:
+            if d < at or piece.get(s) is None or self.sizes[piece[s]] != n:
+                raise ValueError(f"runs overlap at destination {d} or source {s}")
+            if d > at:
+                plan.append(at - d)  # -gap: that many zeros
+            plan.append(piece[s])
+            at = d + n
+        if at < dst_len:
+            plan.append(at - dst_len)
+        self.plan, self.dst_len = plan, dst_len
+        self.gap = max([-p for p in plan if p < 0], default=0)
+        self._zeros = {}
+
+    def __call__(self, src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out (dst_len,) = the runs of src, zeros elsewhere; returns out."""
+        if not self.plan:
+            return out
+        key = (src.dtype, src.device)
+        zeros = self._zeros.get(key)
+        if zeros is None:
+            zeros = self._zeros[key] = torch.zeros(self.gap, dtype=src.dtype, device=src.device)
+        pieces = src.split(self.sizes)
+        torch.cat([pieces[p] if p >= 0 else zeros[:-p] for p in self.plan], out=out)
+        return out
+
+
 def _positions(params, device) -> torch.Tensor:
     return positions(tuple((p.offset, p.numel) for p in params), torch.device(device))
 

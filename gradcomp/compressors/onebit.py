@@ -27,7 +27,7 @@ import torch
 
 from .. import kernels
 from ..config import MethodConfig, check
-from .base import Compressor, dense_values, put_dense, register_method, scratch
+from .base import Compressor, Runs, dense_values, put_dense, register_method, scratch
 
 
 @dataclass(frozen=True)
@@ -82,8 +82,7 @@ class OneBit(Compressor):
         res2 = None
         if ef:  # the second memory holds, per parameter, what this rank owns (its part)
             e2 = ctx.memory("server_residual")
-            res2 = scratch("onebit.res2", part, torch.float32, x.device).zero_()
-            res2.index_copy_(0, lay.own_col, e2.index_select(0, lay.own_x))
+            res2 = lay.own_part(e2, scratch("onebit.res2", part, torch.float32, x.device))
         msg2 = torch.cat([encode(mine, res2, chunk),
                           dense_values(x, dense).view(torch.uint8)])
         if ef:
@@ -125,20 +124,47 @@ class _Parts:
     dense: bool            # some elements map to the extra slot
     own_x: torch.Tensor    # this rank's part: bucket positions of its elements ...
     own_col: torch.Tensor  # ... and their columns in the part
+    # the same moves as runs (one torch.cat each): bucket -> slots, slots -> bucket, bucket ->
+    # this rank's part; None where they are too many (W x parameters) to beat the indices
+    to_slots: Runs | None
+    to_bucket: Runs | None
+    own_in: Runs | None
+
+    def runs(self, t: torch.Tensor) -> bool:
+        """Whether the moves go by runs for tensors like t: on the CPU (a GPU's index kernels
+        are fast, and a cat of many pieces is several launches there), where they are few."""
+        return self.to_slots is not None and t.device.type == "cpu"
 
     def spread(self, src: torch.Tensor, key: str) -> torch.Tensor:
         """(W * part + 1,): src's elements in their slots, the padding and the extra slot 0;
         in the work buffer ``key`` (see :func:`scratch`)."""
-        buf = scratch(key, self.slots + 1, torch.float32, src.device).zero_()
-        buf.index_copy_(0, self.to_slot, src)
-        if self.dense:
-            buf[-1] = 0
+        buf = scratch(key, self.slots + 1, torch.float32, src.device)
+        if self.runs(src):
+            self.to_slots(src, buf[:-1])
+        else:
+            buf.zero_().index_copy_(0, self.to_slot, src)
+        buf[-1] = 0
         return buf
 
     def gather(self, buf: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Inverse of :meth:`spread`: the bucket's elements of a (W * part + 1,) buffer (0 for
         the parameters sent dense)."""
-        return torch.index_select(buf, 0, self.to_slot, out=out)
+        if not self.runs(buf):
+            return torch.index_select(buf, 0, self.to_slot, out=out)
+        if out is None:
+            out = buf.new_empty(self.to_slot.numel())
+        return self.to_bucket(buf, out)
+
+    def own_part(self, e2: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out (part,) = this rank's columns of e2 (bucket layout), the padding 0."""
+        if self.runs(e2):
+            return self.own_in(e2, out)
+        return out.zero_().index_copy_(0, self.own_col, e2.index_select(0, self.own_x))
+
+
+# at most this many runs (parameters x W) go by runs (one cat of as many pieces plus the
+# gaps, and a Python list of them per move); more go by per-element indices
+MAX_RUNS = 4096
 
 
 @functools.lru_cache(maxsize=256)
@@ -148,16 +174,24 @@ def _parts(layout: tuple, n: int, W: int, rank: int, chunk: int, device) -> _Par
     widths = [-(-numel // (W * chunk)) * chunk for _, numel in layout]
     part = sum(widths)
     to_slot = torch.full((n,), W * part, dtype=torch.int64)
-    own_x, own_col = [], []
+    runs, own, own_x, own_col = [], [], [], []  # runs: (bucket start, slot start, length)
     col = 0
     for (off, numel), width in zip(layout, widths):
         i = torch.arange(numel, dtype=torch.int64)
         j = i // width
         to_slot[off : off + numel] = j * part + col + i - j * width
+        for k in range(W) if len(layout) * W <= MAX_RUNS else ():  # part k: slots in row k
+            lo, hi = min(numel, k * width), min(numel, (k + 1) * width)
+            runs.append((off + lo, k * part + col, hi - lo))
         lo, hi = min(numel, rank * width), min(numel, (rank + 1) * width)
+        own.append((off + lo, col, hi - lo))
         own_x.append(torch.arange(off + lo, off + hi))
         own_col.append(torch.arange(col, col + hi - lo))
         col += width
     dense = sum(numel for _, numel in layout) < n
+    moves = (None, None, None)
+    if runs:
+        moves = (Runs(runs, n, W * part), Runs([(s, b, k) for b, s, k in runs], W * part + 1, n),
+                 Runs(own, n, part))
     return _Parts(part, W * part, to_slot.to(device), dense, torch.cat(own_x).to(device),
-                  torch.cat(own_col).to(device))
+                  torch.cat(own_col).to(device), *moves)

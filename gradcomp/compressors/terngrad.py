@@ -42,7 +42,7 @@ import torch
 
 from .. import kernels
 from ..config import MethodConfig, check
-from .base import Compressor, dense_values, put_dense, register_method, scratch
+from .base import Compressor, Runs, dense_values, put_dense, register_method, scratch
 
 
 @dataclass(frozen=True)
@@ -177,18 +177,26 @@ class _Layout:
         self.dense = (torch.cat([torch.arange(p.offset, p.offset + p.numel, **kw) for p in dense])
                       if dense else None)
         self.fill = torch.zeros(-(at // 4) % 4, dtype=torch.uint8, device=device)
+        # the same moves as runs, one per layer (one torch.cat each: the CPU's path)
+        self.to_padded = Runs([(p.offset, a, p.numel) for p, a in zip(params, starts)], n, at)
+        self.to_x = Runs([(a, p.offset, p.numel) for p, a in zip(params, starts)], at, n)
 
     def spread(self, src: torch.Tensor, key: str) -> torch.Tensor:
         """src (x's layout) in the padded layout, padding zero; in the work buffer ``key``
         (see :func:`scratch`)."""
-        out = torch.index_select(src, 0, self.take,
-                                 out=scratch(key, self.npad, torch.float32, src.device))
+        out = scratch(key, self.npad, torch.float32, src.device)
+        if src.device.type == "cpu":
+            return self.to_padded(src, out)
+        torch.index_select(src, 0, self.take, out=out)
         return out if self.pad is None else out.index_fill_(0, self.pad, 0.0)
 
     def gather(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """dst = src (padded layout) in x's layout; the dense parameters' part is left
         undefined (see :meth:`zero_dense`; the result's is overwritten by put_dense)."""
-        torch.index_select(src, 0, self.back, out=dst)
+        if src.device.type == "cpu":
+            self.to_x(src, dst)
+        else:
+            torch.index_select(src, 0, self.back, out=dst)
 
     def zero_dense(self, t: torch.Tensor) -> None:
         if self.dense is not None:
