@@ -214,7 +214,7 @@ def test_runs_lay_contiguous_pieces_with_zero_gaps_as_an_index_copy_would():
             Runs(bad, 100, 100)
 
 
-@pytest.mark.parametrize("W", [1, 2, 3])
+@pytest.mark.parametrize("W", [1, 2, 3, 5])
 def test_onebits_part_layout_by_runs_equals_it_by_indices(W, monkeypatch):
     """The 1-bit part layout moves by runs (one cat) on the CPU; beyond MAX_RUNS, and on a
     GPU, by per-element indices: the same elements either way, dense parameters and the
@@ -236,5 +236,9 @@ def test_onebits_part_layout_by_runs_equals_it_by_indices(W, monkeypatch):
     kept = by_runs.gather(a)
     assert torch.equal(kept[769:800], torch.zeros(31)) and torch.equal(kept[:769], x[:769])
     part = by_runs.part
-    assert torch.equal(by_runs.own_part(x, torch.full((part,), 5.0)),
-                       by_index.own_part(x, torch.full((part,), 5.0)))
+    mine = by_runs.own_part(x, torch.full((part,), 5.0))
+    assert torch.equal(mine, by_index.own_part(x, torch.full((part,), 5.0)))
+    e_runs, e_index = torch.zeros(n), torch.zeros(n)  # the second memory: 0 but its own part
+    by_runs.own_back(mine * 2, e_runs)
+    by_index.own_back(mine * 2, e_index)
+    assert torch.equal(e_runs, e_index) and e_runs.count_nonzero() > 0

@@ -86,7 +86,7 @@ class OneBit(Compressor):
         msg2 = torch.cat([encode(mine, res2, chunk),
                           dense_values(x, dense).view(torch.uint8)])
         if ef:
-            e2.index_copy_(0, lay.own_x, res2.index_select(0, lay.own_col))
+            lay.own_back(res2, e2)
         allmsg = ctx.comm.allgather(msg2)  # (W, part_bytes + dense bytes)
         nb, ns = part // 8, 2 * (part // chunk) * 4
         # the W parts laid end to end are one message of W * part elements
@@ -129,6 +129,7 @@ class _Parts:
     to_slots: Runs | None
     to_bucket: Runs | None
     own_in: Runs | None
+    own_out: Runs | None   # this rank's part -> bucket (all n written: W <= 4 only)
 
     def runs(self, t: torch.Tensor) -> bool:
         """Whether the moves go by runs for tensors like t: on the CPU (a GPU's index kernels
@@ -161,6 +162,17 @@ class _Parts:
             return self.own_in(e2, out)
         return out.zero_().index_copy_(0, self.own_col, e2.index_select(0, self.own_x))
 
+    def own_back(self, part: torch.Tensor, e2: torch.Tensor) -> None:
+        """e2 (bucket layout) at this rank's elements = part's columns. The other elements of
+        e2 are 0 (never written: the second memory holds only what this rank owns), so one
+        cat that writes them 0 again moves a run per parameter; it writes all n elements,
+        which beats the n / W indexed ones up to W = 4 (11.2M elements: 11 against 51 ms at
+        W = 2, 14 against 21 at 4, 13 against 11 at 8)."""
+        if self.own_out is not None and self.runs(e2):
+            self.own_out(part, e2)
+        else:
+            e2.index_copy_(0, self.own_x, part.index_select(0, self.own_col))
+
 
 # at most this many runs (parameters x W) go by runs (one cat of as many pieces plus the
 # gaps, and a Python list of them per move); more go by per-element indices
@@ -189,9 +201,9 @@ def _parts(layout: tuple, n: int, W: int, rank: int, chunk: int, device) -> _Par
         own_col.append(torch.arange(col, col + hi - lo))
         col += width
     dense = sum(numel for _, numel in layout) < n
-    moves = (None, None, None)
+    moves = (None, None, None, None)
     if runs:
         moves = (Runs(runs, n, W * part), Runs([(s, b, k) for b, s, k in runs], W * part + 1, n),
-                 Runs(own, n, part))
+                 Runs(own, n, part), Runs([(c, b, k) for b, c, k in own], part, n) if W <= 4 else None)
     return _Parts(part, W * part, to_slot.to(device), dense, torch.cat(own_x).to(device),
                   torch.cat(own_col).to(device), *moves)
