@@ -529,10 +529,17 @@ def cmd_plan(args) -> int:
     if args.check is not None:
         files = args.check or sorted(str(p) for pat in ("ddp_*.json", "latency_*.json")
                                      for p in Path("bench/results").glob(pat))
+        if not files:
+            raise UsageError("--check: no ddp_*.json or latency_*.json in bench/results; name "
+                             "the files")
         for f in files:
             if not Path(f).is_file():
                 raise UsageError(f"--check: no such file {f!r}")
-        rows = plan.check(files)
+        try:
+            rows = plan.check(files)
+        except (ValueError, KeyError, TypeError) as exc:  # JSONDecodeError is a ValueError
+            raise UsageError(f"--check: a file is not a gradcomp-bench ddp run: "
+                             f"{type(exc).__name__}: {exc}") from None
         if not rows:
             raise UsageError("--check: no row the model covers in " + ", ".join(files))
         print("| run | W | measured s | predicted s | error |\n|---|---|---|---|---|")
@@ -545,7 +552,13 @@ def cmd_plan(args) -> int:
         if args.json:
             _write_json(args, Path("."), "plan-check", {"rows": rows})
         return 0
+    from .models import MODELS
+    if args.model not in MODELS:
+        raise UsageError(f"--model {args.model!r}: allowed {', '.join(MODELS)}")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods:
+        raise UsageError(f"--methods {args.methods!r}: expected one or more of "
+                         + ", ".join(plan.RATIO))
     for m in methods:
         if m not in plan.RATIO:
             raise UsageError(f"--methods: {m!r} is not modelled; expected one of "

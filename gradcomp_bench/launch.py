@@ -44,13 +44,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world, addr, port, outdir, args, pg_timeout, threads, env, base_env=None):
+def _entry(fn, rank, world, addr, port, outdir, args, pg_timeout, threads, env, parent=None):
     """One rank: join the gloo group, run ``fn``, save its result (or the traceback).
-    ``base_env``: the parent's environment at spawn time (a forkserver's child starts from the
-    server's, which may be older)."""
-    if base_env is not None:
+    ``parent``: (pid, environment) of the caller at spawn time, for a rank forked by the fork
+    server, whose environment and standard output are the server's (from its start): the
+    rank takes the caller's environment and writes where the caller's stdout and stderr go
+    now (under pytest, the running test's capture), as a spawned rank would."""
+    if parent is not None:
+        pid, base_env = parent
         os.environ.clear()
         os.environ.update(base_env)
+        for fd in (1, 2):
+            try:  # Linux: the caller's open file, pipe or terminal, appended to
+                target = os.open(f"/proc/{pid}/fd/{fd}", os.O_WRONLY | os.O_APPEND)
+            except OSError:
+                continue
+            sys.stdout.flush() if fd == 1 else sys.stderr.flush()
+            os.dup2(target, fd)
+            os.close(target)
     os.environ.update(env)
     torch.set_num_threads(threads)
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank),
@@ -77,15 +88,34 @@ def _entry(fn, rank, world, addr, port, outdir, args, pg_timeout, threads, env, 
 
 
 _PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "gradcomp", "gradcomp_bench.launch"]
+# variables read when a process starts or imports torch (allocator, OpenMP/MKL threads,
+# torch's debug and log levels, Python's own): a forked rank would keep the fork server's
+_AT_START = ("OMP_", "KMP_", "MKL_", "GOMP_", "MALLOC_", "LD_", "PYTHON", "TORCH", "TRITON_",
+             "CUDA_")
+_server_env: dict | None = None  # what the fork server started with (read at start)
 
 
-def _context():
+def _start_env(env) -> dict:
+    return {k: v for k, v in env.items() if k.startswith(_AT_START)}
+
+
+def _context(envs):
     """Where the ranks come from: a fork server that imported torch and gradcomp once (a rank
     then starts in a fraction of a second, not the seconds of a fresh interpreter importing
-    torch), or ``GRADCOMP_SPAWN=spawn`` for fresh interpreters."""
+    torch), or fresh interpreters (``spawn``): with ``GRADCOMP_SPAWN=spawn``, and for a call
+    whose ranks' start-time variables (:data:`_AT_START`: the caller's environment with each
+    rank's ``env``) differ from those the server started with."""
+    global _server_env
     how = os.environ.get("GRADCOMP_SPAWN", "forkserver")
     if how not in ("forkserver", "spawn"):
         raise ValueError(f"GRADCOMP_SPAWN={how!r}: expected 'forkserver' or 'spawn'")
+    if how == "forkserver":
+        # a server not yet started starts with this call, with the caller's environment
+        server = _start_env(os.environ) if _server_env is None else _server_env
+        if all(_start_env({**os.environ, **e}) == server for e in envs):
+            _server_env = server
+        else:
+            how = "spawn"
     ctx = mp.get_context(how)
     if how == "forkserver":
         ctx.set_forkserver_preload(_PRELOAD)
@@ -201,11 +231,11 @@ def spawn(fn, world: int = 2, args: tuple = (), timeout: float | None = 300, pg_
     port = free_port()
     with tempfile.TemporaryDirectory() as d:
         if link is None:
-            ctx = _context()
-            base = dict(os.environ)
+            ctx = _context(envs)
+            parent = (os.getpid(), dict(os.environ)) if ctx.get_start_method() == "forkserver" else None
             procs = [ctx.Process(target=_entry, daemon=True,
                                  args=(fn, r, world, addr, port, d, args, pg_timeout, threads, envs[r],
-                                       base))
+                                       parent))
                      for r in range(world)]
             for p in procs:
                 p.start()

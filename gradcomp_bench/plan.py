@@ -128,12 +128,15 @@ def _argv(d: dict) -> str:
 
 
 def _seconds(text: str | None) -> float:
-    if not text:
-        return 0.0
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|us)", text)
-    if not m:
-        raise ValueError(f"latency {text!r}: expected a number with ms, s or us")
-    return float(m.group(1)) * {"s": 1.0, "ms": 1e-3, "us": 1e-6}[m.group(2)]
+    """A latency as ``ddp --latency`` takes it ('50ms', '100us', '0'); none: 0."""
+    from .netlink import parse_time
+    return parse_time(text) if text else 0.0
+
+
+def _flag(argv: str, name: str) -> str | None:
+    """The value of ``--name VALUE`` or ``--name=VALUE`` in a recorded command line."""
+    m = re.search(rf"--{name}[ =](\S+)", argv)
+    return m.group(1) if m else None
 
 
 def _opt(spec: str, key: str) -> str | None:
@@ -149,18 +152,19 @@ def rig_cases(path: str | Path):
     if not rows:
         return []
     argv = _argv(d)
-    lat = _seconds((re.search(r"--latency (\S+)", argv) or [None, None])[1])
-    run_delay = int((re.search(r"--delay (\d+)", argv) or [None, "0"])[1])
-    model = (re.search(r"--model (\S+)", argv) or [None, "resnet_small"])[1]
-    noop = next((r for r in rows if r["method"] == "noop"), None)
-    if noop is None:
-        return []
-    buckets = ddp_buckets(model)
+    lat = _seconds(_flag(argv, "latency"))
+    run_delay = int(_flag(argv, "delay") or 0)
+    buckets = ddp_buckets(_flag(argv, "model") or "resnet_small")  # the bench's default model
     out = []
     for r in rows:
         spec = r["method"]
         name = spec.split(":")[0]
         if name not in COLLECTIVES or not r.get("link_bps") or r.get("world", 2) < 2:
+            continue
+        # the compute-only step of the same world size and link (a run may sweep both)
+        noop = next((o for o in rows if o["method"] == "noop" and o.get("world") == r.get("world")
+                     and o.get("link_bps") == r.get("link_bps")), None)
+        if noop is None:
             continue
         if _opt(spec, "topology") == "hierarchical" or (
                 r.get("intra_node_bytes") or 0) > 0:
@@ -169,8 +173,10 @@ def rig_cases(path: str | Path):
         if codec is None:
             continue
         H = int(_opt(spec, "local_steps") or 1)
+        torch_hook = name in ("ddp", "fp16")  # the bench's --delay is for gradcomp's methods
+        delay = not torch_hook and bool(run_delay or int(_opt(spec, "delay") or 0))
         case = Case(name, r["world"], noop["step_s"], codec, r["wire_bytes"], r["link_bps"],
-                    lat, buckets, delay=bool(run_delay or int(_opt(spec, "delay") or 0)),
+                    lat, buckets, delay=delay,
                     local_steps=H, local_delay=bool(int(_opt(spec, "local_delay") or 0)))
         # with local steps the median is an inner step: the mean counts the rounds
         measured = r.get("mean_s", r["step_s"]) if H > 1 else r["step_s"]

@@ -79,23 +79,44 @@ def test_a_link_for_another_node_count_is_refused():
 
 
 def _env(rank, world, names):
-    return {n: os.environ.get(n) for n in names}
+    print(f"rank {rank} says hello", flush=True)
+    return {n: os.environ.get(n) for n in names}, os.getppid()
 
 
 @pytest.mark.parametrize("how", ["forkserver", "spawn"])
-def test_a_rank_sees_the_callers_environment_at_the_time_of_the_call(how, monkeypatch):
-    """Ranks come from a fork server started at the first call (its environment is that
-    call's); a variable set later by the caller, or removed, must reach the ranks as it is now,
-    and ``env=`` still goes on top."""
+def test_a_rank_sees_the_callers_environment_and_output_at_the_time_of_the_call(
+        how, monkeypatch, capfd):
+    """Ranks come from a fork server started at the first call (its environment and output
+    are that call's); a variable set later by the caller, or removed, must reach the ranks as
+    it is now, ``env=`` still on top, and what a rank prints must land where the caller's
+    output goes now (here: this test's capture), as with fresh interpreters."""
     monkeypatch.setenv("GRADCOMP_SPAWN", how)
     spawn(_env, 2, args=([],), timeout=120)  # the server exists from here on
+    capfd.readouterr()
     monkeypatch.setenv("GRADCOMP_TEST_LATE", "late")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    out = spawn(_env, 2, args=(["GRADCOMP_TEST_LATE", "TRITON_INTERPRET", "GRADCOMP_TEST_ENV"],),
+    monkeypatch.delenv("GRADCOMP_KERNELS", raising=False)
+    out = spawn(_env, 2, args=(["GRADCOMP_TEST_LATE", "GRADCOMP_KERNELS", "GRADCOMP_TEST_ENV"],),
                 env={"GRADCOMP_TEST_ENV": "x"}, timeout=120)
-    for seen in out:
-        assert seen == {"GRADCOMP_TEST_LATE": "late", "TRITON_INTERPRET": None,
+    for seen, parent in out:
+        assert seen == {"GRADCOMP_TEST_LATE": "late", "GRADCOMP_KERNELS": None,
                         "GRADCOMP_TEST_ENV": "x"}
+        assert (parent == os.getpid()) == (how == "spawn")  # forked by the server, or not
+    printed = capfd.readouterr().out
+    assert "rank 0 says hello" in printed and "rank 1 says hello" in printed
+
+
+def test_variables_read_at_start_change_the_ranks_to_fresh_interpreters(monkeypatch):
+    """A forked rank keeps what the server read when it started (OpenMP, malloc, torch's
+    debug level...): a call that sets one differently gets fresh interpreters instead."""
+    monkeypatch.setenv("GRADCOMP_SPAWN", "forkserver")
+    [(_, parent)] = spawn(_env, 1, args=([],), timeout=120)
+    assert parent != os.getpid()
+    [(seen, parent)] = spawn(_env, 1, args=(["TORCH_DISTRIBUTED_DEBUG"],), timeout=120,
+                             env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    assert parent == os.getpid() and seen == {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
+    [(_, parent)] = spawn(_env, 1, args=([],), timeout=120)
+    assert parent == os.getpid()
 
 
 def test_a_bad_start_method_is_refused_by_name(monkeypatch):

@@ -84,6 +84,20 @@ def test_a_rig_json_gives_its_own_inputs_and_skips_what_is_not_modelled(tmp_path
     assert got[0]["error"] == pytest.approx(plan.predict(one) / 1.5 - 1)
 
 
+def test_a_sweep_takes_each_rows_own_compute_only_step_and_delay_is_gradcomps(tmp_path):
+    rows = [{"method": "noop", "world": w, "link_bps": b, "step_s": s}
+            for w, b, s in ((2, 1e8, 1.0), (4, 1e8, 2.0), (2, 1e9, 0.9))]
+    rows += [{"method": m, "world": w, "link_bps": b, "step_s": 3.0, "wire_bytes": 1e6,
+              "codec_s": 0.1} for m in ("onebit", "ddp") for w, b in ((4, 1e8), (2, 1e9))]
+    path = tmp_path / "sweep.json"
+    argv = ["gradcomp-bench", "ddp", "--model=resnet18", "--latency=0", "--delay", "1"]
+    path.write_text(json.dumps({"kind": "ddp", "argv": argv, "rows": rows}))
+    got = {(c.method, c.world, c.link_bps): c for c, _, _ in plan.rig_cases(path)}
+    assert got["onebit", 4, 1e8].compute_s == 2.0 and got["onebit", 2, 1e9].compute_s == 0.9
+    assert got["onebit", 4, 1e8].delay and not got["ddp", 4, 1e8].delay
+    assert got["onebit", 4, 1e8].buckets == 3  # --model=resnet18
+
+
 def test_the_cli_checks_and_projects(tmp_path, capsys):
     out = tmp_path / "check.json"
     assert main(["plan", "--check", str(_rig(tmp_path)), "--json", str(out)]) == 0
@@ -100,9 +114,12 @@ def test_the_cli_checks_and_projects(tmp_path, capsys):
     (["--gpus", "8,1"], "--gpus '8,1': expected integers >= 2"),
     (["--links", "3furlongs"], "bad rate '3furlongs'"),
     (["--methods", "allreduce,sparse"], "'sparse' is not modelled"),
-    (["--latency", "5 parsecs"], "latency '5 parsecs'"),
+    (["--latency", "5 parsecs"], "bad time '5 parsecs'"),
+    (["--methods", ","], "--methods ',': expected one or more"),
+    (["--model", "nope"], "--model 'nope': allowed"),
     (["--compute-ms", "0"], "--compute-ms 0.0: expected a positive"),
     (["--check", "no/such.json"], "no such file 'no/such.json'"),
+    (["--check", "README.md"], "not a gradcomp-bench ddp run"),
 ])
 def test_bad_input_is_refused_by_name(args, says, capsys):
     assert main(["plan", *args]) == 2

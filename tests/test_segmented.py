@@ -212,6 +212,8 @@ def test_runs_lay_contiguous_pieces_with_zero_gaps_as_an_index_copy_would():
     for bad in ([(0, 0, 5), (10, 3, 5)], [(0, 0, 5), (3, 10, 5)]):  # destinations, sources
         with pytest.raises(ValueError, match="runs overlap"):
             Runs(bad, 100, 100)
+    with pytest.raises(ValueError, match="run of 5 from 98 to 0 lies outside the source"):
+        Runs([(98, 0, 5)], 100, 100)
 
 
 @pytest.mark.parametrize("W", [1, 2, 3, 5])

@@ -241,6 +241,10 @@ class Runs:
 
     def __init__(self, runs, src_len: int, dst_len: int):
         runs = sorted((d, s, n) for s, d, n in runs if n > 0)
+        for d, s, n in runs:
+            if min(d, s) < 0 or s + n > src_len or d + n > dst_len:
+                raise ValueError(f"run of {n} from {s} to {d} lies outside the source "
+                                 f"({src_len}) or the destination ({dst_len})")
         cuts = sorted({0, src_len} | {s for _, s, _ in runs} | {s + n for _, s, n in runs})
         self.sizes = [b - a for a, b in zip(cuts, cuts[1:])]
         piece = {a: i for i, a in enumerate(cuts[:-1])}
