@@ -44,7 +44,11 @@ def main():
     dist.all_gather_object(every, digest)
     if acc.is_main_process:
         print(f"{args.method}: step {state.step}, ranks agree: {len(set(every)) == 1}")
+    # every rank done with its collectives before any tears its connections down, at each
+    # step (gloo aborts a peer whose connection closes under it)
+    dist.barrier()
     state.close()  # its threads and process groups, before the job's own go
+    dist.barrier()
     acc.end_training()  # destroys the process group on every rank
 
 

@@ -70,7 +70,11 @@ def main():
         print(f"{args.method}: loss {loss.item():.4f}, step {s['step']} ({phase}: "
               f"{s['raw_bytes'] / max(s['sent_bytes'], 1):.1f}x fewer bytes), "
               f"ranks agree: {len(set(every)) == 1}")
+    # every rank done with its collectives before any tears its connections down, at
+    # each step (gloo aborts a peer whose connection closes under it)
+    dist.barrier()
     state.close()
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -57,7 +57,11 @@ def main():
     if dist.get_rank() == 0:
         print(f"{args.method}: loss {loss.item():.4f}, step {state.step}, "
               f"ranks agree: {len(set(every)) == 1}")
+    # every rank done with its collectives before any tears its connections down, at
+    # each step (gloo aborts a peer whose connection closes under it)
+    dist.barrier()
     state.close()
+    dist.barrier()
     dist.destroy_process_group()
 
 

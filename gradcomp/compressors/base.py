@@ -260,18 +260,20 @@ class Runs:
             plan.append(at - dst_len)
         self.plan, self.dst_len = plan, dst_len
         self.gap = max([-p for p in plan if p < 0], default=0)
-        self._zeros = {}
+        self._zeros = {}  # per dtype and device: the gaps' zero views, made once
 
     def __call__(self, src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """out (dst_len,) = the runs of src, zeros elsewhere; returns out."""
+        """out (dst_len,) = the runs of src, zeros elsewhere; returns out. Two ops whatever the
+        number of runs: a split of src into views, a cat."""
         if not self.plan:
             return out
         key = (src.dtype, src.device)
-        zeros = self._zeros.get(key)
-        if zeros is None:
-            zeros = self._zeros[key] = torch.zeros(self.gap, dtype=src.dtype, device=src.device)
+        gaps = self._zeros.get(key)
+        if gaps is None:
+            zeros = torch.zeros(self.gap, dtype=src.dtype, device=src.device)
+            gaps = self._zeros[key] = [zeros[:-p] if p < 0 else None for p in self.plan]
         pieces = src.split(self.sizes)
-        torch.cat([pieces[p] if p >= 0 else zeros[:-p] for p in self.plan], out=out)
+        torch.cat([pieces[p] if z is None else z for p, z in zip(self.plan, gaps)], out=out)
         return out
 
 
