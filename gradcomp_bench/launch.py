@@ -89,8 +89,10 @@ def _entry(fn, rank, world, addr, port, outdir, args, pg_timeout, threads, env, 
 
 _PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "gradcomp", "gradcomp_bench.launch"]
 # variables read when a process starts or imports torch (allocator, OpenMP/MKL threads,
-# torch's debug and log levels, Python's own): a forked rank would keep the fork server's
-_AT_START = ("OMP_", "KMP_", "MKL_", "GOMP_", "MALLOC_", "LD_", "PYTHON", "TORCH", "TRITON_",
+# torch's debug and log levels, Python's own): a forked rank would keep the fork server's.
+# Not TORCHINDUCTOR_* (torch.compile sets its cache directory in the caller's environment,
+# and the ranks import Inductor themselves, after taking the caller's environment)
+_AT_START = ("OMP_", "KMP_", "MKL_", "GOMP_", "MALLOC_", "LD_", "PYTHON", "TORCH_", "TRITON_",
              "CUDA_")
 _server_env: dict | None = None  # what the fork server started with (read at start)
 

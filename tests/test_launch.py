@@ -117,6 +117,11 @@ def test_variables_read_at_start_change_the_ranks_to_fresh_interpreters(monkeypa
     monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
     [(_, parent)] = spawn(_env, 1, args=([],), timeout=120)
     assert parent == os.getpid()
+    monkeypatch.delenv("MALLOC_ARENA_MAX")
+    # what torch.compile sets in the caller's environment does not: the suite compiles
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/elsewhere")
+    [(seen, parent)] = spawn(_env, 1, args=(["TORCHINDUCTOR_CACHE_DIR"],), timeout=120)
+    assert parent != os.getpid() and seen == {"TORCHINDUCTOR_CACHE_DIR": "/tmp/elsewhere"}
 
 
 def test_a_bad_start_method_is_refused_by_name(monkeypatch):
