@@ -525,7 +525,7 @@ def cmd_kernels(args) -> int:
 
 def cmd_plan(args) -> int:
     from . import plan
-    from .netlink import parse_rate
+    from .netlink import parse_rate, parse_time
     if args.check is not None:
         files = args.check or sorted(str(p) for pat in ("ddp_*.json", "latency_*.json")
                                      for p in Path("bench/results").glob(pat))
@@ -571,7 +571,7 @@ def cmd_plan(args) -> int:
         raise UsageError(f"--gpus {args.gpus!r}: expected integers >= 2, e.g. 8,64,1024")
     try:
         links = [parse_rate(t) for t in args.links.split(",")]
-        latency = plan._seconds(args.latency)
+        latency = parse_time(args.latency) if args.latency else 0.0
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if not args.compute_ms > 0:

@@ -121,7 +121,6 @@ class _Parts:
     part: int
     slots: int             # W * part
     to_slot: torch.Tensor  # (n,) int64
-    dense: bool            # some elements map to the extra slot
     own_x: torch.Tensor    # this rank's part: bucket positions of its elements ...
     own_col: torch.Tensor  # ... and their columns in the part
     # the same moves as runs (one torch.cat each): bucket -> slots, slots -> bucket, bucket ->
@@ -200,10 +199,9 @@ def _parts(layout: tuple, n: int, W: int, rank: int, chunk: int, device) -> _Par
         own_x.append(torch.arange(off + lo, off + hi))
         own_col.append(torch.arange(col, col + hi - lo))
         col += width
-    dense = sum(numel for _, numel in layout) < n
     moves = (None, None, None, None)
     if runs:
         moves = (Runs(runs, n, W * part), Runs([(s, b, k) for b, s, k in runs], W * part + 1, n),
                  Runs(own, n, part), Runs([(c, b, k) for b, c, k in own], part, n) if W <= 4 else None)
-    return _Parts(part, W * part, to_slot.to(device), dense, torch.cat(own_x).to(device),
+    return _Parts(part, W * part, to_slot.to(device), torch.cat(own_x).to(device),
                   torch.cat(own_col).to(device), *moves)
