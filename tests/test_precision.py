@@ -67,6 +67,31 @@ def test_memory_restore_after_whole_bucket_and_relayout_snapshots():
                        torch.tensor([3.0, 4.0, 0.0, 1.0, 2.0]))
 
 
+def test_memory_snapshot_copies_are_reused_after_release_and_stay_exact():
+    """A released snapshot's CPU copy is the next snapshot's (no fresh bucket-sized buffer
+    each exchange); a snapshot in use is never handed out twice, and a restore from a reused
+    copy puts back the values of ITS moment, not an earlier one."""
+    from gradcomp.memory import ParamMemory
+    m = ParamMemory()
+    buf = m.flat("r", 0, ["a", "b"], [3, 2], "cpu")
+    buf.copy_(torch.arange(5.0))
+    first = m.snapshot(["a", "b"], 0)
+    copy = first["whole"]["r"][1]
+    m.release(first)
+    assert not first["whole"]  # released: no longer usable for a restore
+    buf.add_(10)  # a good step changed the memory
+    snap = m.snapshot(["a", "b"], 0)
+    assert snap["whole"]["r"][1] is copy  # the spare, reused
+    other = m.snapshot(["a", "b"], 0)  # while snap is held: a copy of its own
+    assert other["whole"]["r"][1] is not copy
+    buf.mul_(-1)  # the bad step's changes
+    m.restore(snap, ["a", "b"])
+    m.release(snap)
+    assert torch.equal(buf, torch.arange(5.0) + 10)
+    again = m.snapshot(["a", "b"], 1)  # another bucket: not this one's spare
+    assert again["whole"] == {} or again["whole"]["r"][1] is not copy
+
+
 def _scaled_run(rank, world, spec, mode, steps=8, bad_step=3, adamw=False):
     """mode: 'scaler' (GradScaler passed to register, inf on rank 0 at bad_step),
     'plain' (no scaling; bad_step left out), 'unregistered' (GradScaler not passed).

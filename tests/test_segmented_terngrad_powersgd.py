@@ -490,3 +490,55 @@ def test_powersgd_approx_error_is_measured_on_the_matrices_not_their_approximati
     ctx.details, ctx.log = True, lambda tag, v: logged.setdefault(tag, float(v))
     compressor("powersgd:rank=1,error_feedback=false", min_numel=10).reduce(x, ctx)
     assert 0.5 < logged["approx_error"] < 1.0
+
+
+@pytest.mark.parametrize("spec, W", [("powersgd", 1), ("powersgd:rank=2", 2),
+                                     ("powersgd:rank=1,error_feedback=false", 3),
+                                     ("powersgd:min_compression_rate=0", 2)])
+def test_powersgd_by_runs_equals_the_batched_path_bit_for_bit(spec, W, monkeypatch):
+    """The CPU path by runs (the bucket gathered into its groups' order, the result written
+    into x) against the batched path by indices it replaces: the same outputs, residuals and
+    Q's, bit for bit, over steps; a bucket its parameters do not cover takes the batched
+    path."""
+    from gradcomp.compressors import powersgd
+    params = lay_out(PSGD_SHAPES + [("b1", (7,)), ("w1", (16, 12))])  # same-shape groups apart
+    n = sum(p.numel for p in params)
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(n, generator=g) for _ in range(3)]
+    calls = {"runs": 0}
+    real = powersgd.PowerSGD._reduce_runs
+
+    def counted(self, *a):
+        calls["runs"] += 1
+        return real(self, *a)
+
+    monkeypatch.setattr(powersgd.PowerSGD, "_reduce_runs", counted)
+    got = {}
+    for mode in ("runs", "index"):
+        if mode == "index":
+            monkeypatch.setattr(powersgd._Layout, "moves", lambda self, n: None)
+        method, mem = compressor(spec, min_numel=10), ParamMemory()
+        outs = [method.reduce(x.clone(), Ctx(params, step, mem, W)).clone()
+                for step, x in enumerate(xs)]
+        mats = method.plan(params)[0]
+        got[mode] = (outs, {p.name: mem.tensor("q", p.name, None).clone() for p, *_ in mats},
+                     [v.clone() for v in mem.peek("residual", [p.name for p in params])
+                      if v is not None])
+    assert calls["runs"] == 3
+    (oa, qa, ea), (ob, qb, eb) = got["runs"], got["index"]
+    for a, b in zip(oa, ob):
+        assert torch.equal(a, b)
+    assert qa.keys() == qb.keys() and all(torch.equal(qa[k], qb[k]) for k in qa)
+    assert len(ea) == len(eb) and all(torch.equal(a, b) for a, b in zip(ea, eb))
+    assert ("error_feedback=false" in spec) == (not ea)
+
+
+def test_powersgd_bucket_with_a_gap_takes_the_batched_path(monkeypatch):
+    from gradcomp.compressors import powersgd
+    params = lay_out([("w", (16, 12)), ("v", (16, 12))])
+    n = sum(p.numel for p in params) + 5  # 5 elements of no parameter at the end
+    monkeypatch.setattr(powersgd.PowerSGD, "_reduce_runs", lambda *a: pytest.fail("by runs"))
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    out = compressor("powersgd:rank=1,error_feedback=false", min_numel=10).reduce(
+        x.clone(), Ctx(params, 0, ParamMemory()))
+    assert torch.equal(out[-5:], x[-5:])  # what belongs to no parameter is passed through

@@ -228,6 +228,11 @@ def positions(layout: tuple, device) -> torch.Tensor:
     return (torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64)).to(device)
 
 
+# at most this many runs go by runs (one cat of as many pieces plus the gaps, and a Python
+# list of them per move); layouts of more go by per-element indices
+MAX_RUNS = 4096
+
+
 class Runs:
     """Contiguous runs of one flat layout laid into another, in ONE ``torch.cat``: a plan
     built once per layout, then per call a split of the source into views and one copy of

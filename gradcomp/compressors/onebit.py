@@ -27,7 +27,7 @@ import torch
 
 from .. import kernels
 from ..config import MethodConfig, check
-from .base import Compressor, Runs, dense_values, put_dense, register_method, scratch
+from .base import MAX_RUNS, Compressor, Runs, dense_values, put_dense, register_method, scratch
 
 
 @dataclass(frozen=True)
@@ -172,10 +172,6 @@ class _Parts:
         else:
             e2.index_copy_(0, self.own_x, part.index_select(0, self.own_col))
 
-
-# at most this many runs (parameters x W) go by runs (one cat of as many pieces plus the
-# gaps, and a Python list of them per move); more go by per-element indices
-MAX_RUNS = 4096
 
 
 @functools.lru_cache(maxsize=256)

@@ -50,7 +50,7 @@ import torch
 
 from ..config import MethodConfig, check
 from ..kernels import backend, lowrank
-from .base import Compressor, ParamSlice, name_seed, register_method
+from .base import MAX_RUNS, Compressor, ParamSlice, Runs, name_seed, register_method, scratch
 
 
 @dataclass(frozen=True)
@@ -114,8 +114,12 @@ class PowerSGD(Compressor):
                for p in g.params] for g in lay.groups]
         # the matrices M, for the details below (without error feedback out is x, rewritten)
         m_src = x.clone() if ctx.details and not cfg.error_feedback else x
+        # by runs on the CPU, the result written into x (not with the details: they read M)
+        moves = None if ctx.details or x.is_cuda else lay.moves(x.numel())
         if backend("powersgd_project", x) == "triton":
             out, buf = self._reduce_table(x, ctx, lay, qs)
+        elif moves is not None:
+            return self._reduce_runs(x, ctx, lay, qs, moves, e if cfg.error_feedback else None)
         else:
             out, buf = self._reduce_batched(x, ctx, lay, qs)
         lay.put_dense(out, buf, W)
@@ -156,6 +160,41 @@ class PowerSGD(Compressor):
             torch._foreach_copy_(q, Q.unbind(0))
             g.put(out, bmm(P, Q.transpose(1, 2)).div_(W))
         return out, buf
+
+    def _reduce_runs(self, x, ctx, lay, qs, moves, e):
+        """The CPU path where the bucket's parameters cover it (every DDP bucket): the same
+        arithmetic as :meth:`_reduce_batched`, bit for bit, on the bucket gathered into its
+        groups' order (one ``torch.cat`` of runs, :class:`Runs`): no per-element index, no
+        fresh bucket-sized buffer, and the result written back into x (no copy after).
+        e: the residual to write, or None (no error feedback)."""
+        W, n = ctx.comm.world_size, x.numel()
+        gather, scatter = moves
+        mt = lay.mat_numel
+        xg = gather(x, scratch("powersgd_m", n, x.dtype, x.device))  # M's, then the dense
+        Ms = [xg[a:b].view(g.B, g.n, g.m) for g, (a, b) in zip(lay.groups, lay.m_spans)]
+        Ps = [bmm(M, torch.stack(q)) for M, q in zip(Ms, qs)]
+        # 1st collective: every P and every uncompressed tensor together
+        buf = torch.cat([P.view(-1) for P in Ps] + [xg[mt:]])
+        ctx.comm.allreduce(buf)
+        Ps = [orthonormalize(buf[a:b].view(P.shape)) for P, (a, b) in zip(Ps, lay.p_spans)]
+        # 2nd collective: every Q
+        qbuf = torch.cat([bmm(M.transpose(1, 2), P).view(-1) for M, P in zip(Ms, Ps)])
+        ctx.comm.allreduce(qbuf)
+        rg = scratch("powersgd_out", n, x.dtype, x.device)
+        for g, P, q, (a, b), (c, d) in zip(lay.groups, Ps, qs, lay.q_spans, lay.m_spans):
+            Q = qbuf[a:b].view(g.B, g.m, g.r)
+            torch._foreach_copy_(q, Q.unbind(0))
+            if g.B == 1:  # see bmm: a batch of one runs as two
+                rg[c:d].copy_(bmm(P, Q.transpose(1, 2)).view(-1))
+            else:
+                torch.bmm(P, Q.transpose(1, 2), out=rg[c:d].view(g.B, g.n, g.m))
+            rg[c:d].div_(W)
+        torch.div(buf[lay.p_total :], W, out=rg[mt:])
+        if e is not None:  # E = M - M' (the dense parameters were sent exactly: no error)
+            torch.sub(xg[:mt], rg[:mt], out=xg[:mt])
+            xg[mt:].zero_()
+            scatter(xg, e)
+        return scatter(rg, x)
 
     def _reduce_table(self, x, ctx, lay, qs):
         """The GPU path: every matrix of the bucket in one launch per step, whatever its
@@ -233,6 +272,16 @@ class _Layout:
             self.q_spans.append((qa, qa + g.B * g.m * g.r))
             pa, qa = pa + g.B * g.n * g.r, qa + g.B * g.m * g.r
         self.p_total = pa
+        # the bucket gathered: every group's matrices end to end in group order, then the
+        # dense parameters (the runs path)
+        order = [p for g in self.groups for p in g.params] + list(dense)
+        self.mat_numel = sum(g.B * g.n * g.m for g in self.groups)
+        self.m_spans, at = [], 0
+        for g in self.groups:
+            self.m_spans.append((at, at + g.B * g.n * g.m))
+            at += g.B * g.n * g.m
+        self._gathered = [(p.offset, p.numel) for p in order]
+        self._moves = {}
         self.q_sizes = [g.m * g.r for g in self.groups for _ in range(g.B)]
         self.dense_idx = (torch.cat([torch.arange(p.offset, p.offset + p.numel, device=device)
                                      for p in dense]) if dense else None)
@@ -243,6 +292,20 @@ class _Layout:
         self.covered = (spans[-1][1] if spans and all(
             a == b for (a, _), b in zip(spans, [0] + [e for _, e in spans])) else None)
         self._table = None
+
+    def moves(self, n: int):
+        """(gather, scatter) by runs between a bucket of n elements and its gathered order,
+        or None where the parameters do not cover the bucket or are too many (MAX_RUNS)."""
+        if self.covered != n or len(self._gathered) > MAX_RUNS:
+            return None
+        hit = self._moves.get(n)
+        if hit is None:
+            runs, at = [], 0
+            for off, numel in self._gathered:
+                runs.append((off, at, numel))
+                at += numel
+            hit = self._moves[n] = (Runs(runs, n, n), Runs([(d, s, k) for s, d, k in runs], n, n))
+        return hit
 
     def result_buffer(self, x: torch.Tensor) -> torch.Tensor:
         """A buffer for the result beside x: uninitialized where the exchange writes every

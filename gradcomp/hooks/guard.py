@@ -77,7 +77,9 @@ class Guard:
         out = run(x)
         flagged = check_steps(flat.flag_result(bad))
         if not flagged:
+            self.memory.release(snap)
             return out
         self.memory.restore(snap, names)
+        self.memory.release(snap)
         self.skipped = ctx.step
         return flat.allreduce(orig if orig is not None else torch.zeros_like(x)).div_(flat.world_size)
