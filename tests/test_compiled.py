@@ -137,6 +137,33 @@ def test_fallback_warns_once_and_runs_the_cpu_path(monkeypatch, how):
     monkeypatch.undo()  # the module's real state back before no_fallback checks it
 
 
+def test_a_residual_update_that_fails_to_compile_is_finished_eagerly(monkeypatch):
+    """The 1-bit encoder's statistics have written y = x + residual into the residual when
+    the feedback pass fails to compile: the residual is finished by the same arithmetic
+    eagerly (not encoded again from y, which would add x twice), one warning."""
+    monkeypatch.setattr(compiled, "_failed", None)
+    real = compiled._compiled
+
+    def broken_feedback(step, chunk):
+        if step == "feedback":
+            raise RuntimeError("simulated: the feedback pass does not compile")
+        return real(step, chunk)
+
+    monkeypatch.setattr(compiled, "_compiled", broken_feedback)
+    n = SIZES[1]
+    x, r = values(n, 5), values(n, 6) * 0.1
+    r_ref = r.clone()
+    want = ref.onebit_compress(x, r_ref, CHUNK)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        bits, scales = compiled.onebit_compress(x, r, CHUNK)
+    assert len([w for w in caught if "compiled CPU path is off" in str(w.message)]) == 1
+    assert torch.equal(bits, want[0])
+    torch.testing.assert_close(scales, want[1], **TOL)
+    torch.testing.assert_close(r, r_ref, **TOL)
+    monkeypatch.undo()
+
+
 def reduce_on_both_paths(monkeypatch, spec, shapes, step):
     """GradcompState.reduce of ``spec`` (world size 1, three steps) on the cpu path and
     through the dispatcher's compiled path: (cpu outputs + memory, compiled ones), after
@@ -163,7 +190,7 @@ def reduce_on_both_paths(monkeypatch, spec, shapes, step):
 def test_reduce_on_the_compiled_path_matches_the_cpu_path(monkeypatch):
     """GradcompState.reduce with onebit, world size 1, through the dispatcher."""
     shapes = {"a": (384, 512), "b": (1000,), "c": (64, 64, 3, 3)}
-    cpu_path, auto = reduce_on_both_paths(monkeypatch, f"onebit:chunk={CHUNK}", shapes, "encode")
+    cpu_path, auto = reduce_on_both_paths(monkeypatch, f"onebit:chunk={CHUNK}", shapes, "stats")
     for a, b in zip(cpu_path[:-1], auto[:-1]):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     for n in shapes:

@@ -74,17 +74,40 @@ def onebit_compress(x: torch.Tensor, residual: torch.Tensor | None, chunk: int):
         scales[0, c0:c1] = hi
         scales[1, c0:c1] = lo
         pb = pos[:m]
-        torch.ge(yb.view(-1), 0, out=pb)  # the same test as bools, for packing: cheaper
-        # than converting h (bool <-> float conversions are slow, unvectorized CPU ops)
-        wb = words[: m // 8]
-        torch.mul(pb.view(torch.int64), PACK8, out=wb)
-        bits[c0 * chunk // 8 : (c0 * chunk + m) // 8].copy_(wb.bitwise_right_shift_(56))
+        _pack_block(yb.view(-1), pb, words, bits[c0 * chunk // 8 : (c0 * chunk + m) // 8])
         if residual is not None:
             if torch.isfinite(hi).all() and torch.isfinite(lo).all():
                 _sub_dequant(yb, hb, hi, lo)
             else:  # 0 * inf is NaN: the reference's selection for this block
                 yb.sub_(reference.dequant(pb.view(c1 - c0, chunk), hi, lo))
     return bits, scales
+
+
+def _pack_block(y: torch.Tensor, pos: torch.Tensor, words: torch.Tensor, out: torch.Tensor) -> None:
+    """out (m / 8 bytes) = the signs of y (m elements; bit set where y >= 0, LSB first), with
+    pos (m bools) and words (m / 8 int64) as work space. The test as bools, packed eight at
+    a time by one int64 product (reference.PACK8): cheaper than converting floats (bool <->
+    float conversions are slow, unvectorized CPU ops)."""
+    torch.ge(y, 0, out=pos)
+    w = words[: y.numel() // 8]
+    torch.mul(pos.view(torch.int64), PACK8, out=w)
+    out.copy_(w.bitwise_right_shift_(56))
+
+
+def pack_signs(y: torch.Tensor) -> torch.Tensor:
+    """The packed signs of y (n elements, n a multiple of 8) as :func:`reference.pack_bits`
+    gives them for ``y >= 0``: block by block, in the caches (20 against 21 ms whole for
+    11M elements on one thread)."""
+    y = y.reshape(-1)
+    n = y.numel()
+    bits = torch.empty(n // 8, dtype=torch.uint8, device=y.device)
+    m = min(n, BLOCK)
+    pos = torch.empty(m, dtype=torch.bool)
+    words = torch.empty(m // 8, dtype=torch.int64)
+    for a in range(0, n, BLOCK):
+        b = min(n, a + BLOCK)
+        _pack_block(y[a:b], pos[: b - a], words, bits[a // 8 : b // 8])
+    return bits
 
 
 def _sub_dequant(y: torch.Tensor, h: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> None:
