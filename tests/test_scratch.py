@@ -66,3 +66,27 @@ def test_exchanges_on_two_threads_at_once_equal_one_at_a_time(method):
         assert len(together[i]) == 12
         for a, b in zip(alone[i], together[i]):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("method", ["onebit", "terngrad", "terngrad:error_feedback=true",
+                                    "topk", "dgc:ratio=0.1", "threshold", "powersgd"])
+def test_the_result_is_written_into_the_bucket_itself(method):
+    """On the CPU every compressing method writes its average into the bucket it was given
+    (the state's reduce returns that buffer): no fresh bucket-sized result, whose first write
+    pays a page fault per 4 KB, and no copy of it back into the bucket. The values are those
+    of a reduce that kept the input (checked against a copy of the first state's run)."""
+    layout = lay_out(SHAPES)
+    n = sum(p.numel for p in layout)
+    state, twin = state_for(method), state_for(method)
+    real, seen = state.compressor.reduce, []
+
+    def spy(x, ctx):
+        out = real(x, ctx)
+        seen.append(out is x or out.data_ptr() == x.data_ptr())
+        return out
+
+    state.compressor.reduce = spy
+    for x in _grads(3, n):
+        got = state.reduce(x.clone(), layout)
+        assert torch.equal(got, twin.reduce(x.clone(), layout))
+    assert seen == [True] * 3, method

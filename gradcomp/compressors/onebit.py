@@ -95,7 +95,7 @@ class OneBit(Compressor):
         scales = scales.transpose(0, 1).reshape(1, 2, -1)
         out = scratch("onebit.out", W * part + 1, torch.float32, x.device).zero_()
         kernels.onebit_decompress(bits, scales, chunk, out[:-1])  # the extra slot stays 0
-        result = lay.gather(out)
+        result = lay.gather(out, out=x)  # x is not read again: the result goes there
         put_dense(allmsg[:, nb + ns :], dense, result)
         return result
 

@@ -102,7 +102,8 @@ class TernGrad(Compressor):
         if e is not None:
             res = lay.spread(e, "terngrad.res")
             y.add_(res)
-            unclipped = y.clone() if cfg.clip else None
+            unclipped = (scratch("terngrad.unclipped", y.numel(), y.dtype, y.device).copy_(y)
+                         if cfg.clip else None)
         scale = layer_stats(y, lay.lengths, cfg.clip, lay.seg)
         if cfg.share_scalers:
             ctx.comm.allreduce(scale, op="max")
@@ -127,7 +128,7 @@ class TernGrad(Compressor):
             scales = got[:, at : at + 4 * len(big)].contiguous().view(torch.float32)
         full = scratch("terngrad.full", lay.npad, torch.float32, x.device).zero_()
         kernels.ternary_decompress(got, scales, lay.seg, full, 1.0 / W)
-        out = torch.empty_like(x)
+        out = x  # x is not read again (its dense values are in the message): no fresh buffer
         lay.gather(full, out)
         put_dense(got[:, got.shape[1] - tail.numel() :], dense, out)
         return out

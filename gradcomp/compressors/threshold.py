@@ -185,7 +185,7 @@ class Threshold(Compressor):
         parts = [codes, sent_tau.view(torch.int32)]
         msg = torch.cat(parts + [dense_values(x, dense).view(torch.int32)] if dense else parts)
         got = ctx.comm.allgather(msg)  # (W, K + P + dense) int32
-        out = torch.zeros(x.numel(), dtype=torch.float32, device=x.device)
+        out = x.zero_()  # x is not read again (the message holds what was sent)
         kernels.threshold_decode(got, K, P, tb.owner, out)  # each code with its sender's tau
         out.div_(ctx.comm.world_size)
         put_dense(got[:, K + P :], dense, out)

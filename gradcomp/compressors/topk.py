@@ -110,7 +110,9 @@ def exchange_sparse(values: torch.Tensor, indices: torch.Tensor, x: torch.Tensor
     if dense:
         parts.append(dense_values(x, dense).view(torch.uint8))
     got = ctx.comm.allgather(torch.cat(parts))  # (W, bytes)
-    out = torch.zeros(x.numel(), dtype=torch.float32, device=values.device)
+    # the result in x, whose values are not read again (the message holds what was sent):
+    # no fresh bucket-sized buffer (a page fault per 4 KB) and no copy of it into the bucket
+    out = x.zero_()
     idx = got[:, : 4 * k].contiguous().view(torch.int32)
     vals = got[:, 4 * k : 4 * k + vb].contiguous().view(dtype)
     kernels.scatter_add(vals if dtype == torch.float32 else vals.float(), idx, out)
