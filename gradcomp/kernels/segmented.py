@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from . import backend, implementation
+from .work import scratch
 
 # Candidate buffer = CAPACITY_FACTOR * k; the sampled threshold targets TARGET_FACTOR * k so
 # that the count that passes (about 1.5k +- a few sqrt(k)) rarely overflows the buffer.
@@ -253,7 +254,10 @@ def select_above(x: torch.Tensor, pl: SelectPlan, thr: torch.Tensor, compact: st
         find = implementation("segment_candidates", x, "triton")
         val, idx = find(x, thr, pl.seg_of, pl.seg_start, pl.slot_base, pl.slot_end, C)
         return _take_largest(val, idx, pl)
-    mask = x.abs() >= thr[pl.seg_of]
+    # in reused work buffers (two fresh bucket-sized temporaries paid a page fault per 4 KB)
+    mag = torch.abs(x, out=scratch("segmented.mag", n, x.dtype, dev))
+    at = torch.index_select(thr, 0, pl.seg_of, out=scratch("segmented.thr", n, thr.dtype, dev))
+    mask = torch.ge(mag, at, out=scratch("segmented.mask", n, torch.bool, dev))
     if compact == "nonzero":
         cand = torch.nonzero(mask).view(-1)
         seg = pl.seg_of[cand]
