@@ -1,4 +1,4 @@
-"""Work buffers reused across exchanges on the CPU (compressors/base.py ``scratch``): no
+"""Work buffers reused across exchanges on the CPU (``scratch``: gradcomp/kernels/work.py, re-exported by compressors/base.py): no
 result aliases one, and exchanges on several threads at once do not share one."""
 import threading
 
