@@ -1,5 +1,6 @@
-"""Work buffers reused across exchanges on the CPU (``scratch``: gradcomp/kernels/work.py, re-exported by compressors/base.py): no
-result aliases one, and exchanges on several threads at once do not share one."""
+"""Work buffers reused across exchanges on the CPU (``scratch``: gradcomp/kernels/work.py,
+re-exported by compressors/base.py): no result aliases one, and exchanges on several threads
+at once do not share one; results written into the bucket itself."""
 import threading
 
 import pytest
