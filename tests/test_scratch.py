@@ -73,9 +73,9 @@ def test_exchanges_on_two_threads_at_once_equal_one_at_a_time(method):
                                     "topk", "dgc:ratio=0.1", "threshold", "powersgd"])
 def test_the_result_is_written_into_the_bucket_itself(method):
     """On the CPU every compressing method writes its average into the bucket it was given
-    (the state's reduce returns that buffer): no fresh bucket-sized result, whose first write
-    pays a page fault per 4 KB, and no copy of it back into the bucket. The values are those
-    of a reduce that kept the input (checked against a copy of the first state's run)."""
+    (the compressor returns its input): no fresh bucket-sized result, whose first write pays
+    a page fault per 4 KB, and no copy of it back into the bucket. (Its values are checked
+    against the references elsewhere; here a second state fed copies agrees step by step.)"""
     layout = lay_out(SHAPES)
     n = sum(p.numel for p in layout)
     state, twin = state_for(method), state_for(method)
