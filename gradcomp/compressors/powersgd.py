@@ -141,23 +141,12 @@ class PowerSGD(Compressor):
         Returns (out with the matrices' average, the first message: orthonormal P's, then
         the dense parameters' sum)."""
         W = ctx.comm.world_size
-        Ms, Ps = [], []
-        for g, q in zip(lay.groups, qs):
-            M = g.take(x)  # the batch's matrices end to end (a view where they lie so in x:
-            Ms.append(M)   # x is not written before the last read of M, the Q's below)
-            Ps.append(bmm(M, torch.stack(q)))
-        # 1st collective: every P and every uncompressed tensor together
-        buf = torch.cat([P.view(-1) for P in Ps] + lay.take_dense(x))
-        ctx.comm.allreduce(buf)
-        # in place in buf (its P part is not read again)
-        Ps = [orthonormalize(buf[a:b].view(P.shape)) for P, (a, b) in zip(Ps, lay.p_spans)]
-        # 2nd collective: every Q
-        qbuf = torch.cat([bmm(M.transpose(1, 2), P).view(-1) for M, P in zip(Ms, Ps)])
-        ctx.comm.allreduce(qbuf)
+        # the batches' matrices end to end (a view where they lie so in x: x is not written
+        # before the last read of M, the Q's in _power_step)
+        Ms = [g.take(x) for g in lay.groups]
+        buf, Ps, Qs = _power_step(Ms, qs, lay.take_dense(x), lay, ctx)
         out = lay.result_buffer(x) if self.config.error_feedback else x
-        for g, P, q, (a, b) in zip(lay.groups, Ps, qs, lay.q_spans):
-            Q = qbuf[a:b].view(g.B, g.m, g.r)
-            torch._foreach_copy_(q, Q.unbind(0))
+        for g, P, Q in zip(lay.groups, Ps, Qs):
             g.put(out, bmm(P, Q.transpose(1, 2)).div_(W))
         return out, buf
 
@@ -172,18 +161,9 @@ class PowerSGD(Compressor):
         mt = lay.mat_numel
         xg = gather(x, scratch("powersgd_m", n, x.dtype, x.device))  # M's, then the dense
         Ms = [xg[a:b].view(g.B, g.n, g.m) for g, (a, b) in zip(lay.groups, lay.m_spans)]
-        Ps = [bmm(M, torch.stack(q)) for M, q in zip(Ms, qs)]
-        # 1st collective: every P and every uncompressed tensor together
-        buf = torch.cat([P.view(-1) for P in Ps] + [xg[mt:]])
-        ctx.comm.allreduce(buf)
-        Ps = [orthonormalize(buf[a:b].view(P.shape)) for P, (a, b) in zip(Ps, lay.p_spans)]
-        # 2nd collective: every Q
-        qbuf = torch.cat([bmm(M.transpose(1, 2), P).view(-1) for M, P in zip(Ms, Ps)])
-        ctx.comm.allreduce(qbuf)
+        buf, Ps, Qs = _power_step(Ms, qs, [xg[mt:]], lay, ctx)
         rg = scratch("powersgd_out", n, x.dtype, x.device)
-        for g, P, q, (a, b), (c, d) in zip(lay.groups, Ps, qs, lay.q_spans, lay.m_spans):
-            Q = qbuf[a:b].view(g.B, g.m, g.r)
-            torch._foreach_copy_(q, Q.unbind(0))
+        for g, P, Q, (c, d) in zip(lay.groups, Ps, Qs, lay.m_spans):
             if g.B == 1:  # see bmm: a batch of one runs as two
                 rg[c:d].copy_(bmm(P, Q.transpose(1, 2)).view(-1))
             else:
@@ -274,14 +254,13 @@ class _Layout:
         self.p_total = pa
         # the bucket gathered: every group's matrices end to end in group order, then the
         # dense parameters (the runs path)
-        order = [p for g in self.groups for p in g.params] + list(dense)
-        self.mat_numel = sum(g.B * g.n * g.m for g in self.groups)
         self.m_spans, at = [], 0
         for g in self.groups:
             self.m_spans.append((at, at + g.B * g.n * g.m))
             at += g.B * g.n * g.m
-        self._gathered = [(p.offset, p.numel) for p in order]
-        self._moves = {}
+        self.mat_numel = at
+        self._gathered = [p for g in self.groups for p in g.params] + list(dense)
+        self._runs = None  # (gather, scatter), built on first use
         self.q_sizes = [g.m * g.r for g in self.groups for _ in range(g.B)]
         self.dense_idx = (torch.cat([torch.arange(p.offset, p.offset + p.numel, device=device)
                                      for p in dense]) if dense else None)
@@ -298,14 +277,13 @@ class _Layout:
         or None where the parameters do not cover the bucket or are too many (MAX_RUNS)."""
         if self.covered != n or len(self._gathered) > MAX_RUNS:
             return None
-        hit = self._moves.get(n)
-        if hit is None:
+        if self._runs is None:
             runs, at = [], 0
-            for off, numel in self._gathered:
-                runs.append((off, at, numel))
-                at += numel
-            hit = self._moves[n] = (Runs(runs, n, n), Runs([(d, s, k) for s, d, k in runs], n, n))
-        return hit
+            for p in self._gathered:
+                runs.append((p.offset, at, p.numel))
+                at += p.numel
+            self._runs = (Runs(runs, n, n), Runs([(d, s, k) for s, d, k in runs], n, n))
+        return self._runs
 
     def result_buffer(self, x: torch.Tensor) -> torch.Tensor:
         """A buffer for the result beside x: uninitialized where the exchange writes every
@@ -340,6 +318,27 @@ class _Layout:
     def zero_dense(self, t: torch.Tensor) -> None:
         if self.dense_idx is not None:
             t.index_fill_(0, self.dense_idx, 0.0)
+
+
+def _power_step(Ms, qs, dense, lay, ctx):
+    """The CPU paths' power iteration on the groups' matrices Ms (B, n, m) with their warm
+    starts qs: P = M Q, allreduced with the ``dense`` values (a list of tensors) behind it,
+    orthonormalized in place; Q = M^T P, allreduced and kept in qs for the next step.
+    Returns (the first message, the P's, the new Q's (B, m, r))."""
+    Ps = [bmm(M, torch.stack(q)) for M, q in zip(Ms, qs)]
+    # 1st collective: every P and every uncompressed tensor together
+    buf = torch.cat([P.view(-1) for P in Ps] + dense)
+    ctx.comm.allreduce(buf)
+    # in place in buf (its P part is not read again)
+    Ps = [orthonormalize(buf[a:b].view(P.shape)) for P, (a, b) in zip(Ps, lay.p_spans)]
+    # 2nd collective: every Q
+    qbuf = torch.cat([bmm(M.transpose(1, 2), P).view(-1) for M, P in zip(Ms, Ps)])
+    ctx.comm.allreduce(qbuf)
+    Qs = []
+    for g, q, (a, b) in zip(lay.groups, qs, lay.q_spans):
+        Qs.append(qbuf[a:b].view(g.B, g.m, g.r))
+        torch._foreach_copy_(q, Qs[-1].unbind(0))
+    return buf, Ps, Qs
 
 
 def orthonormalize(P: torch.Tensor) -> torch.Tensor:
