@@ -23,9 +23,10 @@ class ParamMemory:
         self._flat: dict[tuple[str, int], tuple[tuple, torch.Tensor]] = {}  # (slot, bucket)
         self._tensors: dict[str, dict[str, torch.Tensor]] = {}     # slot -> name -> tensor
         self._lock = threading.RLock()
-        # CPU snapshot copies given back by release(), per (slot, bucket): reused, a copy
-        # into them is one pass over warm memory (a fresh clone of a bucket-sized buffer pays
-        # a page fault per 4 KB on its first write: 26 against 9 ms for 11M elements)
+        # CPU buffers of bucket size kept per (slot, bucket) for reuse: snapshot copies given
+        # back by release() and buffers swapped out by commit(). A copy into one is a pass
+        # over warm memory (a fresh clone of a bucket-sized buffer pays a page fault per
+        # 4 KB on its first write: 26 against 9 ms for 11M elements)
         self._spares: dict[tuple[str, int], list[torch.Tensor]] = {}
 
     def __getstate__(self):
@@ -81,44 +82,100 @@ class ParamMemory:
                 t = d[name] = init()
             return t
 
-    def snapshot(self, names, bucket=None) -> dict:
-        """Copies of every slot of the parameters ``names`` (see :meth:`restore`). Where a
-        slot's flat buffer for ``bucket`` holds exactly ``names``, it is copied whole (one
-        copy per slot instead of one per parameter: on a GPU each is a launch)."""
+    def snapshot(self, names, bucket=None, slots=None) -> dict:
+        """Copies of the memory of the parameters ``names`` (see :meth:`restore`): their
+        per-parameter tensors, and the flat ``slots`` (None: every slot; more can be added
+        with :meth:`cover` before they change). Where a slot's flat buffer for ``bucket``
+        holds exactly ``names``, it is copied whole (one copy per slot instead of one per
+        parameter: on a GPU each is a launch)."""
         layout = tuple(names)
-        names = set(names)
         with self._lock:
-            whole, flat = {}, {}
-            for s, d in self._views.items():
-                buf = self._whole(s, bucket, layout)
-                if buf is not None:
-                    whole[s] = (buf, self._copy(s, bucket, buf))
-                else:
-                    flat.update({(s, n): v.clone() for n, v in d.items() if n in names})
-            keys = [(s, n) for s, d in self._tensors.items() for n in d if n in names]
+            keys = [(s, n) for s, d in self._tensors.items() for n in d if n in set(names)]
             # one multi-tensor copy for all of them (x * 1 is x, bit for bit)
             copies = torch._foreach_mul([self._tensors[s][n] for s, n in keys], 1.0) if keys else []
-            return {"bucket": bucket, "whole": whole, "flat": flat,
+            snap = {"bucket": bucket, "layout": layout, "covered": set(),
+                    "existing": set(self._views), "whole": {}, "flat": {},
                     "tensors": dict(zip(keys, copies))}
+            for s in list(self._views) if slots is None else slots:
+                self._cover(snap, s)
+            return snap
 
-    def _copy(self, slot, bucket, buf):
-        """A copy of buf: into a spare of (slot, bucket) on the CPU where one fits."""
+    def cover(self, snap: dict, slot: str) -> None:
+        """Add ``slot`` to ``snap`` (a copy of it now) unless it is there: called before the
+        slot is first written (the guard's snapshots are taken slot by slot, as the exchange
+        asks for them: a slot the exchange only replaces (:meth:`next_flat`) or never touches
+        is not copied)."""
+        with self._lock:
+            if slot not in snap["covered"]:
+                self._cover(snap, slot)
+
+    def _cover(self, snap, s):
+        snap["covered"].add(s)
+        bucket, layout = snap["bucket"], snap["layout"]
+        buf = self._whole(s, bucket, layout)
+        if buf is not None:
+            snap["whole"][s] = (buf, self._copy(s, bucket, buf))
+        else:
+            names = set(layout)
+            snap["flat"].update({(s, n): v.clone() for n, v in self._views.get(s, {}).items()
+                                 if n in names})
+
+    def next_flat(self, slot: str, bucket: int, names: Sequence[str], numels: Sequence[int],
+                  device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(current, next): the flat buffer of ``slot`` (as :meth:`flat`) and a buffer laid
+        out like it, uninitialized, that becomes the slot's buffer at :meth:`commit` (or goes
+        back to the spares at :meth:`discard`). For an exchange that rewrites every element
+        of a slot: no snapshot of it is needed (the current buffer is not written), and no
+        copy after (on the CPU the previous buffer is the next one: two buffers swap)."""
+        with self._lock:
+            cur = self._flat_locked(slot, bucket, names, numels, device)
+            return cur, self._spare(slot, bucket, cur)
+
+    def commit(self, slot: str, bucket: int, nxt: torch.Tensor) -> None:
+        """``nxt`` (from :meth:`next_flat`, written whole) is the slot's buffer from now on;
+        the previous one becomes the spare."""
+        with self._lock:
+            layout, cur = self._flat[(slot, bucket)]
+            if nxt.shape != cur.shape or nxt.device != cur.device:
+                raise RuntimeError(f"memory slot {slot!r}: the buffer to commit does not match "
+                                   f"the slot's ({tuple(nxt.shape)} against {tuple(cur.shape)})")
+            views = self._views[slot]
+            self._flat[(slot, bucket)] = (layout, nxt)
+            views.update(zip(layout, nxt.split([views[n].numel() for n in layout])))
+            self._keep(slot, bucket, cur)
+
+    def discard(self, slot: str, bucket: int, nxt: torch.Tensor) -> None:
+        """``nxt`` (from :meth:`next_flat`) is not committed: back to the spares."""
+        with self._lock:
+            self._keep(slot, bucket, nxt)
+
+    def _spare(self, slot, bucket, like):
+        """A buffer shaped like ``like``: a spare of (slot, bucket) where one fits, else new."""
         spares = self._spares.get((slot, bucket))
         while spares:
             t = spares.pop()
-            if t.shape == buf.shape and t.dtype == buf.dtype and t.device == buf.device:
-                return t.copy_(buf)
-        return buf.clone()
+            if t.shape == like.shape and t.dtype == like.dtype and t.device == like.device:
+                return t
+        return torch.empty_like(like)
+
+    def _keep(self, slot, bucket, t):
+        """Keep t as the spare of (slot, bucket) (one per pair: one exchange of a bucket at
+        a time), on the CPU (a GPU's allocator caches its blocks itself)."""
+        if t.device.type == "cpu":
+            spares = self._spares.setdefault((slot, bucket), [])
+            if not spares:
+                spares.append(t)
+
+    def _copy(self, slot, bucket, buf):
+        """A copy of buf: into a spare of (slot, bucket) on the CPU where one fits."""
+        return self._spare(slot, bucket, buf).copy_(buf)
 
     def release(self, snap: dict) -> None:
         """``snap`` is no longer needed (its exchange is over, restored or not): its whole
         copies of CPU buffers are kept for the next snapshot of their (slot, bucket)."""
         with self._lock:
             for s, (buf, copy) in snap["whole"].items():
-                if copy.device.type == "cpu":
-                    spares = self._spares.setdefault((s, snap["bucket"]), [])
-                    if not spares:  # one exchange of a bucket at a time
-                        spares.append(copy)
+                self._keep(s, snap["bucket"], copy)
             snap["whole"] = {}
 
     def _whole(self, slot, bucket, layout):
@@ -132,12 +189,19 @@ class ParamMemory:
         return None
 
     def restore(self, snap: dict, names) -> None:
-        """Put the parameters ``names`` back as they were at ``snap``: slots created since
-        start again from zero (flat) or from their initializer (tensors)."""
+        """Put the parameters ``names`` back as they were at ``snap``: the slots it covers
+        from its copies, slots created since from zero (flat) and tensors from their
+        initializer; slots it does not cover were not written (see :meth:`cover`)."""
         layout = tuple(names)
         names = set(names)
         with self._lock:
             for s, d in self._views.items():
+                if s not in snap["covered"]:
+                    if s not in snap["existing"]:  # created since: from zero
+                        for n in layout:
+                            if d.get(n) is not None:
+                                d[n].zero_()
+                    continue
                 buf, old_whole = snap["whole"].get(s, (None, None))
                 if buf is not None and buf is self._whole(s, snap["bucket"], layout):
                     buf.copy_(old_whole)

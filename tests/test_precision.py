@@ -92,6 +92,79 @@ def test_memory_snapshot_copies_are_reused_after_release_and_stay_exact():
     assert again["whole"] == {} or again["whole"]["r"][1] is not copy
 
 
+def test_memory_next_swaps_two_buffers_and_discard_keeps_the_current():
+    """next_flat hands out a second buffer; commit makes it the slot's (every parameter's
+    view, state_dict, the next flat()) and keeps the old one as the next next_flat's, so
+    two buffers alternate with no copy; discard leaves the slot as it was."""
+    from gradcomp.memory import ParamMemory
+    m = ParamMemory()
+    cur = m.flat("r", 0, ["a", "b"], [3, 2], "cpu")
+    cur.copy_(torch.arange(5.0))
+    now, nxt = m.next_flat("r", 0, ["a", "b"], [3, 2], "cpu")
+    assert now is cur and nxt.data_ptr() != cur.data_ptr()
+    nxt.copy_(torch.arange(5.0) * 10)
+    m.commit("r", 0, nxt)
+    assert m.flat("r", 0, ["a", "b"], [3, 2], "cpu") is nxt
+    sd = m.state_dict()["flat"]["r"]
+    assert torch.equal(sd["a"], torch.tensor([0.0, 10, 20])) and torch.equal(sd["b"], torch.tensor([30.0, 40]))
+    now, again = m.next_flat("r", 0, ["a", "b"], [3, 2], "cpu")
+    assert now is nxt and again is cur  # the swapped-out buffer, reused
+    again.fill_(-1)
+    m.discard("r", 0, again)
+    assert torch.equal(m.flat("r", 0, ["a", "b"], [3, 2], "cpu"), torch.arange(5.0) * 10)
+    m.flat("r", 0, ["b", "a"], [2, 3], "cpu")  # DDP moved them: values kept per parameter
+    assert torch.equal(m.state_dict()["flat"]["r"]["a"], torch.tensor([0.0, 10, 20]))
+
+
+@pytest.mark.parametrize("spec", STATEFUL)
+def test_the_guard_copies_no_slot_an_exchange_rewrites_whole(spec, monkeypatch):
+    """The guard's snapshot copies a flat slot only when the exchange asks to write it in
+    place (ctx.memory): the slots rewritten whole (ctx.memory_next: every method's residual,
+    DGC's velocity and accumulation) are not copied, and the result is the same as with
+    every slot written in place (the state a fresh process reloads computes the same)."""
+    from gradcomp.memory import ParamMemory
+    params = layout(list(SHAPES))
+    n = sum(p.numel for p in params)
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(n, generator=g) for _ in range(3)]
+    copied = []
+    real = ParamMemory._cover
+    monkeypatch.setattr(ParamMemory, "_cover",
+                        lambda self, snap, s: (copied.append(s), real(self, snap, s))[1])
+    swapped, inplace = state_for(spec), state_for(spec)
+    inplace.memory.next_flat = lambda slot, bucket, names, numels, device: (
+        (lambda b: (b, b))(inplace.memory.flat(slot, bucket, names, numels, device)))
+    inplace.memory.commit = inplace.memory.discard = lambda *a: None
+    for x in xs:
+        assert torch.equal(swapped.reduce(x.clone(), params), inplace.reduce(x.clone(), params))
+    torch.testing.assert_close(_memory(swapped), _memory(inplace), rtol=0, atol=0)
+    rewritten = {"residual", "velocity", "accumulation"}
+    assert not rewritten & set(copied), copied
+    assert _memory(swapped)["flat"]  # there is memory, and it moved
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.05", "onebit:chunk=64", "powersgd:rank=1"])
+def test_an_exchange_that_raises_leaves_the_memory_as_it_was(spec):
+    """A failure inside the exchange (here its last collective) drops the new buffers: the
+    memory is that of before the step, not half of a step."""
+    params = layout(list(SHAPES))
+    n = sum(p.numel for p in params)
+    g = torch.Generator().manual_seed(6)
+    xs = [torch.randn(n, generator=g) for _ in range(3)]
+    state = state_for(spec)
+    for x in xs[:2]:
+        state.reduce(x.clone(), params)
+    before = _memory(state)
+    comm = state._lanes[0].comm
+    for op in ("allgather", "allreduce"):
+        def boom(*a, **k):
+            raise RuntimeError("link down")
+        setattr(comm, op, boom)
+    with pytest.raises(RuntimeError, match="link down"):
+        state.reduce(xs[2].clone(), params)
+    torch.testing.assert_close(_memory(state), before, rtol=0, atol=0)
+
+
 def _scaled_run(rank, world, spec, mode, steps=8, bad_step=3, adamw=False):
     """mode: 'scaler' (GradScaler passed to register, inf on rank 0 at bad_step),
     'plain' (no scaling; bad_step left out), 'unregistered' (GradScaler not passed).

@@ -51,6 +51,10 @@ class Ctx:
         return self.mem.flat(slot, self.bucket, [p.name for p in self.params],
                              [p.numel for p in self.params], self.device)
 
+    def memory_next(self, slot):  # no double buffering: written in place
+        m = self.memory(slot)
+        return m, m
+
     def tensor(self, slot, name, init):
         return self.mem.tensor(slot, name, init)
 

@@ -72,6 +72,14 @@ class BucketContext(Protocol):
     def memory(self, slot: str) -> torch.Tensor:
         """Persistent fp32 flat buffer laid out like x, zero at first use, kept per parameter."""
 
+    def memory_next(self, slot: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(current, next) for an exchange that rewrites EVERY element of ``slot``: current
+        is :meth:`memory`'s buffer, to read only; next, laid out like it, holds garbage until
+        written and becomes the slot's memory when the exchange succeeds (the inf/NaN guard
+        then needs no copy of it to undo the step, and nothing is copied back). next may be
+        current itself (a context without double buffering): write an element of next only
+        after the last read of current's element there."""
+
     def scalars(self, slot: str) -> torch.Tensor:
         """Persistent fp32 buffer of one value per parameter, in ``params`` order, zero at
         first use, kept per parameter (a bucket's per-parameter scalars in one tensor)."""
@@ -175,12 +183,13 @@ class Compressor(ABC):
 
     def add_residual(self, x: torch.Tensor, ctx: BucketContext) -> torch.Tensor | None:
         """Error feedback's input: x += this rank's residual (memory slot ``residual``);
-        returns the residual buffer, None with ``error_feedback`` off."""
+        returns the buffer of the next residual (``memory_next``: the caller writes every
+        element of it), None with ``error_feedback`` off."""
         if not self.config.error_feedback:
             return None
-        e = ctx.memory("residual")
+        e, nxt = ctx.memory_next("residual")
         x.add_(e)
-        return e
+        return nxt
 
     def compresses(self, name: str, shape: tuple) -> bool:
         """Whether parameter ``name`` of this shape goes compressed (False: sent exact)."""

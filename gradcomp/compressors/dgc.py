@@ -188,8 +188,8 @@ class DGC(Compressor):
             x.mul_(torch.repeat_interleave(factor, lengths, output_size=x.numel()))
         if not isinstance(m, torch.Tensor) and not m:
             return None
-        u = ctx.memory("velocity")
-        u.mul_(m).add_(x)
+        u, nxt = ctx.memory_next("velocity")  # rewritten whole: u m + x
+        u = torch.mul(u, m, out=nxt).add_(x)
         if not nesterov:
             x.copy_(u)
         elif isinstance(m, torch.Tensor):
@@ -209,8 +209,9 @@ class DGC(Compressor):
         if not big:  # everything sent: nothing accumulates, u keeps its momentum
             return super().dense(x, ctx)
         if cfg.error_feedback:
-            v = ctx.memory("accumulation")
+            v, nxt = ctx.memory_next("accumulation")  # rewritten whole below
             x.add_(v)
+            v = nxt
         ratio = cfg.ratio_at(ctx.step)
         ctx.log("sparsity", 1.0 - ratio)
         vals, idx = select(x, big, ctx, ratio, cfg.sample_ratio)

@@ -107,9 +107,9 @@ class PowerSGD(Compressor):
         lay = self._layout(ctx.params, x.device)
         if not lay.groups:
             return self.dense(x, ctx)
-        if cfg.error_feedback:
-            e = ctx.memory("residual")
-            x.add_(e)
+        if cfg.error_feedback:  # the residual is rewritten whole (E = M - M'), into e
+            e_now, e = ctx.memory_next("residual")
+            x.add_(e_now)
         qs = [[ctx.tensor("q", p.name, lambda p=p, g=g: _init_q(cfg.seed, p.name, g.m, g.r, x.device))
                for p in g.params] for g in lay.groups]
         # the matrices M, for the details below (without error feedback out is x, rewritten)

@@ -97,10 +97,11 @@ class TernGrad(Compressor):
         cfg, W = self.config, ctx.comm.world_size
         lay = self._layout(ctx.params, big, dense, x.device)
         y = lay.spread(x, "terngrad.y")
-        e = ctx.memory("residual") if cfg.error_feedback else None
+        # the residual is rewritten whole (gather, then the dense parameters' zeros)
+        e_now, e = ctx.memory_next("residual") if cfg.error_feedback else (None, None)
         res = None
         if e is not None:
-            res = lay.spread(e, "terngrad.res")
+            res = lay.spread(e_now, "terngrad.res")
             y.add_(res)
             unclipped = (scratch("terngrad.unclipped", y.numel(), y.dtype, y.device).copy_(y)
                          if cfg.clip else None)

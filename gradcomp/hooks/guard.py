@@ -59,7 +59,10 @@ class Guard:
         steps (a checkpoint loaded on one rank only) all raise at that exchange, the first
         after the load, instead of training on with memories that do not belong together."""
         names = [p.name for p in ctx.params]
-        snap = self.memory.snapshot(names, ctx.bucket)
+        # the per-parameter tensors now; each flat slot as the exchange first asks for it to
+        # write (ctx.memory); a slot it rewrites whole (ctx.memory_next) is not copied at all:
+        # its new buffer is committed or dropped below
+        snap = ctx.snapshot = self.memory.snapshot(names, ctx.bucket, slots=())
         orig = x
         if x.is_cuda:
             bad = torch.isfinite(x).all().logical_not().float().reshape(1)
@@ -74,8 +77,15 @@ class Guard:
                 x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
         bad = step_flag(bad, ctx.step)  # the step check rides with the flag
         flat.flag(bad)
-        out = run(x)
-        flagged = check_steps(flat.flag_result(bad))
+        try:
+            out = run(x)
+            flagged = check_steps(flat.flag_result(bad))
+        except BaseException:
+            ctx.finish(False)
+            raise
+        finally:
+            ctx.snapshot = None
+        ctx.finish(not flagged)
         if not flagged:
             self.memory.release(snap)
             return out

@@ -78,14 +78,40 @@ class _Ctx:
         self.logging = state.telemetry.logging
         self.details = self.logging and state.telemetry.details
         self._tensors = param_tensors
+        self.snapshot = None  # the inf/NaN guard's, while it runs the exchange
+        self._next = {}       # slot -> (current, next) of memory_next, until finish()
 
     def memory(self, slot):
-        return self.state.memory.flat(slot, self.bucket, [p.name for p in self.params],
-                                      [p.numel for p in self.params], self.device)
+        buf = self.state.memory.flat(slot, self.bucket, [p.name for p in self.params],
+                                     [p.numel for p in self.params], self.device)
+        if self.snapshot is not None:  # the guard's: copied before its first write
+            self.state.memory.cover(self.snapshot, slot)
+        return buf
+
+    def memory_next(self, slot):
+        hit = self._next.get(slot)
+        if hit is None:
+            hit = self._next[slot] = self.state.memory.next_flat(
+                slot, self.bucket, [p.name for p in self.params], [p.numel for p in self.params],
+                self.device)
+        return hit
+
+    def finish(self, ok: bool) -> None:
+        """The exchange is over: the buffers of :meth:`memory_next` become the memory (ok) or
+        go back unused (the step is dropped)."""
+        pending, self._next = self._next, {}
+        for slot, (_, nxt) in pending.items():
+            if ok:
+                self.state.memory.commit(slot, self.bucket, nxt)
+            else:
+                self.state.memory.discard(slot, self.bucket, nxt)
 
     def scalars(self, slot):
-        return self.state.memory.flat(slot, self.bucket, [p.name for p in self.params],
-                                      [1] * len(self.params), self.device)
+        buf = self.state.memory.flat(slot, self.bucket, [p.name for p in self.params],
+                                     [1] * len(self.params), self.device)
+        if self.snapshot is not None:
+            self.state.memory.cover(self.snapshot, slot)
+        return buf
 
     def tensor(self, slot, name, init):
         return self.state.memory.tensor(slot, name, init)
@@ -342,6 +368,7 @@ class GradcompState:
             if slot and self.guard.skipped != step:
                 kept = sq_norm(None, params, self.memory.peek(slot, names))
                 self.telemetry.log_ratio(step, "residual_energy", kept, owed)
+        ctx.finish(True)  # unguarded paths' memory_next buffers (the guard finished its own)
         if scale is not None:
             out = out * scale
         if out is not buf:
