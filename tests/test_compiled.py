@@ -240,6 +240,11 @@ def test_ternary_decompress_is_bit_identical_to_the_reference(W):
         got = compiled.ternary_decompress(got_msg, scales, seg, base.clone(), alpha)
         want = ref.ternary_decompress(got_msg, scales, seg, base.clone(), alpha)
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+        # overwriting (the exchange's fresh buffer): that of a zero out, garbage not read
+        got = compiled.ternary_decompress(got_msg, scales, seg, torch.full_like(base, float("nan")),
+                                          alpha, accumulate=False)
+        want = ref.ternary_decompress(got_msg, scales, seg, torch.zeros_like(base), alpha)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
 def test_ternary_counters_past_2_32():

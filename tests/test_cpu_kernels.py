@@ -136,3 +136,30 @@ def test_ternary_decompress_is_bit_identical(nseg, W):
         got = cpu.ternary_decompress(packed, scale, seg, out, 0.5)
         assert got is out
         assert torch.equal(got, want), (n, W)
+
+
+@pytest.mark.parametrize("path", ["cpu", "reference"])
+@pytest.mark.parametrize("W,alpha", [(1, 1.0), (3, 0.5)])
+def test_decoders_overwriting_equal_a_zero_out_bit_for_bit(monkeypatch, path, W, alpha):
+    """accumulate=False (what the exchanges use for their fresh buffers): out's garbage is
+    not read, and the result is that of a zero-filled out, bit for bit, -0.0 decoded as the
+    +0.0 that 0 + (-0.0) gives."""
+    monkeypatch.setenv("GRADCOMP_KERNELS", path)
+    chunk = 8
+    for i, n in enumerate(grid(chunk)):
+        g = torch.Generator().manual_seed(i)
+        bits = torch.randint(0, 256, (W, n // 8), generator=g, dtype=torch.uint8)
+        scales = torch.randn(W, 2, n // chunk, generator=g)
+        scales[:, :, ::3] = -0.0
+        want = ref.onebit_decompress(bits, scales, chunk, torch.zeros(n), alpha)
+        got = kernels.onebit_decompress(bits, scales, chunk, torch.full((n,), float("nan")),
+                                        alpha, accumulate=False)
+        assert torch.equal(got, want) and not got.signbit()[got == 0].any(), (n, W)
+        packed = torch.randint(0, 256, (W, n // 4), generator=g, dtype=torch.uint8)
+        scale = torch.rand(W, 2, generator=g)
+        scale[0, 1] = -0.0
+        seg = torch.sort(torch.randint(0, 2, (n,), generator=g)).values
+        want = ref.ternary_decompress(packed, scale, seg, torch.zeros(n), alpha)
+        got = kernels.ternary_decompress(packed, scale, seg, torch.full((n,), float("nan")),
+                                         alpha, accumulate=False)
+        assert torch.equal(got, want) and not got.signbit()[got == 0].any(), (n, W)

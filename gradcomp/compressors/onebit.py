@@ -47,11 +47,14 @@ def encode(y: torch.Tensor, residual, chunk: int) -> torch.Tensor:
     return torch.cat([bits, scales.reshape(-1).view(torch.uint8)])
 
 
-def decode_sum(msgs: torch.Tensor, chunk: int, out: torch.Tensor, alpha: float) -> torch.Tensor:
-    """out += alpha * sum of the decoded messages msgs (R, bytes) of out.numel() elements each."""
+def decode_sum(msgs: torch.Tensor, chunk: int, out: torch.Tensor, alpha: float,
+               accumulate: bool = True) -> torch.Tensor:
+    """out += alpha * sum of the decoded messages msgs (R, bytes) of out.numel() elements each
+    (out = that, accumulate=False: out's values are not read)."""
     nb = out.numel() // 8
     scales = msgs[:, nb:].contiguous().view(torch.float32).view(msgs.shape[0], 2, -1)
-    return kernels.onebit_decompress(msgs[:, :nb].contiguous(), scales, chunk, out, alpha)
+    return kernels.onebit_decompress(msgs[:, :nb].contiguous(), scales, chunk, out, alpha,
+                                     accumulate)
 
 
 @register_method
@@ -80,8 +83,8 @@ class OneBit(Compressor):
         if ef:
             lay.gather(res, out=e_next)
         got = ctx.comm.all_to_all(msg)  # (W, part_bytes): every rank's message for my part
-        mine = scratch("onebit.mine", part, torch.float32, x.device).zero_()
-        decode_sum(got, chunk, mine, 1.0 / W)
+        mine = scratch("onebit.mine", part, torch.float32, x.device)
+        decode_sum(got, chunk, mine, 1.0 / W, accumulate=False)
         res2 = None
         if ef:  # the second memory holds, per parameter, what this rank owns (its part);
             # rewritten whole where own_back writes every element, else in place
@@ -100,8 +103,9 @@ class OneBit(Compressor):
         bits = allmsg[:, :nb].reshape(1, -1)
         scales = allmsg[:, nb : nb + ns].contiguous().view(torch.float32).view(W, 2, -1)
         scales = scales.transpose(0, 1).reshape(1, 2, -1)
-        out = scratch("onebit.out", W * part + 1, torch.float32, x.device).zero_()
-        kernels.onebit_decompress(bits, scales, chunk, out[:-1])  # the extra slot stays 0
+        out = scratch("onebit.out", W * part + 1, torch.float32, x.device)
+        out[-1] = 0  # the extra slot (the parameters sent dense)
+        kernels.onebit_decompress(bits, scales, chunk, out[:-1], accumulate=False)
         result = lay.gather(out, out=x)  # x is not read again: the result goes there
         put_dense(allmsg[:, nb + ns :], dense, result)
         return result

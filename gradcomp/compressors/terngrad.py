@@ -127,8 +127,8 @@ class TernGrad(Compressor):
             got = ctx.comm.allgather(torch.cat([packed, lay.fill, scale.view(torch.uint8), tail]))
             at = packed.numel() + lay.fill.numel()
             scales = got[:, at : at + 4 * len(big)].contiguous().view(torch.float32)
-        full = scratch("terngrad.full", lay.npad, torch.float32, x.device).zero_()
-        kernels.ternary_decompress(got, scales, lay.seg, full, 1.0 / W)
+        full = scratch("terngrad.full", lay.npad, torch.float32, x.device)
+        kernels.ternary_decompress(got, scales, lay.seg, full, 1.0 / W, accumulate=False)
         out = x  # x is not read again (its dense values are in the message): no fresh buffer
         lay.gather(full, out)
         put_dense(got[:, got.shape[1] - tail.numel() :], dense, out)

@@ -72,16 +72,35 @@ def onebit_compress(x, residual, chunk):
     return implementation("onebit_compress", x)(x, residual, chunk)
 
 
-def onebit_decompress(bits, scales, chunk, out, alpha=1.0):
-    return implementation("onebit_decompress", out)(bits, scales, chunk, out, alpha)
+def _overwrite(name: str, out: torch.Tensor, accumulate: bool) -> str:
+    """The backend of decoder ``name``. With ``accumulate=False`` the result is what a
+    zero-filled out would get, bit for bit (0 + v: -0.0 comes out +0.0): :mod:`.cpu`'s and
+    :mod:`.compiled`'s decoders write it without reading out; the others get out zeroed."""
+    which = backend(name, out)
+    if not accumulate and which not in ("cpu", "compiled"):
+        out.zero_()
+    return which
+
+
+def onebit_decompress(bits, scales, chunk, out, alpha=1.0, accumulate=True):
+    """out += alpha * the sum of the decoded messages (out = that, accumulate=False)."""
+    which = _overwrite("onebit_decompress", out, accumulate)
+    if which == "cpu":  # (its decoder is never the compiled one: compiled.STEPS)
+        return cpu.onebit_decompress(bits, scales, chunk, out, alpha, accumulate)
+    return implementation("onebit_decompress", out, which)(bits, scales, chunk, out, alpha)
 
 
 def ternary_compress(x, residual, scale, seg, seed, starts=None):
     return implementation("ternary_compress", x)(x, residual, scale, seg, seed, starts)
 
 
-def ternary_decompress(packed, scale, seg, out, alpha=1.0):
-    return implementation("ternary_decompress", out)(packed, scale, seg, out, alpha)
+def ternary_decompress(packed, scale, seg, out, alpha=1.0, accumulate=True):
+    """out += alpha * the sum of the decoded messages (out = that, accumulate=False)."""
+    which = _overwrite("ternary_decompress", out, accumulate)
+    if which in ("cpu", "compiled"):
+        return implementation("ternary_decompress", out, which)(packed, scale, seg, out, alpha,
+                                                                accumulate)
+    return implementation("ternary_decompress", out, which)(packed, scale, seg, out, alpha)
 
 
 def select_topk(x, threshold, k, capacity):

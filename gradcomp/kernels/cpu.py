@@ -124,12 +124,25 @@ def _bit_table() -> torch.Tensor:
     return ((v >> torch.arange(8)) & 1).to(torch.float32)
 
 
+def _put(out: torch.Tensor, total: torch.Tensor, alpha: float, accumulate: bool) -> None:
+    """out += alpha * total, or (accumulate=False) out = what that gives on a zero out, bit
+    for bit, without reading out: alpha * total + 0.0 (one rounding, as the add's; the + 0.0
+    turns -0.0 into +0.0 as 0 + (-0.0) does)."""
+    if accumulate:
+        out.add_(total, alpha=alpha)
+    else:
+        torch.mul(total, alpha, out=out).add_(0.0)
+
+
 def onebit_decompress(bits: torch.Tensor, scales: torch.Tensor, chunk: int, out: torch.Tensor,
-                      alpha: float = 1.0) -> torch.Tensor:
-    """:func:`reference.onebit_decompress`, block by block. Same arguments, same results."""
+                      alpha: float = 1.0, accumulate: bool = True) -> torch.Tensor:
+    """:func:`reference.onebit_decompress`, block by block. Same arguments, same results;
+    ``accumulate=False``: out's values are not read, the result is that of a zero out."""
     W = bits.shape[0]
     n = out.numel()
     if not _fp32(out, scales) or not _onebit_blocks(n, chunk) or not out.is_contiguous() or W == 0:
+        if not accumulate:
+            out.zero_()
         return reference.onebit_decompress(bits, scales, chunk, out, alpha)
     C = n // chunk
     table = _bit_table()
@@ -157,7 +170,7 @@ def onebit_decompress(bits: torch.Tensor, scales: torch.Tensor, chunk: int, out:
                 target.copy_(reference.dequant(pos, hi, lo))
             if w > 0:
                 ab.add_(target)
-        out[c0 * chunk : c0 * chunk + m].view(c1 - c0, chunk).add_(ab, alpha=alpha)
+        _put(out[c0 * chunk : c0 * chunk + m].view(c1 - c0, chunk), ab, alpha, accumulate)
     return out
 
 
@@ -171,10 +184,14 @@ def _code_table() -> torch.Tensor:
 
 
 def ternary_decompress(packed: torch.Tensor, scale: torch.Tensor, seg: torch.Tensor,
-                       out: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
-    """:func:`reference.ternary_decompress`, block by block. Same arguments, same results."""
+                       out: torch.Tensor, alpha: float = 1.0, accumulate: bool = True
+                       ) -> torch.Tensor:
+    """:func:`reference.ternary_decompress`, block by block. Same arguments, same results;
+    ``accumulate=False``: out's values are not read, the result is that of a zero out."""
     W, n = packed.shape[0], out.numel()
     if not _fp32(out, scale) or n < 8 or n % 4 or not out.is_contiguous() or W == 0:
+        if not accumulate:
+            out.zero_()
         return reference.ternary_decompress(packed, scale, seg, out, alpha)
     table = _code_table()
     one = scale.shape[1] == 1
@@ -191,5 +208,5 @@ def ternary_decompress(packed: torch.Tensor, scale: torch.Tensor, seg: torch.Ten
             torch.index_select(table, 0, codes, out=row.view(-1, 4))
             row.mul_(scale[w] if one else scale[w].index_select(0, segb))
         torch.sum(tb, dim=0, out=total[:m])
-        out[e0 : e0 + m].add_(total[:m], alpha=alpha)
+        _put(out[e0 : e0 + m], total[:m], alpha, accumulate)
     return out
