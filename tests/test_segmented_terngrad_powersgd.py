@@ -546,3 +546,36 @@ def test_powersgd_bucket_with_a_gap_takes_the_batched_path(monkeypatch):
     out = compressor("powersgd:rank=1,error_feedback=false", min_numel=10).reduce(
         x.clone(), Ctx(params, 0, ParamMemory()))
     assert torch.equal(out[-5:], x[-5:])  # what belongs to no parameter is passed through
+
+
+@pytest.mark.parametrize("clip", [2.5, 0.0])
+def test_terngrad_stats_by_segments_equal_the_element_path_bit_for_bit(clip):
+    """layer_stats' CPU path (clamps and inf-norms over the segments' views) against its
+    per-element path (a bound per element, a clamp between tensors, a segment max): the
+    scales bit for bit, the clipped y equal (bit for bit but the sign of a zero where a
+    segment's bound is 0, which no code or scale depends on), with zeros of both signs, a
+    segment of zeros (bound 0), one of equal values (sigma 0), outliers, and segments whose
+    squares underflow (1e-30) or overflow (3e30), which take the exact fallback."""
+    sizes = [8, 4, 12, 64, 4, 1028, 16, 8]
+    g = torch.Generator().manual_seed(4)
+    y = torch.randn(sum(sizes), generator=g)
+    y[::5] = 0.0
+    y[2::7] = -0.0
+    y[8:12] = 0.0
+    y[12:24] = -1.5
+    y[30] = 40.0
+    y[1100] = -1e4
+    y[-24:-8] *= 1e-30
+    y[-8:] *= 3e30
+    lengths = torch.tensor(sizes)
+    seg = torch.repeat_interleave(torch.arange(len(sizes)), lengths)
+    a, b = y.clone(), y.clone()
+    sa = layer_stats(a, lengths, clip, seg)
+    sb = layer_stats(b, lengths, clip, seg, sizes)
+    assert torch.equal(sa.view(torch.int32), sb.view(torch.int32))
+    # (the overflowing segment's sigma is inf - inf: NaN, clipping it to NaN on both paths)
+    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    nz = (a != 0) & ~a.isnan()
+    assert torch.equal(a[nz].view(torch.int32), b[nz].view(torch.int32))
+    if clip:
+        assert not torch.equal(a, y)  # the outliers were clipped

@@ -60,10 +60,13 @@ class TernGradConfig(MethodConfig):
 
 
 def layer_stats(y: torch.Tensor, lengths: torch.Tensor, clip: float,
-                seg: torch.Tensor | None = None) -> torch.Tensor:
+                seg: torch.Tensor | None = None, sizes: list[int] | None = None) -> torch.Tensor:
     """Clip y in place at clip * sigma per segment (consecutive runs of ``lengths``); return
-    the per-segment max |y|. ``seg``: each element's segment id (else built here)."""
+    the per-segment max |y|. ``seg``: each element's segment id (else built here); ``sizes``:
+    ``lengths`` as a list, for the CPU's path (:func:`_stats_by_segment`)."""
     n, dev = y.numel(), y.device
+    if sizes is not None and dev.type == "cpu":
+        return _stats_by_segment(y, lengths, clip, sizes)
     if clip:
         mean = torch.segment_reduce(y, "mean", lengths=lengths)
         sq = torch.mul(y, y, out=scratch("terngrad.stats", n, torch.float32, dev))
@@ -77,6 +80,47 @@ def layer_stats(y: torch.Tensor, lengths: torch.Tensor, clip: float,
         torch.clamp(y, min=low, max=full, out=y)
     mag = torch.abs(y, out=scratch("terngrad.stats", n, torch.float32, dev))
     return torch.segment_reduce(mag, "max", lengths=lengths)
+
+
+_SQ_EXACT = 2.0**-126  # from here up (and finite), sqrt(fl(a * a)) == |a|: see below
+
+
+def _stats_by_segment(y: torch.Tensor, lengths: torch.Tensor, clip: float,
+                      sizes: list[int]) -> torch.Tensor:
+    """:func:`layer_stats` on the CPU, by multi-tensor ops over y's segments (views):
+
+    * the max |y| is the square root of each segment's max y * y (``_foreach_max``, one
+      vectorized pass over the squares the clip computes anyway), in place of |y| and a
+      segment reduction (which is not vectorized: 39 ms at 11M elements against 5). It is
+      exact: a correctly rounded square root of a correctly rounded square gives |a| back
+      for every float whose square is normal and finite (checked exhaustively on [1, 2),
+      which every binade scales from: |a| in [2^-63, 2^64)), and squaring keeps the order.
+      Segments whose largest square is outside that range (zeros, tiny or huge values) take
+      an exact inf-norm.
+    * the clip is two in-place clamps against each segment's bound (as torch.clamp: the
+      max with -b, then the min with b), in place of a bound per element (a gather), its
+      negation and a clamp between them; and max |clip(y)| = min(max |y|, b) exactly.
+
+    Same scales bit for bit as :func:`layer_stats`' per-element path, the same clipped
+    values (only a zero's sign may differ where a segment's bound is 0, which no code or
+    scale depends on); the mean and mean square keep their segment reductions (sums:
+    their order is the result)."""
+    n = y.numel()
+    parts = y.split(sizes)
+    sq = torch.mul(y, y, out=scratch("terngrad.stats", n, torch.float32, y.device))
+    top = torch.stack(torch._foreach_max(sq.split(sizes)))  # per segment: max y * y
+    odd = ((top < _SQ_EXACT) | torch.isinf(top)).nonzero().flatten().tolist()
+    scale = top.sqrt_()
+    if odd:
+        scale[odd] = torch.stack(torch._foreach_norm([parts[i] for i in odd], float("inf")))
+    if clip:
+        mean = torch.segment_reduce(y, "mean", lengths=lengths)
+        meansq = torch.segment_reduce(sq, "mean", lengths=lengths)
+        bound = (meansq - mean * mean).clamp_min_(0).sqrt_().mul_(clip)
+        torch._foreach_clamp_min_(parts, bound.neg().tolist())
+        torch._foreach_clamp_max_(parts, bound.tolist())
+        torch.minimum(scale, bound, out=scale)
+    return scale
 
 
 @register_method
@@ -105,7 +149,7 @@ class TernGrad(Compressor):
             y.add_(res)
             unclipped = (scratch("terngrad.unclipped", y.numel(), y.dtype, y.device).copy_(y)
                          if cfg.clip else None)
-        scale = layer_stats(y, lay.lengths, cfg.clip, lay.seg)
+        scale = layer_stats(y, lay.lengths, cfg.clip, lay.seg, lay.sizes)
         if cfg.share_scalers:
             ctx.comm.allreduce(scale, op="max")
         seeds = torch.tensor([ctx.seed(0, p.name) for p in big], dtype=torch.int64,
@@ -171,6 +215,7 @@ class _Layout:
             pad.extend(range(a + p.numel, a + m))
         kw = dict(dtype=torch.int64, device=device)
         self.lengths = torch.tensor(lengths, **kw)
+        self.sizes = lengths
         self.starts = torch.tensor(starts, **kw)
         self.seg = torch.repeat_interleave(torch.arange(len(params), dtype=torch.int32),
                                            torch.tensor(lengths)).to(device)
