@@ -579,3 +579,19 @@ def test_terngrad_stats_by_segments_equal_the_element_path_bit_for_bit(clip):
     assert torch.equal(a[nz].view(torch.int32), b[nz].view(torch.int32))
     if clip:
         assert not torch.equal(a, y)  # the outliers were clipped
+
+
+@pytest.mark.parametrize("W", [1, 2, 3, 4, 8])
+def test_powersgd_average_by_a_scaled_q_is_the_divided_product(W):
+    """Where W is a power of two the product P (Q / W)^T replaces (P Q^T) / W: the same
+    bits (every product and sum scaled exactly); other W still divide."""
+    from gradcomp.compressors.powersgd import _averaged, bmm
+    g = torch.Generator().manual_seed(W)
+    P, Q = torch.randn(3, 50, 4, generator=g), torch.randn(3, 70, 4, generator=g) * 1e-3
+    Qs, scaled = _averaged(Q, W)
+    assert scaled == (W & (W - 1) == 0)
+    got = bmm(P, Qs.transpose(1, 2))
+    if not scaled:
+        got = got.div_(W)
+    want = bmm(P, Q.transpose(1, 2)).div_(W)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))

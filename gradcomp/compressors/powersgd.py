@@ -147,7 +147,9 @@ class PowerSGD(Compressor):
         buf, Ps, Qs = _power_step(Ms, qs, lay.take_dense(x), lay, ctx)
         out = lay.result_buffer(x) if self.config.error_feedback else x
         for g, P, Q in zip(lay.groups, Ps, Qs):
-            g.put(out, bmm(P, Q.transpose(1, 2)).div_(W))
+            Q, scaled = _averaged(Q, W)
+            M = bmm(P, Q.transpose(1, 2))
+            g.put(out, M if scaled else M.div_(W))
         return out, buf
 
     def _reduce_runs(self, x, ctx, lay, qs, moves, e):
@@ -164,11 +166,13 @@ class PowerSGD(Compressor):
         buf, Ps, Qs = _power_step(Ms, qs, [xg[mt:]], lay, ctx)
         rg = scratch("powersgd_out", n, x.dtype, x.device)
         for g, P, Q, (c, d) in zip(lay.groups, Ps, Qs, lay.m_spans):
+            Q, scaled = _averaged(Q, W)
             if g.B == 1:  # see bmm: a batch of one runs as two
                 rg[c:d].copy_(bmm(P, Q.transpose(1, 2)).view(-1))
             else:
                 torch.bmm(P, Q.transpose(1, 2), out=rg[c:d].view(g.B, g.n, g.m))
-            rg[c:d].div_(W)
+            if not scaled:
+                rg[c:d].div_(W)
         torch.div(buf[lay.p_total :], W, out=rg[mt:])
         if e is not None:  # E = M - M' (the dense parameters were sent exactly: no error)
             torch.sub(xg[:mt], rg[:mt], out=xg[:mt])
@@ -339,6 +343,18 @@ def _power_step(Ms, qs, dense, lay, ctx):
         Qs.append(qbuf[a:b].view(g.B, g.m, g.r))
         torch._foreach_copy_(q, Qs[-1].unbind(0))
     return buf, Ps, Qs
+
+
+def _averaged(Q: torch.Tensor, W: int) -> tuple[torch.Tensor, bool]:
+    """(Q', scaled): Q / W where W is a power of two (scaled: P Q'^T is then P Q^T / W bit
+    for bit, every product and sum scaled exactly, so the product needs no pass of its own
+    to divide), else (Q, False). Q (B, m, r) is small; a subnormal result of P Q^T is the
+    only place the two could differ."""
+    if W == 1:
+        return Q, True
+    if W & (W - 1) == 0:
+        return Q / W, True
+    return Q, False
 
 
 def orthonormalize(P: torch.Tensor) -> torch.Tensor:
