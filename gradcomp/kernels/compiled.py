@@ -277,13 +277,13 @@ def ternary_decompress(packed: torch.Tensor, scale: torch.Tensor, seg: torch.Ten
                        ) -> torch.Tensor:
     """:func:`reference.ternary_decompress`: the sum over messages fused, the accumulation
     into ``out`` the reference's own ``add_`` (its alpha arithmetic): the same bits.
-    ``accumulate=False``: out is not read, the result is that of a zero out (cpu._put)."""
+    ``accumulate=False``: out is not read, the result is that of a zero out (cpu.put_decoded)."""
     W, n = packed.shape[0], out.numel()
     if (takes(out) and W > 0 and n % 4 == 0 and packed.dtype == torch.uint8
             and packed.is_contiguous() and packed.shape[1] * 4 >= n
             and scale.dtype == torch.float32 and seg.numel() == n):
         total = _run("ternary_terms", W, packed[:, : n // 4], scale, seg)
         if total is not None:
-            cpu._put(out, total, alpha, accumulate)
+            cpu.put_decoded(out, total, alpha, accumulate)
             return out
     return cpu.ternary_decompress(packed, scale, seg, out, alpha, accumulate)

@@ -124,7 +124,7 @@ def _bit_table() -> torch.Tensor:
     return ((v >> torch.arange(8)) & 1).to(torch.float32)
 
 
-def _put(out: torch.Tensor, total: torch.Tensor, alpha: float, accumulate: bool) -> None:
+def put_decoded(out: torch.Tensor, total: torch.Tensor, alpha: float, accumulate: bool) -> None:
     """out += alpha * total, or (accumulate=False) out = what that gives on a zero out, bit
     for bit, without reading out: alpha * total + 0.0 (one rounding, as the add's; the + 0.0
     turns -0.0 into +0.0 as 0 + (-0.0) does)."""
@@ -170,7 +170,7 @@ def onebit_decompress(bits: torch.Tensor, scales: torch.Tensor, chunk: int, out:
                 target.copy_(reference.dequant(pos, hi, lo))
             if w > 0:
                 ab.add_(target)
-        _put(out[c0 * chunk : c0 * chunk + m].view(c1 - c0, chunk), ab, alpha, accumulate)
+        put_decoded(out[c0 * chunk : c0 * chunk + m].view(c1 - c0, chunk), ab, alpha, accumulate)
     return out
 
 
@@ -208,5 +208,5 @@ def ternary_decompress(packed: torch.Tensor, scale: torch.Tensor, seg: torch.Ten
             torch.index_select(table, 0, codes, out=row.view(-1, 4))
             row.mul_(scale[w] if one else scale[w].index_select(0, segb))
         torch.sum(tb, dim=0, out=total[:m])
-        _put(out[e0 : e0 + m], total[:m], alpha, accumulate)
+        put_decoded(out[e0 : e0 + m], total[:m], alpha, accumulate)
     return out
