@@ -17,6 +17,7 @@ A run resumes bit-exactly from a checkpoint when it resumes on the same path.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -72,22 +73,24 @@ def onebit_compress(x, residual, chunk):
     return implementation("onebit_compress", x)(x, residual, chunk)
 
 
-def _overwrite(name: str, out: torch.Tensor, accumulate: bool) -> str:
-    """The backend of decoder ``name``. With ``accumulate=False`` the result is what a
-    zero-filled out would get, bit for bit (0 + v: -0.0 comes out +0.0): :mod:`.cpu`'s and
-    :mod:`.compiled`'s decoders write it without reading out; the others get out zeroed."""
+def _decoder(name: str, out: torch.Tensor, accumulate: bool):
+    """The decoder ``name`` for ``out``, taking the decoders' arguments. With
+    ``accumulate=False`` its result is what a zero-filled out would get, bit for bit (0 + v:
+    -0.0 comes out +0.0): :mod:`.cpu`'s and :mod:`.compiled`'s decoders write it without
+    reading out; the others get out zeroed first. (The 1-bit decoder is never the compiled
+    one: compiled.STEPS.)"""
     which = backend(name, out)
-    if not accumulate and which not in ("cpu", "compiled"):
+    fn = implementation(name, out, which)
+    if which in ("cpu", "compiled"):
+        return functools.partial(fn, accumulate=accumulate)
+    if not accumulate:
         out.zero_()
-    return which
+    return fn
 
 
 def onebit_decompress(bits, scales, chunk, out, alpha=1.0, accumulate=True):
     """out += alpha * the sum of the decoded messages (out = that, accumulate=False)."""
-    which = _overwrite("onebit_decompress", out, accumulate)
-    if which == "cpu":  # (its decoder is never the compiled one: compiled.STEPS)
-        return cpu.onebit_decompress(bits, scales, chunk, out, alpha, accumulate)
-    return implementation("onebit_decompress", out, which)(bits, scales, chunk, out, alpha)
+    return _decoder("onebit_decompress", out, accumulate)(bits, scales, chunk, out, alpha)
 
 
 def ternary_compress(x, residual, scale, seg, seed, starts=None):
@@ -96,11 +99,7 @@ def ternary_compress(x, residual, scale, seg, seed, starts=None):
 
 def ternary_decompress(packed, scale, seg, out, alpha=1.0, accumulate=True):
     """out += alpha * the sum of the decoded messages (out = that, accumulate=False)."""
-    which = _overwrite("ternary_decompress", out, accumulate)
-    if which in ("cpu", "compiled"):
-        return implementation("ternary_decompress", out, which)(packed, scale, seg, out, alpha,
-                                                                accumulate)
-    return implementation("ternary_decompress", out, which)(packed, scale, seg, out, alpha)
+    return _decoder("ternary_decompress", out, accumulate)(packed, scale, seg, out, alpha)
 
 
 def select_topk(x, threshold, k, capacity):
