@@ -88,9 +88,9 @@ class ParamMemory:
         with :meth:`cover` before they change). Where a slot's flat buffer for ``bucket``
         holds exactly ``names``, it is copied whole (one copy per slot instead of one per
         parameter: on a GPU each is a launch)."""
-        layout = tuple(names)
+        layout, names = tuple(names), set(names)
         with self._lock:
-            keys = [(s, n) for s, d in self._tensors.items() for n in d if n in set(names)]
+            keys = [(s, n) for s, d in self._tensors.items() for n in d if n in names]
             # one multi-tensor copy for all of them (x * 1 is x, bit for bit)
             copies = torch._foreach_mul([self._tensors[s][n] for s, n in keys], 1.0) if keys else []
             snap = {"bucket": bucket, "layout": layout, "covered": set(),
