@@ -23,6 +23,43 @@ def random_layout(rng, sizes=(0, 1, 3, 17, 100, 1000, 5000, 40000)):
     return layout, pos + rng.choice([0, 7])
 
 
+def test_per_element_broadcast_is_the_gather_by_segment_and_follows_new_values():
+    """per_element's CPU path (cached stride-0 views of a small buffer, one cat) equals the
+    gather ``v[seg_of]`` for layouts with gaps and empty parameters, NaN values included; a
+    second call with other values (and another dtype) gets those, not the cached ones; and a
+    call costs the same ops with 5 or 50 segments."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    rng = random.Random(1)
+    for _ in range(10):
+        layout, n = random_layout(rng)
+        pl = S.plan(tuple(layout), tuple((1, 1, 0, 0) if m else (0, 0, 0, 0)
+                                         for _, m in layout), n, torch.device("cpu"))
+        for dtype in (torch.float32, torch.float64, torch.float32):
+            v = torch.randn(len(pl.seg_len), dtype=dtype)
+            v[::3] = float("nan")
+            got = S.per_element(v, pl, torch.empty(n, dtype=dtype))
+            assert torch.equal(got.isnan(), v[pl.seg_of.long()].isnan())
+            assert torch.equal(got.nan_to_num(), v[pl.seg_of.long()].nan_to_num())
+    counts = []
+    for parts in (5, 50):
+        layout = tuple((i * 100, 90) for i in range(parts))
+        pl = S.plan(layout, ((1, 1, 0, 0),) * parts, parts * 100, torch.device("cpu"))
+        v = torch.randn(len(pl.seg_len))
+        S.per_element(v, pl, torch.empty(parts * 100))
+        with Count() as mode:
+            S.per_element(v, pl, torch.empty(parts * 100))
+        counts.append(mode.n)
+    assert counts[0] == counts[1] <= 3
+
+
 @pytest.mark.parametrize("compact", ["nonzero", "cumsum", "triton"])
 def test_segmented_select_equals_the_per_parameter_reference(compact, monkeypatch):
     """Values, indices and thresholds of every parameter, bit for bit: tiny, empty and large

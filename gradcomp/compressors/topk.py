@@ -134,10 +134,15 @@ class TopK(Compressor):
 
     def exchange(self, x, ctx, big, dense):
         cfg = self.config
-        e = self.add_residual(x, ctx)
-        vals, idx = select(x, big, ctx, cfg.ratio, cfg.sample_ratio)
+        y = x
+        if cfg.error_feedback:  # y = x + e in the next residual's buffer, which keeps y less
+            # what is sent: no copy of y (x itself is read again only at the dense
+            # parameters, whose residual is 0, and then overwritten by the result)
+            e_now, y = ctx.memory_next("residual")
+            torch.add(x, e_now, out=y)
+        vals, idx = select(y, big, ctx, cfg.ratio, cfg.sample_ratio)
         wire, vals = round_values(vals, value_dtype(cfg.value_dtype, ctx))
-        if e is not None:  # what is not sent, and what rounding took from what is
-            e.copy_(x).index_put_((idx,), -vals, accumulate=True)
-            zero_dense(e, dense)
+        if y is not x:  # what is not sent, and what rounding took from what is
+            y.index_put_((idx,), -vals, accumulate=True)
+            zero_dense(y, dense)
         return exchange_sparse(wire, idx, x, dense, ctx)

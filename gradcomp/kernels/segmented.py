@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 import torch
 
@@ -126,6 +127,7 @@ class SelectPlan:
     of a parameter that sends every element)."""
 
     seg_of: torch.Tensor      # (n,) int32 segment of each element (shared by a layout's plans)
+    seg_len: tuple            # (S,) element count of each segment (ints: the CPU's broadcast)
     seg_start: torch.Tensor   # (S,) offset of each segment
     seg_prev: torch.Tensor    # (S,) the element before each segment (0 for one at 0) ...
     at_zero: torch.Tensor     # (S,) ... and whether there is none
@@ -144,6 +146,9 @@ class SelectPlan:
     sample_start: torch.Tensor  # (P,) first sample of each parameter
     tail: torch.Tensor        # (2,) the constants NaN, 0
     sampled: tuple            # parameters that sample (the others send every element)
+    # per thread and dtype: an (S,) buffer and its values broadcast over their segments
+    # (stride-0 views of it, made once): :func:`per_element`'s CPU path
+    broadcasts: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 @functools.lru_cache(maxsize=16)
@@ -206,7 +211,7 @@ def plan(layout: tuple, budgets: tuple, n: int, device) -> SelectPlan:
         return torch.tensor(v, dtype=torch.int64, device=device)
 
     return SelectPlan(
-        _segment_of(tuple(seg_len), device), t(seg_start),
+        _segment_of(tuple(seg_len), device), tuple(seg_len), t(seg_start),
         t([max(0, a - 1) for a in seg_start]),
         torch.tensor([a == 0 for a in seg_start], dtype=torch.bool, device=device),
         t(seg_thr), t(param_seg), t(slot_base), t(slot_end), slot, t(_key_base(slot_seg + [P])),
@@ -256,7 +261,7 @@ def select_above(x: torch.Tensor, pl: SelectPlan, thr: torch.Tensor, compact: st
         return _take_largest(val, idx, pl)
     # in reused work buffers (two fresh bucket-sized temporaries paid a page fault per 4 KB)
     mag = torch.abs(x, out=scratch("segmented.mag", n, x.dtype, dev))
-    at = torch.index_select(thr, 0, pl.seg_of, out=scratch("segmented.thr", n, thr.dtype, dev))
+    at = per_element(thr, pl, scratch("segmented.thr", n, thr.dtype, dev))
     mask = torch.ge(mag, at, out=scratch("segmented.mask", n, torch.bool, dev))
     if compact == "nonzero":
         cand = torch.nonzero(mask).view(-1)
@@ -277,6 +282,23 @@ def select_above(x: torch.Tensor, pl: SelectPlan, thr: torch.Tensor, compact: st
     val = torch.zeros(C + 1, dtype=x.dtype, device=dev).index_put_((slot,), src_val)
     idx = torch.zeros(C + 1, dtype=torch.int64, device=dev).index_put_((slot,), src_idx)
     return _take_largest(val, idx, pl)
+
+
+def per_element(v: torch.Tensor, pl: SelectPlan, out: torch.Tensor) -> torch.Tensor:
+    """out (n,) = each element's segment's value of v (S,): ``v[pl.seg_of]``. On the CPU a
+    cat of the values broadcast over their segments: stride-0 views of a small buffer, made
+    once per plan and thread, so a call is two ops (v into the buffer, the cat) whatever the
+    segment count, and reads no per-element index (11.2M elements: 4 against 12-18 ms for
+    the gather by ``seg_of``)."""
+    if v.device.type != "cpu" or not pl.seg_len:
+        return torch.index_select(v, 0, pl.seg_of, out=out)
+    key = (threading.get_ident(), v.dtype)  # one exchange at a time per thread (scratch)
+    hit = pl.broadcasts.get(key)
+    if hit is None:
+        buf = torch.empty(len(pl.seg_len), dtype=v.dtype)
+        hit = pl.broadcasts[key] = (buf, [s.expand(m) for s, m in zip(buf.split(1), pl.seg_len)])
+    hit[0].copy_(v)
+    return torch.cat(hit[1], out=out)
 
 
 def _take_largest(val: torch.Tensor, idx: torch.Tensor, pl: SelectPlan):
