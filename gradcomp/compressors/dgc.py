@@ -208,19 +208,21 @@ class DGC(Compressor):
         big, dense = self.split(ctx.params)
         if not big:  # everything sent: nothing accumulates, u keeps its momentum
             return super().dense(x, ctx)
-        if cfg.error_feedback:
-            v, nxt = ctx.memory_next("accumulation")  # rewritten whole below
-            x.add_(v)
-            v = nxt
+        y = x
+        if cfg.error_feedback:  # y = x + v in the next accumulation's buffer (rewritten
+            # whole: it keeps y less what is sent; x is read again only at the dense
+            # parameters, whose accumulation is 0, then overwritten by the result)
+            v, y = ctx.memory_next("accumulation")
+            torch.add(x, v, out=y)
         ratio = cfg.ratio_at(ctx.step)
         ctx.log("sparsity", 1.0 - ratio)
-        vals, idx = select(x, big, ctx, ratio, cfg.sample_ratio)
+        vals, idx = select(y, big, ctx, ratio, cfg.sample_ratio)
         # the accumulation keeps what rounding takes
         wire, vals = round_values(vals, value_dtype(cfg.value_dtype, ctx))
-        if cfg.error_feedback:
-            v.copy_(x).index_put_((idx,), -vals, accumulate=True)
-            zero_dense(v, dense)
+        if y is not x:
+            y.index_add_(0, idx, vals, alpha=-1)  # y + (-v), as an index_put_ of -v adds
+            zero_dense(y, dense)
         if u is not None and cfg.masking:
             # padding slots carry value 0: they must not mask anything
-            u.index_put_((idx,), -u[idx] * (vals != 0), accumulate=True)
+            u.index_add_(0, idx, u.index_select(0, idx) * (vals != 0), alpha=-1)
         return exchange_sparse(wire, idx, x, dense, ctx)

@@ -143,6 +143,6 @@ class TopK(Compressor):
         vals, idx = select(y, big, ctx, cfg.ratio, cfg.sample_ratio)
         wire, vals = round_values(vals, value_dtype(cfg.value_dtype, ctx))
         if y is not x:  # what is not sent, and what rounding took from what is
-            y.index_put_((idx,), -vals, accumulate=True)
+            y.index_add_(0, idx, vals, alpha=-1)  # y + (-v): what index_put_ of -v adds
             zero_dense(y, dense)
         return exchange_sparse(wire, idx, x, dense, ctx)

@@ -91,7 +91,10 @@ def _desc_key(mag: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     """int64 keys ordering by (segment ascending, magnitude descending): ``base`` is
     ``(segment << 31) + 0x7FFFFFFF`` per element, mag >= 0 (a non-negative float orders like
     its bit pattern; NaN sorts first)."""
-    return base - mag.view(torch.int32)
+    bits = mag.view(torch.int32)
+    if mag.device.type == "cpu":  # int64 - int32 casts element by element there: widen
+        bits = bits.to(torch.int64)  # first (1.1M keys: 1.8 against 8.3 ms)
+    return base - bits
 
 
 def select_param(y: torch.Tensor, ratio: float, sample_ratio: float, seed: int):
@@ -265,12 +268,13 @@ def select_above(x: torch.Tensor, pl: SelectPlan, thr: torch.Tensor, compact: st
     mask = torch.ge(mag, at, out=scratch("segmented.mask", n, torch.bool, dev))
     if compact == "nonzero":
         cand = torch.nonzero(mask).view(-1)
-        seg = pl.seg_of[cand]
+        # (index_select, not indexing: the CPU's 1-D gather, 1.5-2x faster than aten::index)
+        seg = torch.index_select(pl.seg_of, 0, cand)
         # slot = slot_base + (rank of the candidate within its segment)
         move = pl.slot_base - torch.searchsorted(cand, pl.seg_start)
-        slot = torch.arange(cand.numel(), device=dev).add_(move[seg])
-        slot.masked_fill_(slot >= pl.slot_end[seg], C)
-        src_val, src_idx = x[cand], cand
+        slot = torch.arange(cand.numel(), device=dev).add_(torch.index_select(move, 0, seg))
+        slot.masked_fill_(slot >= torch.index_select(pl.slot_end, 0, seg), C)
+        src_val, src_idx = torch.index_select(x, 0, cand), cand
     else:
         cs = torch.cumsum(mask, 0)  # candidates up to each element
         before = cs[pl.seg_prev].masked_fill_(pl.at_zero, 0)  # ... before each segment
@@ -306,5 +310,6 @@ def _take_largest(val: torch.Tensor, idx: torch.Tensor, pl: SelectPlan):
     largest."""
     # 4: one sort puts each parameter's candidates in its own slots, largest first (the
     # spill slot, whatever it holds, sorts after every parameter's: it is never taken)
-    order = torch.sort(_desc_key(val.abs(), pl.slot_key), stable=True).indices[pl.take]
-    return val[order], idx[order]
+    order = torch.sort(_desc_key(val.abs(), pl.slot_key), stable=True).indices
+    order = torch.index_select(order, 0, pl.take)
+    return torch.index_select(val, 0, order), torch.index_select(idx, 0, order)
