@@ -229,3 +229,22 @@ def test_terngrad_keeps_no_residual_by_default():
     fed.reduce(x.clone(), params)
     assert plain.memory.names() == set()
     assert fed.memory.names() == set(SHAPES)
+
+
+def test_sparse_error_feedback_keeps_what_was_not_sent_bit_for_bit():
+    """The one error-feedback update top-k, DGC and threshold share (keep_unsent): y less
+    each sent value at its index, what rounding took kept, 0 at the dense parameters, and
+    the padding slots (value 0 at index 0) change no bit, not even a -0.0 at index 0; with
+    error feedback off (y is x) it writes nothing."""
+    from gradcomp.compressors.base import ParamSlice, keep_unsent
+    y = torch.tensor([-0.0, 1.5, -2.25, 3.0, 7.0, 8.0])
+    x = y.clone()
+    sent = torch.tensor([1.5, -2.0, 0.0, 0.0])  # -2.25 went as -2 (rounded): -0.25 stays
+    idx = torch.tensor([1, 2, 0, 0])
+    dense = [ParamSlice("bias", (2,), 4, 2)]
+    keep_unsent(y, x, idx, sent, dense)
+    want = torch.tensor([-0.0, 0.0, -0.25, 3.0, 0.0, 0.0])
+    assert torch.equal(y.view(torch.int32), want.view(torch.int32))
+    before = x.clone()
+    keep_unsent(x, x, idx, sent, dense)
+    assert torch.equal(x, before)

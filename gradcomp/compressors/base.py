@@ -181,15 +181,17 @@ class Compressor(ABC):
             return dense_bf16(x, ctx.comm)
         return ctx.comm.allreduce(x).div_(ctx.comm.world_size)
 
-    def add_residual(self, x: torch.Tensor, ctx: BucketContext) -> torch.Tensor | None:
-        """Error feedback's input: x += this rank's residual (memory slot ``residual``);
-        returns the buffer of the next residual (``memory_next``: the caller writes every
-        element of it), None with ``error_feedback`` off."""
+    def add_residual(self, x: torch.Tensor, ctx: BucketContext,
+                     slot: str = "residual") -> torch.Tensor:
+        """Error feedback's input: y = x + this rank's memory ``slot``, written into the
+        next memory's buffer (``memory_next``), which then keeps y less what is sent
+        (:func:`keep_unsent`, or the method's encoder); x itself, unchanged, with
+        ``error_feedback`` off. x is left as it was: the caller may read it again (at the
+        dense parameters, whose memory is 0) and overwrite it with the result."""
         if not self.config.error_feedback:
-            return None
-        e, nxt = ctx.memory_next("residual")
-        x.add_(e)
-        return nxt
+            return x
+        e, y = ctx.memory_next(slot)
+        return torch.add(x, e, out=y)
 
     def compresses(self, name: str, shape: tuple) -> bool:
         """Whether parameter ``name`` of this shape goes compressed (False: sent exact)."""
@@ -309,6 +311,18 @@ def put_dense(rows: torch.Tensor, params, out: torch.Tensor) -> None:
     for r in rows[1:]:  # a loop over ranks, in rank order (not over parameters)
         total += r
     out.index_copy_(0, _positions(params, out.device), total.div_(rows.shape[0]))
+
+
+def keep_unsent(y: torch.Tensor, x: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor,
+                dense) -> None:
+    """Error feedback's update after a sparse send: y (from :meth:`Compressor.add_residual`)
+    less the values sent at idx (what rounding took from them stays), 0 at the parameters
+    sent dense. Nothing when y is x (error feedback off). Padding slots carry value 0 at
+    index 0: y + (-0) there, the same bits as ``index_put_`` with accumulate."""
+    if y is x:
+        return
+    y.index_add_(0, idx, vals, alpha=-1)
+    zero_dense(y, dense)
 
 
 def zero_dense(e: torch.Tensor, params) -> None:

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import MethodConfig, check
-from .base import Compressor, register_method, zero_dense
+from .base import Compressor, keep_unsent, register_method
 from .topk import check_value_dtype, exchange_sparse, round_values, select, value_dtype
 
 MOMENTUM_KEYS = ("momentum", "nesterov", "weight_decay")
@@ -208,20 +208,13 @@ class DGC(Compressor):
         big, dense = self.split(ctx.params)
         if not big:  # everything sent: nothing accumulates, u keeps its momentum
             return super().dense(x, ctx)
-        y = x
-        if cfg.error_feedback:  # y = x + v in the next accumulation's buffer (rewritten
-            # whole: it keeps y less what is sent; x is read again only at the dense
-            # parameters, whose accumulation is 0, then overwritten by the result)
-            v, y = ctx.memory_next("accumulation")
-            torch.add(x, v, out=y)
+        y = self.add_residual(x, ctx, "accumulation")  # y = x + v, the next accumulation
         ratio = cfg.ratio_at(ctx.step)
         ctx.log("sparsity", 1.0 - ratio)
         vals, idx = select(y, big, ctx, ratio, cfg.sample_ratio)
         # the accumulation keeps what rounding takes
         wire, vals = round_values(vals, value_dtype(cfg.value_dtype, ctx))
-        if y is not x:
-            y.index_add_(0, idx, vals, alpha=-1)  # y + (-v), as an index_put_ of -v adds
-            zero_dense(y, dense)
+        keep_unsent(y, x, idx, vals, dense)
         if u is not None and cfg.masking:
             # padding slots carry value 0: they must not mask anything
             u.index_add_(0, idx, u.index_select(0, idx) * (vals != 0), alpha=-1)

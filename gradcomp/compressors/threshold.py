@@ -158,7 +158,7 @@ class Threshold(Compressor):
 
     def exchange(self, x, ctx, big, dense):
         cfg = self.config
-        e = self.add_residual(x, ctx)
+        y = self.add_residual(x, ctx)  # y = x + e, in the next residual's buffer
         tb = _tables(tuple((p.offset, p.numel, p.size if self.big(p.name, p.size) else -1)
                            for p in ctx.params), x.numel(), cfg,
                      x.device)
@@ -166,7 +166,7 @@ class Threshold(Compressor):
         params = [ctx.params[i] for i in tb.big]
         shifts = torch.tensor([segmented.shift(ctx.seed(0, p.name), p.numel) for p in params],
                               dtype=torch.int64, device=x.device)
-        keys, mag, guard = segmented.sample(x, pl, shifts)
+        keys, mag, guard = segmented.sample(y, pl, shifts)
         # step 2 (see the module docstring); the cap guard raises each threshold (gaps: NaN)
         taus = ctx.scalars("tau") if cfg.adaptive else None  # per parameter; 0: none yet
         # zeros sort last within a parameter: the estimate counts the non-zero ones
@@ -174,13 +174,14 @@ class Threshold(Compressor):
         sent_tau, thr = kernels.threshold_tau(mag, nonzero_end, tb.est_start, tb.est_end, taus,
                                               tb.where, guard, tb.seg_param, pl.param_seg,
                                               cfg.tau, cfg.ema)
-        vals, idx = segmented.select_above(x, pl, thr)  # unused slots: value 0
-        codes = kernels.threshold_encode(x, vals, idx, tb.owner, sent_tau, e)
+        vals, idx = segmented.select_above(y, pl, thr)  # unused slots: value 0
+        # y less what is sent (sign * tau at each sent index), in the encoder's pass
+        codes = kernels.threshold_encode(vals, idx, tb.owner, sent_tau, y if y is not x else None)
         if ctx.logging:
             ctx.log("threshold", sent_tau.mean())
             ctx.log("sent_fraction", (codes != 0).sum() / sum(p.numel for p in params))
-        if e is not None:
-            zero_dense(e, dense)
+        if y is not x:
+            zero_dense(y, dense)
         K, P = codes.numel(), len(params)
         parts = [codes, sent_tau.view(torch.int32)]
         msg = torch.cat(parts + [dense_values(x, dense).view(torch.int32)] if dense else parts)

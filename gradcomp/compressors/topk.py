@@ -22,7 +22,7 @@ import torch
 from .. import kernels
 from ..config import MethodConfig, check
 from ..kernels import segmented
-from .base import Compressor, dense_values, put_dense, register_method, zero_dense
+from .base import Compressor, dense_values, keep_unsent, put_dense, register_method
 
 
 @dataclass(frozen=True)
@@ -134,15 +134,8 @@ class TopK(Compressor):
 
     def exchange(self, x, ctx, big, dense):
         cfg = self.config
-        y = x
-        if cfg.error_feedback:  # y = x + e in the next residual's buffer, which keeps y less
-            # what is sent: no copy of y (x itself is read again only at the dense
-            # parameters, whose residual is 0, and then overwritten by the result)
-            e_now, y = ctx.memory_next("residual")
-            torch.add(x, e_now, out=y)
+        y = self.add_residual(x, ctx)  # y = x + e, in the next residual's buffer
         vals, idx = select(y, big, ctx, cfg.ratio, cfg.sample_ratio)
         wire, vals = round_values(vals, value_dtype(cfg.value_dtype, ctx))
-        if y is not x:  # what is not sent, and what rounding took from what is
-            y.index_add_(0, idx, vals, alpha=-1)  # y + (-v): what index_put_ of -v adds
-            zero_dense(y, dense)
+        keep_unsent(y, x, idx, vals, dense)  # what is not sent, and what rounding took
         return exchange_sparse(wire, idx, x, dense, ctx)

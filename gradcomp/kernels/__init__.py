@@ -116,8 +116,8 @@ def threshold_tau(mag, nonzero_end, est_start, est_end, taus, where, guard, seg_
                                                   where, guard, seg_param, param_seg, fixed, ema)
 
 
-def threshold_encode(x, vals, idx, owner, tau, residual):
-    return implementation("threshold_encode", x)(x, vals, idx, owner, tau, residual)
+def threshold_encode(vals, idx, owner, tau, residual):
+    return implementation("threshold_encode", vals)(vals, idx, owner, tau, residual)
 
 
 def threshold_decode(got, K, P, owner, out):

@@ -335,14 +335,15 @@ def threshold_tau(mag: torch.Tensor, nonzero_end: torch.Tensor, est_start: torch
     return sent, thr
 
 
-def threshold_encode(x: torch.Tensor, vals: torch.Tensor, idx: torch.Tensor, owner: torch.Tensor,
+def threshold_encode(vals: torch.Tensor, idx: torch.Tensor, owner: torch.Tensor,
                      tau: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
     """Codes (K,) int32: sign(vals) * (idx + 1), 0 for an unused slot (value 0). With a
-    residual (n,): residual = x less sign(vals) * tau[owner] at idx (what is not sent)."""
+    residual (n,), which holds what vals were selected from: residual less
+    sign(vals) * tau[owner] at idx, in place (what is not sent)."""
     sign = torch.sign(vals)
     codes = (idx + 1).to(torch.int32).mul_(sign.to(torch.int32))
     if residual is not None:
-        residual.copy_(x).index_put_((idx,), -sign * tau[owner], accumulate=True)
+        residual.index_put_((idx,), -sign * tau[owner], accumulate=True)
     return codes
 
 

@@ -80,7 +80,7 @@ def _threshold_encode_kernel(
     owner_ptr,  # (K,) int64 parameter of each slot
     tau_ptr,    # (P,) fp32
     code_ptr,   # (K,) int32 out
-    res_ptr,    # (n,) fp32 residual (a copy of x), in place at the sent indices (if HAS_RES)
+    res_ptr,    # (n,) fp32 residual (what vals came from), in place at the sent indices (if HAS_RES)
     K,
     HAS_RES: tl.constexpr, BLOCK_: tl.constexpr,
 ):
@@ -96,12 +96,10 @@ def _threshold_encode_kernel(
         tl.store(res_ptr + i, r - sgn.to(tl.float32) * t, mask=mask & (sgn != 0))
 
 
-def threshold_encode(x, vals, idx, owner, tau, residual):
-    """See :func:`gradcomp.kernels.reference.threshold_encode`: a copy and one launch."""
+def threshold_encode(vals, idx, owner, tau, residual):
+    """See :func:`gradcomp.kernels.reference.threshold_encode`: one launch."""
     K = vals.numel()
     codes = c.alloc((K,), torch.int32, vals.device)
-    if residual is not None:
-        residual.copy_(x)
     if K:
         _threshold_encode_kernel[(triton.cdiv(K, c.BLOCK),)](
             vals, idx, owner, tau, codes, residual if residual is not None else vals, K,
