@@ -256,6 +256,21 @@ def test_ternary_counters_past_2_32():
     assert torch.equal(got, ref.ternary_compress(x, None, scale, seg, seeds, starts))
 
 
+def test_ternary_segments_off_the_4_element_grid_run_the_reference():
+    """The fused loop draws one Philox per group of four elements, which needs every segment
+    to start at a multiple of 4 (TernGrad's padded layout); a segment that does not is
+    still bit-identical (the reference runs it): a wrong grouping would change its codes."""
+    x, r, scale, seg, seeds, starts = ternary_case(SIZES[2], 5, 3)
+    starts = starts.clone()
+    starts[2] += 1  # segment 2's stream counted from one element further on
+    for res in (None, r):
+        got_r, want_r = (None, None) if res is None else (res.clone(), res.clone())
+        got = compiled.ternary_compress(x, got_r, scale, seg, seeds, starts)
+        assert torch.equal(got, ref.ternary_compress(x, want_r, scale, seg, seeds, starts))
+        if res is not None:
+            assert torch.equal(got_r, want_r)
+
+
 def test_terngrad_reduce_on_the_compiled_path_equals_the_cpu_path(monkeypatch):
     """GradcompState.reduce with terngrad (error feedback on), world size 1: bit for bit."""
     shapes = {"a": (384, 512), "b": (1000,), "c": (64, 64, 3, 3), "d": (10,)}

@@ -142,6 +142,30 @@ def test_philox_uniform_per_element_seeds_is_tl_rand():
     assert torch.equal(one, ref.philox_uniform(torch.full((10,), -1, device=DEV), ctr[:10]))
 
 
+@triton.jit
+def _rand4x_kernel(out_ptr, seeds_ptr, ctr_ptr, n, B: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
+    m = i < n
+    u = tl.rand4x(tl.load(seeds_ptr + i, mask=m, other=0), tl.load(ctr_ptr + i, mask=m, other=0))
+    for w in tl.static_range(4):
+        tl.store(out_ptr + w * n + i, u[w], mask=m)
+
+
+def test_philox_uniform_words_are_tl_rand4x():
+    # TernGrad's stream takes all four words of a Philox call: the reference's word w is
+    # tl.rand4x's w-th output, for per-element seeds and counters past 2^32
+    g = torch.Generator().manual_seed(6)
+    n = 3000
+    pool = torch.tensor([0, 3, 2**32 + 1, 2**63 - 1, -1, -(2**40)], dtype=torch.int64)
+    seeds = pool[torch.randint(0, len(pool), (n,), generator=g)].to(DEV)
+    ctr = torch.randint(0, 2**34, (n,), generator=g).to(DEV)
+    got = torch.empty(4 * n, device=DEV)
+    _rand4x_kernel[(triton.cdiv(n, 1024),)](got, seeds, ctr, n, B=1024)
+    for w in range(4):
+        want = ref.philox_uniform(seeds, ctr, torch.full_like(ctr, w))
+        assert torch.equal(got[w * n : (w + 1) * n], want)
+
+
 # --------------------------------------------------------------------------- 1-bit
 def check_onebit(g, x, chunk, with_residual, seed=0):
     n = x.numel()

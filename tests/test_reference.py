@@ -107,6 +107,19 @@ def test_philox_matches_the_random123_known_answer():
     assert torch.equal(u, want)
 
 
+def test_philox_words_match_the_random123_known_answer_and_feed_four_elements_each():
+    # the four output words for counter 0, key 0: 6627e8d5 e169c58d bc57ac4c 9b00dbd8;
+    # TernGrad's element j takes word j % 4 of counter j // 4
+    words = torch.tensor([0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8], dtype=torch.int64)
+    got = ref.philox_uniform(0, torch.zeros(4, dtype=torch.int64), torch.arange(4))
+    assert torch.equal(got, ref.word_uniform(words))
+    assert torch.equal(got[0], ref.philox_uniform(0, torch.tensor([0]))[0])  # word 0: tl.rand
+    u = ref.ternary_uniforms(7, None, None, 12, "cpu")
+    ctr = torch.arange(3).repeat_interleave(4)
+    assert torch.equal(u, ref.philox_uniform(7, ctr, torch.arange(12) % 4))
+    assert u.unique().numel() == 12
+
+
 def test_philox_stream_is_uniform_and_seeded():
     n = 200_000
     u = ref.uniform(123, n, "cpu")

@@ -15,9 +15,10 @@ ones go dense):
   3. Scaler s_l = max |y_l|; with ``share_scalers`` every rank uses the maximum over ranks
      (one small allreduce), as in the paper's scaler sharing.
   4. q = sign(y) * Bernoulli(|y| / s): E[s q] = y (unbiased). Two bits per element; each
-     layer draws its own random stream (Philox4x32-10, ``tl.rand``: key = the layer's seed
-     for this step, counter = the element's index in the layer), so its codes do not depend
-     on its bucket, and the CPU reference and the GPU kernel draw the same numbers.
+     layer draws its own random stream (Philox4x32-10, ``tl.rand4x``: key = the layer's
+     seed for this step; element j of the layer takes word j % 4 of counter j // 4, one
+     Philox per four elements), so its codes do not depend on its bucket, and the CPU
+     reference and the GPU kernel draw the same numbers.
   5. Allgather the packed codes (and scalers when not shared, and the dense layers' values);
      decode s * q; average.
 Each rank sends n/4 bytes (+4 bytes per layer): 16x less than fp32, but allgather means
@@ -30,8 +31,9 @@ segmented statistics pass, ONE ternary_compress over the whole bucket (a seed pe
 one allgather, ONE ternary_decompress, one scatter out.
 
 Since the segmented rewrite the random stream is Philox (before: one ``torch.Generator``
-per layer), so codes differ from those of earlier versions for the same seed; checkpoints
-still load (TernGrad's default keeps no residual; with ``error_feedback=True`` the residual
+per layer), and since issue 35 each Philox call serves four elements (before: one, its
+first word only), so codes differ from those of earlier versions for the same seed;
+checkpoints still load (TernGrad's default keeps no residual; with ``error_feedback=True`` the residual
 carries over as it is).
 """
 from __future__ import annotations

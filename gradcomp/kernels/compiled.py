@@ -15,7 +15,10 @@ TernGrad: **bit-identical** to the reference. Its Philox stream is integer arith
 its comparison ``u * s < |y|`` one rounding, its residual ``y - s q`` one subtraction of an
 exact product: nothing Inductor can reorder. The reference's Philox in torch ops makes ~70
 passes over (2, n) int64 tensors; fused, the stream costs one pass (measured 18x less time
-at 11M elements, bench/RESULTS.md section 6). Tested bit for bit.
+at 11M elements, bench/RESULTS.md section 6). The loop runs over groups of four elements,
+one code byte each: one Philox per group, its four words the group's four uniforms (the
+stream's definition, :func:`reference.ternary_uniforms`), and the byte packed in the loop.
+Tested bit for bit.
 
 The 1-bit encoder is two compiled passes around an eager one: the statistics (y = x +
 residual into the residual, each chunk's two scales), the signs packed eagerly block by
@@ -45,7 +48,6 @@ import torch
 
 from . import cpu, reference
 from .reference import PHILOX_KEY_A, PHILOX_KEY_B, PHILOX_ROUND_A, PHILOX_ROUND_B, check_flat
-from .work import scratch
 
 # cpu.py's threshold: from 2^17 elements up the compiled steps took no more CPU time than the
 # blocked ones (bench/compiled_codec.py, bench/RESULTS.md section 6); below it, not measured
@@ -94,9 +96,10 @@ def _decode(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, alpha: 
 _U32 = 0xFFFFFFFF
 
 
-def _philox(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
-    """reference.philox_uniform written element-wise (one int64 tensor per Philox word), so
-    the ten rounds fuse into one loop: the same integer arithmetic, the same bits."""
+def _philox4(seed: torch.Tensor, counter: torch.Tensor):
+    """reference.philox_uniform's rounds written element-wise (one int64 tensor per Philox
+    word), so the ten rounds fuse into one loop: the same integer arithmetic, the same bits.
+    Returns the four output words (c0, c1, c2, c3)."""
     k0, k1 = seed & _U32, (seed >> 32) & _U32
     c0, c1 = counter & _U32, (counter >> 32) & _U32
     c2 = c3 = torch.zeros_like(counter)
@@ -107,26 +110,33 @@ def _philox(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
                           ((p0 >> 32) & _U32) ^ c3 ^ k1, p0 & _U32)
         if i < 9:
             k0, k1 = (k0 + PHILOX_KEY_A) & _U32, (k1 + PHILOX_KEY_B) & _U32
-    x = c0.to(torch.int32)
-    x = x ^ (x >> 31)
-    return x.to(torch.float32) * 4.6566127342e-10
+    return c0, c1, c2, c3
 
 
-def _ternary(x, residual, scale, seg, seed, starts, codes):
-    """reference.ternary_compress with per-segment seeds, written to fuse: one pass draws the
-    stream, decides each code (into ``codes``, as floats) and writes the residual."""
-    y = x + residual if residual is not None else x
-    seg = seg.long()
-    s = scale[seg]
-    u = _philox(seed[seg], torch.arange(x.numel(), dtype=torch.int64, device=x.device) - starts[seg])
-    keep = u * s < y.abs()
-    neg = y < 0
-    if residual is not None:
-        residual.copy_(y - torch.where(keep, torch.where(neg, -s, s), 0.0))
-    # each element's code (0, 1 = +s, 2 = -s) as a float: packed four to a byte eagerly by
-    # the caller (Inductor's CPU code packs and stores bytes an element at a time: 88 of
-    # this step's 223 ms at 11M elements went there)
-    return codes.copy_((neg.to(torch.float32) + 1) * keep.to(torch.float32))
+def _ternary(x, residual, scale, seg, seed, starts):
+    """reference.ternary_compress with per-segment seeds whose segments start at multiples
+    of 4, written to fuse: one loop over groups of four elements (one code byte each) draws
+    one Philox per group, whose four words are the group's four uniforms, decides the four
+    codes and packs them into the byte. Returns (bytes (n/4,) uint8, and with a residual
+    its four columns y - s q, (n/4,) each, which the caller interleaves)."""
+    x4 = x.view(-1, 4)
+    r4 = residual.view(-1, 4) if residual is not None else None
+    sg = seg.view(-1, 4)[:, 0].long()  # a group's segment (segments start at multiples of 4)
+    s = scale[sg]
+    ctr = torch.arange(x4.shape[0], dtype=torch.int64, device=x.device) - (starts[sg] >> 2)
+    words = _philox4(seed[sg], ctr)
+    byte, cols = None, []
+    for k in range(4):
+        y = x4[:, k] + r4[:, k] if r4 is not None else x4[:, k]
+        w = words[k].to(torch.int32)
+        u = (w ^ (w >> 31)).to(torch.float32) * 4.6566127342e-10
+        keep = u * s < y.abs()
+        neg = y < 0
+        code = (neg.to(torch.int32) + 1) * keep.to(torch.int32)  # 0, 1 (+s), 2 (-s)
+        byte = code if byte is None else byte | (code << (2 * k))
+        if r4 is not None:
+            cols.append(y - torch.where(keep, torch.where(neg, -s, s), 0.0))
+    return (byte.to(torch.uint8), *cols)
 
 
 def _ternary_terms(packed, scale, seg, W: int):
@@ -142,12 +152,17 @@ def _ternary_terms(packed, scale, seg, W: int):
     return total
 
 
+_INLINE = {"realize_opcount_threshold": 1 << 20, "realize_reads_threshold": 1 << 20}
+
+
 @functools.cache
 def _compiled(step: str, chunk: int):
     """``step`` compiled: "ternary" once, "ternary_terms" once per message count (``chunk``
     stands for W there), every size dynamic; the 1-bit steps once per chunk size (below)."""
     if step == "ternary":
-        return torch.compile(_ternary, fullgraph=True, dynamic=True)
+        # the four words feed four columns: kept inline (not stored as n/4 int64 buffers
+        # each, and the loop left scalar, as Inductor's defaults chose: 3x slower)
+        return torch.compile(_ternary, fullgraph=True, dynamic=True, options=_INLINE)
     if step == "ternary_terms":
         return torch.compile(functools.partial(_ternary_terms, W=chunk), fullgraph=True,
                              dynamic=True)
@@ -258,17 +273,18 @@ def onebit_decompress(bits: torch.Tensor, scales: torch.Tensor, chunk: int, out:
 def ternary_compress(x: torch.Tensor, residual: torch.Tensor | None, scale: torch.Tensor,
                      seg: torch.Tensor, seed, starts: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`reference.ternary_compress`, fused. Same arguments, the same bits; per-segment
-    seeds (a tensor, with ``starts``) only: one stream over x runs the reference."""
+    seeds (a tensor, with ``starts``) whose segments start at multiples of 4 (TernGrad's
+    padded layout) only: others run the reference."""
     check_flat(x)
     if (takes(x) and isinstance(seed, torch.Tensor) and starts is not None
             and (residual is None or (takes(residual) and residual.numel() == x.numel()))
-            and scale.dtype == torch.float32 and seg.numel() == x.numel()):
-        n = x.numel()
-        codes = scratch("compiled.ternary_codes", n, torch.float32, x.device)
-        if _run("ternary", 0, x, residual, scale, seg, seed.to(torch.int64), starts,
-                codes) is not None:
-            small = scratch("compiled.ternary_codes8", n, torch.uint8, x.device)
-            return reference.pack_2bit(small.copy_(codes))
+            and scale.dtype == torch.float32 and seg.numel() == x.numel()
+            and x.numel() % 4 == 0 and not bool((starts & 3).any())):
+        got = _run("ternary", 0, x, residual, scale, seg, seed.to(torch.int64), starts)
+        if got is not None:
+            if residual is not None:  # the columns y - s q, interleaved back
+                torch.stack(got[1:], dim=1, out=residual.view(-1, 4))
+            return got[0]
     return reference.ternary_compress(x, residual, scale, seg, seed, starts)
 
 

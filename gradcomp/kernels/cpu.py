@@ -14,8 +14,8 @@ run resumes exactly whichever path wrote its state.
 Still pure torch (no native code), which bounds the gain: every op is a pass over a block,
 and unpacking bits costs a table lookup per byte. Below ``MIN_NUMEL`` elements the
 reference is as fast (its temporaries fit the caches) and runs instead. TernGrad's encoder
-has no blocked version: its time goes to drawing one uniform per element (the Philox
-stream, :func:`reference.philox_uniform`, ~70 int64 passes), which blocking does not change;
+has no blocked version: its time goes to drawing the uniforms (the Philox stream,
+:func:`reference.ternary_uniforms`, ~70 int64 passes), which blocking does not change;
 :mod:`.compiled` fuses it into one pass where a C++ compiler is present (bit-identical).
 See bench/RESULTS.md, section 6.
 """

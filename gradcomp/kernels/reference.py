@@ -154,13 +154,15 @@ def _philox_consts(device):
     return hit
 
 
-def philox_uniform(seed, counter: torch.Tensor) -> torch.Tensor:
-    """``tl.rand(seed, counter)`` for every element of ``counter``, bit for bit.
+def philox_uniform(seed, counter: torch.Tensor, word: torch.Tensor | None = None) -> torch.Tensor:
+    """``tl.rand(seed, counter)`` for every element of ``counter``, bit for bit; with
+    ``word`` (int64 like ``counter``, each in 0..3): that output word of Philox instead of
+    the first, as the ``word``-th of ``tl.rand4x(seed, counter)``.
 
     seed: a python int, or an int64 tensor broadcastable to ``counter`` (a seed per element;
     seeds of 2^63 and above as their two's complement); counter: int64 tensor >= 0.
     Philox4x32-10 with counter words (c mod 2^32, c >> 32, 0, 0) and key (seed mod 2^32,
-    seed >> 32); the first output word taken as int32, folded to [0, 2^31) (x < 0 -> ~x) and
+    seed >> 32); the output word taken as int32, folded to [0, 2^31) (x < 0 -> ~x) and
     scaled by 4.6566127342e-10 in fp32, as ``randint`` then ``uint_to_uniform_float``.
 
     Vectorized over the elements (a fixed number of ops: 7 per round). The 32-bit halves of
@@ -190,7 +192,18 @@ def philox_uniform(seed, counter: torch.Tensor) -> torch.Tensor:
         X, Y = Z.flip(0), P                              # (c0', c2'); (c3', c1') in P's low halves
         if i < 9:
             K = K + key_step                             # keys mod 2^32 (high bits masked above)
-    x = X[0].to(torch.int32)                             # bitcast of the uint32 word
+    if word is None:
+        w = X[0]
+    else:  # the four output words (c0, c1, c2, c3), one taken per element
+        words = torch.stack([X[0], Y[1] & _U32, X[1], Y[0] & _U32])
+        w = words.gather(0, word.to(torch.int64).expand_as(counter).unsqueeze(0)).squeeze(0)
+    return word_uniform(w)
+
+
+def word_uniform(w: torch.Tensor) -> torch.Tensor:
+    """A Philox output word (int64 holding a uint32) as ``uint_to_uniform_float`` maps it:
+    taken as int32, folded to [0, 2^31) (x < 0 -> ~x), times 4.6566127342e-10 in fp32."""
+    x = w.to(torch.int32)                                # bitcast of the uint32 word
     x = x ^ (x >> 31)                                    # x < 0 -> ~x
     return x.to(torch.float32).mul_(4.6566127342e-10)
 
@@ -202,16 +215,19 @@ def uniform(seed: int, n: int, device) -> torch.Tensor:
 
 def ternary_uniforms(seed, starts: torch.Tensor | None, seg: torch.Tensor, n: int,
                      device) -> torch.Tensor:
-    """The uniform each element of :func:`ternary_compress` draws: ``tl.rand(seed, i)`` for
-    element i when ``seed`` is an int; ``tl.rand(seed[k], i - starts[k])`` for an element i
-    of segment k when ``seed`` is a tensor of per-segment seeds (each segment its own stream,
-    counted from its first element, so a segment's draws do not depend on where it lies)."""
+    """The uniform each element of :func:`ternary_compress` draws. Element j of a stream
+    takes output word j % 4 of Philox at counter j // 4 (``tl.rand4x(seed, j // 4)``): one
+    Philox per four elements, all four of its words used. The stream is x itself (j = i)
+    when ``seed`` is an int; with ``seed`` an (S,) tensor of per-segment seeds, each segment
+    k is its own stream, counted from its first element (j = i - starts[k]), so a segment's
+    draws do not depend on where it lies."""
     i = torch.arange(n, dtype=torch.int64, device=device)
     if not isinstance(seed, torch.Tensor):
-        return philox_uniform(seed, i)
+        return philox_uniform(seed, i >> 2, i & 3)
     if starts is None:
         raise ValueError("per-segment seeds need the segments' starts")
-    return philox_uniform(seed[seg], i - starts[seg])
+    j = i - starts[seg]
+    return philox_uniform(seed[seg], j >> 2, j & 3)
 
 
 def ternary_compress(x: torch.Tensor, residual: torch.Tensor | None, scale: torch.Tensor,

@@ -32,11 +32,13 @@ Passes over memory (n elements, fp32 x):
     table of matrices of any shapes, one launch each (kernels/lowrank.py; float tolerance,
     not bit-identity, against its reference: a product's summation order is the kernel's).
 
-Randomness. ``ternary_compress`` draws ``tl.rand`` (Philox4x32-10): per element i, key = the
-seed and counter = i, or with per-segment seeds key = seeds[k] and counter = i - starts[k] for
-an element of segment k. The reference computes the same stream in pure torch
-(:func:`gradcomp.kernels.reference.philox_uniform`), so the kernel and the reference agree bit
-for bit and a CPU run and a GPU run with the same seeds draw the same numbers.
+Randomness. ``ternary_compress`` draws ``tl.rand4x`` (Philox4x32-10): element j of a stream
+takes word j % 4 of Philox at counter j // 4 (one Philox per four elements: on the CPU it is
+most of the encoder's time), key = the seed and j = i, or with per-segment seeds key =
+seeds[k] and j = i - starts[k] for an element i of segment k. The reference computes the same
+stream in pure torch (:func:`gradcomp.kernels.reference.ternary_uniforms`), so the kernel and
+the reference agree bit for bit and a CPU run and a GPU run with the same seeds draw the
+same numbers.
 
 Inputs: ``x`` may be fp32, fp16 or bf16 (loaded and upcast to fp32 in the kernel); the
 residual, scales and accumulators are fp32. Flat inputs must be contiguous (``ValueError``

@@ -35,13 +35,17 @@ def _ternary_compress_kernel(
     sid = tl.load(seg_ptr + eoff, mask=emask, other=0)
     s = tl.load(scale_ptr + sid, mask=emask, other=0.0)
     if PER_SEG:
-        # the segment's own stream, counted from its first element: the reference's
-        # tl.rand(seeds[k], i - starts[k]), whatever the block size or the segment's place
+        # the segment's own stream, counted from its first element (the reference's
+        # j = i - starts[k]), whatever the block size or the segment's place
         sd = tl.load(seeds_ptr + sid, mask=emask, other=0)
-        ctr = eoff - tl.load(starts_ptr + sid, mask=emask, other=0)
-        u = tl.rand(sd, ctr)
+        j = eoff - tl.load(starts_ptr + sid, mask=emask, other=0)
     else:
-        u = tl.rand(seed, eoff)  # counter = element index: same stream whatever the block size
+        sd = seed
+        j = eoff  # one stream over x: the same whatever the block size
+    # element j draws word j % 4 of Philox at counter j // 4 (reference.ternary_uniforms)
+    u0, u1, u2, u3 = tl.rand4x(sd, j >> 2)
+    w = j & 3
+    u = tl.where(w == 0, u0, tl.where(w == 1, u1, tl.where(w == 2, u2, u3)))
     keep = u * s < tl.abs(y)
     nonneg = y >= 0
     code = tl.where(keep, tl.where(nonneg, 1, 2), 0)
@@ -54,8 +58,9 @@ def _ternary_compress_kernel(
 
 def ternary_compress(x: torch.Tensor, residual: torch.Tensor | None, scale: torch.Tensor,
                      seg: torch.Tensor, seed, starts: torch.Tensor | None = None) -> torch.Tensor:
-    """See :func:`gradcomp.kernels.reference.ternary_compress` (the same uniforms: ``tl.rand``
-    is the reference's :func:`~gradcomp.kernels.reference.philox_uniform`). Reads 4n + 4n +
+    """See :func:`gradcomp.kernels.reference.ternary_compress` (the same uniforms:
+    ``tl.rand4x``'s words are the reference's :func:`~gradcomp.kernels.reference.philox_uniform`
+    with ``word``). Reads 4n + 4n +
     8n (int64 seg), writes 4n + n/4."""
     c.check_flat(x)
     n = x.numel()
