@@ -141,15 +141,28 @@ def _ternary(x, residual, scale, seg, seed, starts):
 
 def _ternary_terms(packed, scale, seg, W: int):
     """sum_w s[w] * q[w] of reference.ternary_decompress, written to fuse, its sum over the W
-    messages unrolled in the reference's order (w = 0, 1, ...)."""
-    shifts = 2 * torch.arange(4, dtype=torch.uint8, device=packed.device)
-    codes = ((packed.unsqueeze(-1) >> shifts) & 3).view(W, -1)
-    sign = (codes == 1).to(torch.float32) - (codes == 2).to(torch.float32)
-    seg = seg.long()
-    total = sign[0] * scale[0][seg]
-    for w in range(1, W):
-        total = total + sign[w] * scale[w][seg]
-    return total
+    messages unrolled in the reference's order (w = 0, 1, ...): one loop over code bytes,
+    the byte's four elements as four columns (each loads its byte once per message)."""
+    seg4 = seg.view(-1, 4)
+    cols = []
+    for k in range(4):
+        sg = seg4[:, k].long()
+        total = None
+        for w in range(W):
+            c = (packed[w].to(torch.int32) >> (2 * k)) & 3
+            t = ((c == 1).to(torch.float32) - (c == 2).to(torch.float32)) * scale[w][sg]
+            # the reference's sum over messages starts from 0: 0 + t turns -0.0 into +0.0
+            total = t + 0.0 if total is None else total + t
+        cols.append(total)
+    return torch.stack(cols, dim=1).view(-1)
+
+
+def _ternary_put(packed, scale, seg, out, alpha, W: int):
+    """out = what ``cpu.put_decoded`` gives without accumulating (alpha * total + 0.0, -0.0
+    to +0.0 as a zero out's add does), written into out in the same loop: no separate
+    passes for the scaling and the + 0.0, no total buffer. Returns out (None is _run's
+    failure)."""
+    return out.copy_(_ternary_terms(packed, scale, seg, W) * alpha + 0.0)
 
 
 _INLINE = {"realize_opcount_threshold": 1 << 20, "realize_reads_threshold": 1 << 20}
@@ -157,15 +170,15 @@ _INLINE = {"realize_opcount_threshold": 1 << 20, "realize_reads_threshold": 1 <<
 
 @functools.cache
 def _compiled(step: str, chunk: int):
-    """``step`` compiled: "ternary" once, "ternary_terms" once per message count (``chunk``
-    stands for W there), every size dynamic; the 1-bit steps once per chunk size (below)."""
+    """``step`` compiled: "ternary" once, "ternary_terms" and "ternary_put" once per message
+    count (``chunk`` stands for W there), every size dynamic; the 1-bit steps once per chunk size (below)."""
     if step == "ternary":
         # the four words feed four columns: kept inline (not stored as n/4 int64 buffers
         # each, and the loop left scalar, as Inductor's defaults chose: 3x slower)
         return torch.compile(_ternary, fullgraph=True, dynamic=True, options=_INLINE)
-    if step == "ternary_terms":
-        return torch.compile(functools.partial(_ternary_terms, W=chunk), fullgraph=True,
-                             dynamic=True)
+    if step in ("ternary_terms", "ternary_put"):
+        fn = _ternary_terms if step == "ternary_terms" else _ternary_put
+        return torch.compile(functools.partial(fn, W=chunk), fullgraph=True, dynamic=True)
     return _compiled_onebit(step, chunk)
 
 
@@ -298,8 +311,13 @@ def ternary_decompress(packed: torch.Tensor, scale: torch.Tensor, seg: torch.Ten
     if (takes(out) and W > 0 and n % 4 == 0 and packed.dtype == torch.uint8
             and packed.is_contiguous() and packed.shape[1] * 4 >= n
             and scale.dtype == torch.float32 and seg.numel() == n):
-        total = _run("ternary_terms", W, packed[:, : n // 4], scale, seg)
-        if total is not None:
-            cpu.put_decoded(out, total, alpha, accumulate)
-            return out
+        if not accumulate:
+            a = torch.tensor(alpha, dtype=torch.float32)
+            if _run("ternary_put", W, packed[:, : n // 4], scale, seg, out, a) is not None:
+                return out
+        else:
+            total = _run("ternary_terms", W, packed[:, : n // 4], scale, seg)
+            if total is not None:
+                cpu.put_decoded(out, total, alpha, accumulate)
+                return out
     return cpu.ternary_decompress(packed, scale, seg, out, alpha, accumulate)
