@@ -56,11 +56,13 @@ ENCODER_SHARE = 0.9  # of an allgather-shaped codec at W = 2 (TernGrad's decoder
 
 # measured at W = 2 on ResNet-18 (bench/RESULTS.md): compression ratio against a ring
 # allreduce's bytes (section 1f; dgc at 0.001 from section 1), codec ns per gradient element
-# on this CPU (section 1f, 1 thread per rank) and on an H100 (section 5, world size 1)
+# on this CPU (1 thread per rank, measured inside the rig's steps: onebit and powersgd from
+# section 1j's new runs, topk and dgc from 1k's, terngrad and threshold from 1l's; means
+# of two runs) and on an H100 (section 5, world size 1)
 RATIO = {"allreduce": 1.0, "onebit": 16.8, "terngrad": 15.8, "topk": 9.9, "powersgd": 71.5,
          "dgc": 500.0, "threshold": 30.0}
-CODEC_NS = {"cpu": {"allreduce": 0.0, "onebit": 53.0, "terngrad": 55.0, "topk": 54.0,
-                    "powersgd": 26.5, "dgc": 11.0, "threshold": 40.0},
+CODEC_NS = {"cpu": {"allreduce": 0.0, "onebit": 44.5, "terngrad": 39.0, "topk": 30.5,
+                    "powersgd": 27.0, "dgc": 17.5, "threshold": 17.0},
             "h100": {"allreduce": 0.0, "onebit": 1.2, "terngrad": 2.1, "topk": 2.3,
                      "powersgd": 1.6, "dgc": 2.9, "threshold": 2.5}}
 
