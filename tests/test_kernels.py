@@ -121,49 +121,33 @@ def test_philox_uniform_is_tl_rand_bit_for_bit(seed, offset):
 
 @triton.jit
 def _rand_table_kernel(out_ptr, seeds_ptr, ctr_ptr, n, B: tl.constexpr):
+    # out: tl.rand, then tl.rand4x's four words (n each)
     i = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
     m = i < n
-    u = tl.rand(tl.load(seeds_ptr + i, mask=m, other=0), tl.load(ctr_ptr + i, mask=m, other=0))
-    tl.store(out_ptr + i, u, mask=m)
+    sd, ctr = tl.load(seeds_ptr + i, mask=m, other=0), tl.load(ctr_ptr + i, mask=m, other=0)
+    tl.store(out_ptr + i, tl.rand(sd, ctr), mask=m)
+    u = tl.rand4x(sd, ctr)
+    for w in tl.static_range(4):
+        tl.store(out_ptr + (w + 1) * n + i, u[w], mask=m)
 
 
-def test_philox_uniform_per_element_seeds_is_tl_rand():
+def test_philox_uniform_per_element_seeds_is_tl_rand_and_its_words_tl_rand4x():
     # a seed and a counter per element, as the segmented kernel draws them; seeds past 2^63
-    # travel as their two's complement
+    # travel as their two's complement. TernGrad's stream takes all four words of a Philox
+    # call: the reference's word w is tl.rand4x's w-th output
     g = torch.Generator().manual_seed(5)
     n = 4000
     pool = torch.tensor([0, 3, 2**32 + 1, 2**63 - 1, -1, -(2**40)], dtype=torch.int64)
     seeds = pool[torch.randint(0, len(pool), (n,), generator=g)].to(DEV)
     ctr = torch.randint(0, 2**34, (n,), generator=g).to(DEV)
-    got = torch.empty(n, device=DEV)
+    got = torch.empty(5 * n, device=DEV)
     _rand_table_kernel[(triton.cdiv(n, 1024),)](got, seeds, ctr, n, B=1024)
-    assert torch.equal(got, ref.philox_uniform(seeds, ctr))
-    one = ref.philox_uniform(2**64 - 1, ctr[:10])  # int seed == its two's complement tensor
-    assert torch.equal(one, ref.philox_uniform(torch.full((10,), -1, device=DEV), ctr[:10]))
-
-
-@triton.jit
-def _rand4x_kernel(out_ptr, seeds_ptr, ctr_ptr, n, B: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
-    m = i < n
-    u = tl.rand4x(tl.load(seeds_ptr + i, mask=m, other=0), tl.load(ctr_ptr + i, mask=m, other=0))
-    for w in tl.static_range(4):
-        tl.store(out_ptr + w * n + i, u[w], mask=m)
-
-
-def test_philox_uniform_words_are_tl_rand4x():
-    # TernGrad's stream takes all four words of a Philox call: the reference's word w is
-    # tl.rand4x's w-th output, for per-element seeds and counters past 2^32
-    g = torch.Generator().manual_seed(6)
-    n = 3000
-    pool = torch.tensor([0, 3, 2**32 + 1, 2**63 - 1, -1, -(2**40)], dtype=torch.int64)
-    seeds = pool[torch.randint(0, len(pool), (n,), generator=g)].to(DEV)
-    ctr = torch.randint(0, 2**34, (n,), generator=g).to(DEV)
-    got = torch.empty(4 * n, device=DEV)
-    _rand4x_kernel[(triton.cdiv(n, 1024),)](got, seeds, ctr, n, B=1024)
+    assert torch.equal(got[:n], ref.philox_uniform(seeds, ctr))
     for w in range(4):
         want = ref.philox_uniform(seeds, ctr, torch.full_like(ctr, w))
-        assert torch.equal(got[w * n : (w + 1) * n], want)
+        assert torch.equal(got[(w + 1) * n : (w + 2) * n], want)
+    one = ref.philox_uniform(2**64 - 1, ctr[:10])  # int seed == its two's complement tensor
+    assert torch.equal(one, ref.philox_uniform(torch.full((10,), -1, device=DEV), ctr[:10]))
 
 
 # --------------------------------------------------------------------------- 1-bit
