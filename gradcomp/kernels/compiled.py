@@ -128,9 +128,7 @@ def _ternary(x, residual, scale, seg, seed, starts):
     byte, cols = None, []
     for k in range(4):
         y = x4[:, k] + r4[:, k] if r4 is not None else x4[:, k]
-        w = words[k].to(torch.int32)
-        u = (w ^ (w >> 31)).to(torch.float32) * 4.6566127342e-10
-        keep = u * s < y.abs()
+        keep = reference.word_uniform(words[k]) * s < y.abs()
         neg = y < 0
         code = (neg.to(torch.int32) + 1) * keep.to(torch.int32)  # 0, 1 (+s), 2 (-s)
         byte = code if byte is None else byte | (code << (2 * k))
@@ -171,7 +169,8 @@ _INLINE = {"realize_opcount_threshold": 1 << 20, "realize_reads_threshold": 1 <<
 @functools.cache
 def _compiled(step: str, chunk: int):
     """``step`` compiled: "ternary" once, "ternary_terms" and "ternary_put" once per message
-    count (``chunk`` stands for W there), every size dynamic; the 1-bit steps once per chunk size (below)."""
+    count (``chunk`` stands for W there), every size dynamic; the 1-bit steps once per chunk
+    size (below)."""
     if step == "ternary":
         # the four words feed four columns: kept inline (not stored as n/4 int64 buffers
         # each, and the loop left scalar, as Inductor's defaults chose: 3x slower)

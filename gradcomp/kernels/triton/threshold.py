@@ -80,7 +80,7 @@ def _threshold_encode_kernel(
     owner_ptr,  # (K,) int64 parameter of each slot
     tau_ptr,    # (P,) fp32
     code_ptr,   # (K,) int32 out
-    res_ptr,    # (n,) fp32 residual (what vals came from), in place at the sent indices (if HAS_RES)
+    res_ptr,    # (n,) fp32 residual (what vals came from), in place at sent indices (HAS_RES)
     K,
     HAS_RES: tl.constexpr, BLOCK_: tl.constexpr,
 ):
