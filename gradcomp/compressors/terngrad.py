@@ -33,8 +33,8 @@ one allgather, ONE ternary_decompress, one scatter out.
 Since the segmented rewrite the random stream is Philox (before: one ``torch.Generator``
 per layer), and since issue 35 each Philox call serves four elements (before: one, its
 first word only), so codes differ from those of earlier versions for the same seed;
-checkpoints still load (TernGrad's default keeps no residual; with ``error_feedback=True`` the residual
-carries over as it is).
+checkpoints still load (TernGrad's default keeps no residual; with ``error_feedback=True``
+the residual carries over as it is).
 """
 from __future__ import annotations
 
