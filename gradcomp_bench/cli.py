@@ -142,6 +142,14 @@ def _torchrun_ranks(cfg):
     return [train(dist.get_rank(), dist.get_world_size(), cfg)]
 
 
+def _context(model: str) -> int:
+    """A language model's context (positions), read from a copy built on the meta device."""
+    import torch
+    from .models import build
+    with torch.device("meta"):
+        return build(model).context
+
+
 def cmd_ddp(args) -> int:
     from . import bench, report
     from .train import TrainConfig
@@ -149,7 +157,7 @@ def cmd_ddp(args) -> int:
     _lanes(args)
     _check_device(args)
     torchrun = _under_torchrun()
-    if torchrun and args.link:
+    if torchrun and args.link not in (None, "auto", "none"):
         raise UsageError("--link shapes local ranks; under torchrun your real network is the link")
     per_node = args.ranks_per_node
     if per_node < 1:
@@ -342,6 +350,13 @@ def cmd_convergence(args) -> int:
     lm = args.model in LANGUAGE_MODELS
     if lm and args.steps < 1:
         raise UsageError(f"--steps {args.steps}: expected an integer >= 1")
+    if lm:
+        context = _context(args.model)
+        if args.seq_len is None:
+            args.seq_len = min(64, context)
+        elif not 1 <= args.seq_len <= context:
+            raise UsageError(f"--seq-len {args.seq_len}: allowed 1 to {context}, the context of "
+                             f"--model {args.model}")
     if lm and args.data is None:
         data_dir = None  # the text corpus is found by data.load_text
     if args.parallel != "ddp" and not lm:
@@ -685,7 +700,9 @@ def parser() -> argparse.ArgumentParser:
                    help="CNNs: per rank, the optimizer gets lr x world (default 0.05); language "
                         "models: AdamW's peak lr (default 1e-3)")
     c.add_argument("--steps", type=int, default=2000, help="language models: optimizer steps")
-    c.add_argument("--seq-len", type=int, default=64, help="language models: characters of context")
+    c.add_argument("--seq-len", type=int, default=None,
+                   help="language models: characters per window (default 64, or the model's "
+                        "context if shorter)")
     c.add_argument("--optimizer", choices=("auto", "sgd", "adamw"), default="auto",
                    help="auto: SGD for CNNs, AdamW (betas 0.9/0.95, decay 0.1 on matrices) "
                         "for language models")

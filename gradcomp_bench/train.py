@@ -135,7 +135,7 @@ class TrainConfig:
     betas: tuple = (0.9, 0.95)
     clip: float = 1.0                # gradient clipping (language models; 0 = off)
     bf16: bool = False               # bf16 autocast of the forward (language models)
-    seq_len: int = 128
+    seq_len: int = 0                 # language models: characters per window; 0: the model's context
     warmup_steps: int = 0            # language models: linear warm-up (0: 5% of the steps)
     eval_every: int = 0              # language models: validation every N steps (0: 10 times)
     # language models: "ddp"; "fsdp": fully_shard on a 1-D mesh (each block, then the root);
@@ -299,7 +299,10 @@ def train_lm(rank: int, world: int, cfg: TrainConfig) -> dict:
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min((s + 1) / warm,
                            0.1 + 0.45 * (1 + math.cos(math.pi * min(s, total) / total))))
-    T = cfg.seq_len
+    T = cfg.seq_len or net.context
+    if not 1 <= T <= net.context:
+        raise ValueError(f"seq_len={cfg.seq_len}: allowed 1 to {net.context}, the context of "
+                         f"model {cfg.model!r}")
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
     val_starts = torch.linspace(0, len(val_codes) - T - 2, 128).long()
     every = cfg.eval_every or max(1, total // 10)
