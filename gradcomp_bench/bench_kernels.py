@@ -29,6 +29,7 @@ import torch
 
 from gradcomp import kernels
 from gradcomp.compressors.topk import sparse_select
+from gradcomp.kernels import segmented
 from gradcomp.kernels.segmented import CAPACITY_FACTOR, TARGET_FACTOR
 from gradcomp.compressors.onebit import OneBitConfig
 from gradcomp.kernels import reference
@@ -153,7 +154,13 @@ def run(sizes=(1 << 20, 25_000_000), device=None,
         k = max(1, math.ceil(DGC_RATIO * n))
         nbytes = 4 * n + 8 * k
         copy_med = row("dgc_select", n, "copy", "torch", nbytes, _copy_fn(nbytes, device), None)
+        # what the hook runs (segmented.select: the GPU's candidates in Triton), and the
+        # per-parameter reference it equals (a sort over the candidates)
+        pl = segmented.topk_plan(((0, n),), n, DGC_RATIO, DGC_SAMPLE_RATIO, device)
+        shifts = torch.zeros(1, dtype=torch.int64, device=device)
         row("dgc_select", n, "dispatch", kernels.backend("select_topk", probe), nbytes,
+            lambda: segmented.select(x, pl, shifts), copy_med)
+        row("dgc_select", n, "reference", "reference", nbytes,
             lambda: sparse_select(x, DGC_RATIO, DGC_SAMPLE_RATIO, seed=0), copy_med)
         row("dgc_select", n, "torch.topk", "torch", nbytes,
             lambda: torch.topk(x.abs(), k, sorted=False), copy_med)

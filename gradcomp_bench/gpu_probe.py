@@ -1,7 +1,7 @@
 """Where the GPU time goes (one CUDA device): kernel block/warp sweep, the DGC select broken
 into its steps, and a torch.profiler table of one DDP step per method (NCCL, one rank).
 
-    PYTHONPATH=. python3 -m gradcomp_bench.gpu_probe [sweep] [dgc] [profile]
+    PYTHONPATH=. python3 -m gradcomp_bench.gpu_probe [sweep] [dgc] [profile[@MODEL][=SPEC;SPEC]]
 """
 import math
 import os
@@ -81,7 +81,31 @@ def dgc(n=N, ratio=0.001):
         print(f"  {name:<34}{ms(fn):>9.4f}")
 
 
-def profile(methods=("dgc:ratio=0.001", "onebit", "powersgd:rank=2")):
+def segments(model="gpt2_small"):
+    """torch.segment_reduce over a model's parameters as one flat gradient (what TernGrad's
+    statistics and DGC's clip run on the GPU), against multi-tensor ops over its views."""
+    from gradcomp_bench import models
+    with torch.device("meta"):
+        sizes = [p.numel() for p in models.build(model).parameters()]
+    n = sum(sizes)
+    y = torch.randn(n, device=DEV)
+    lengths = torch.tensor(sizes, device=DEV)
+    parts = y.split(sizes)
+    print(f"== segment reductions over {model}'s {len(sizes)} parameters, {n} elements (ms)")
+    rows = {f"segment_reduce {r}": (lambda r=r: torch.segment_reduce(y, r, lengths=lengths))
+            for r in ("sum", "mean", "max")}
+    rows["y.sum() (one segment)"] = lambda: y.sum()
+    rows["_foreach_max(views)"] = lambda: torch._foreach_max(parts)
+    rows["_foreach_norm(views, 2)"] = lambda: torch._foreach_norm(parts, 2)
+    for name, fn in rows.items():
+        print(f"  {name:<34}{ms(fn):>9.3f}")
+
+
+def profile(methods=("dgc:ratio=0.001", "onebit", "powersgd:rank=2"), model="resnet18"):
+    """torch.profiler over 3 DDP steps per method (one rank, NCCL): the top ops by self CPU
+    time and by self CUDA time. ResNet-18 with momentum SGD (batch 128), or a language model
+    (``model=gpt2_small``: 8 windows of its context) with AdamW as ``gradcomp-bench ddp``
+    runs it."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     import gradcomp
@@ -90,18 +114,30 @@ def profile(methods=("dgc:ratio=0.001", "onebit", "powersgd:rank=2")):
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     dist.init_process_group("nccl", rank=0, world_size=1)
-    xb = torch.randn(128, 3, 32, 32, device=DEV)
-    yb = torch.randint(0, 10, (128,), device=DEV)
+    lm = model in models.LANGUAGE_MODELS
     for spec in methods:
         torch.manual_seed(0)
-        net = DDP(models.build("resnet18").to(DEV), device_ids=[0], broadcast_buffers=False)
-        opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+        net = models.build(model).to(DEV)
+        if lm:
+            xb = torch.randint(0, 128, (8, net.context), device=DEV)
+            yb = torch.randint(0, 128, (8, net.context), device=DEV)
+            opt = torch.optim.AdamW(models.decay_groups(net, 0.1), lr=1e-4, betas=(0.9, 0.95))
+        else:
+            xb = torch.randn(128, 3, 32, 32, device=DEV)
+            yb = torch.randint(0, 10, (128,), device=DEV)
+            opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+        net = DDP(net, device_ids=[0], broadcast_buffers=False)
         name, opts = parse_spec(spec)
-        state = gradcomp.register(net, name, optimizer=opt if name == "dgc" else None, **opts)
+        if name != "allreduce":  # the compressed steady state, as `gradcomp-bench ddp` times it
+            opts.setdefault("warmup", "none")
+            if lm:
+                opts.setdefault("adam", "off")
+        state = None if name == "allreduce" else gradcomp.register(net, name, optimizer=opt, **opts)
 
         def step():
             opt.zero_grad()
-            torch.nn.functional.cross_entropy(net(xb), yb).backward()
+            out = net(xb)
+            torch.nn.functional.cross_entropy(out.flatten(0, -2), yb.flatten()).backward()
             opt.step()
         for _ in range(8):
             step()
@@ -112,19 +148,24 @@ def profile(methods=("dgc:ratio=0.001", "onebit", "powersgd:rank=2")):
                 step()
             torch.cuda.synchronize()
         ka = prof.key_averages()
-        print(f"== profile {spec}: 3 steps, top ops by self CPU time")
-        print(ka.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=48))
+        for key in ("self_cpu_time_total", "self_cuda_time_total"):
+            print(f"== profile {model} {spec}: 3 steps, top ops by {key}")
+            print(ka.table(sort_by=key, row_limit=22, max_name_column_width=60))
         syncs = [(e.key, e.count) for e in ka if "ynchronize" in e.key or "Memcpy" in e.key
                  or e.key.startswith("gradcomp.")]
         print("syncs/copies/buckets:", syncs)
-        state.close()
+        if state is not None:
+            state.close()
+        del net, opt
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     what = sys.argv[1:] or ["sweep", "dgc", "profile"]
     for w in what:
-        if w.startswith("profile="):  # profile=spec,spec
-            profile(tuple(w.split("=", 1)[1].split(";")))
+        if w.startswith("profile"):  # profile[@model]=spec;spec
+            head, _, specs = w.partition("=")
+            model = head.partition("@")[2] or "resnet18"
+            profile(tuple(specs.split(";")) if specs else profile.__defaults__[0], model)
         else:
-            {"sweep": sweep, "dgc": dgc, "profile": profile}[w]()
+            {"sweep": sweep, "dgc": dgc, "segments": segments}[w]()

@@ -581,6 +581,40 @@ def test_terngrad_stats_by_segments_equal_the_element_path_bit_for_bit(clip):
         assert not torch.equal(a, y)  # the outliers were clipped
 
 
+@pytest.mark.parametrize("clip", [2.5, 0.0])
+def test_terngrad_stats_by_norms_the_gpus_path_matches_the_element_path(clip):
+    """layer_stats' GPU path (multi-tensor norms over the segments' views; run here on CPU
+    tensors): without clipping the scales are the segments' max |y| bit for bit; with it,
+    scales and clipped y within float32 roundings of the element path's, and sigma within
+    1e-5 of a float64 reference also where a segment's mean is 5 sigmas from 0 (the sum taken
+    as 2 * sum(max(y, 0)) - sum |y|), and 0 for a segment of equal values. (Far larger means
+    lose sigma on both paths alike: it is the mean square minus the squared mean.)"""
+    from gradcomp.compressors.terngrad import _stats_by_norms
+    sizes = [8, 12, 4096, 1028, 16, 300]
+    g = torch.Generator().manual_seed(5)
+    y = torch.randn(sum(sizes), generator=g)
+    y[8:20] = -1.5                                        # sigma 0: clipped to zeros
+    y[20:4116] = 0.5 + 0.1 * y[20:4116]                  # mean 5 sigmas from 0
+    y[4200] = 40.0                                        # an outlier
+    y[-300:] = -3.0 + y[-300:]                            # a negative mean
+    lengths = torch.tensor(sizes)
+    seg = torch.repeat_interleave(torch.arange(len(sizes)), lengths).to(torch.int32)
+    a, b = y.clone(), y.clone()
+    sa = layer_stats(a, lengths, clip, seg.long())
+    sb = _stats_by_norms(b, lengths, clip, seg, sizes)
+    if not clip:
+        assert torch.equal(sa, sb) and torch.equal(a, b)
+        return
+    torch.testing.assert_close(sb, sa, rtol=1e-5, atol=0)
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=0)
+    y64 = [t.double() for t in y.split(sizes)]
+    sigma = torch.stack([t.std(unbiased=False) for t in y64])
+    bound = torch.stack([t.abs().max() for t in y64]).minimum(clip * sigma)
+    torch.testing.assert_close(sb.double(), bound, rtol=1e-5, atol=0)
+    assert sb[1] == 0  # equal values: sigma 0, the segment clipped to zeros
+    assert torch.equal(b[8:20], torch.zeros(12)) and b[4200] < 40
+
+
 @pytest.mark.parametrize("W", [1, 2, 3, 4, 8])
 def test_powersgd_average_by_a_scaled_q_is_the_divided_product(W):
     """Where W is a power of two the product P (Q / W)^T replaces (P Q^T) / W: the same
