@@ -25,6 +25,8 @@ from gradcomp_bench import cli
     (["ddp", "--nodes", "0"], "--nodes 0: allowed an integer >= 1"),
     (["ddp", "--ranks-per-node", "0"], "--ranks-per-node 0: allowed"),
     (["ddp", "--nodes", "99", "--ranks-per-node", "2"], "--world 198 does not fit"),
+    (["convergence", "--model", "gpt_tiny", "--seq-len", "64"],
+     "--seq-len 64: allowed 1 to 32, the context of --model gpt_tiny"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, match, capsys):
     assert cli.main(argv) == 2
@@ -37,6 +39,20 @@ def test_device_cuda_without_a_gpu_is_refused(capsys):
     assert cli.main(["convergence", "--device", "cuda"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--device cuda: no CUDA device" in err[0]
+
+
+def test_ddp_under_torchrun_at_its_defaults(tmp_path):
+    """`torchrun ... -m gradcomp_bench.cli ddp` as gpu_check.sh runs it: the default --link
+    (auto) means the real network there, not a refusal, and a language model whose context
+    is shorter than 128 gets windows of its own context (gpt_tiny: 32)."""
+    from conftest import torchrun
+    out = tmp_path / "ddp.json"
+    torchrun("-m", "gradcomp_bench.cli", "ddp", "--model", "gpt_tiny", "--synthetic",
+             "--batch", "4", "--steps", "1", "--warmup", "1", "--methods", "onebit",
+             "--device", "cpu", "--json", out, "--out", tmp_path, timeout=240)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["method"], r["world"], r["link_bps"]) for r in rows] == [("onebit", 2, None)]
+    assert 0 < rows[0]["wire_bytes"] < rows[0]["wire_bytes"] * rows[0]["ratio"]
 
 
 def test_spec_list_splitting_keeps_options_with_their_method():
