@@ -177,6 +177,21 @@ def test_dgc_clips_each_parameter_by_its_own_norm():
     assert torch.equal(out[500:], small)  # already under the limit: untouched
 
 
+def test_dgc_segment_norms_by_views_the_gpus_path_equals_the_segment_sums():
+    """DGC's clip norms: the GPU's multi-tensor norm over the segments' views (run here on
+    CPU tensors) against the CPU's segment reduction of x * x, gaps and an empty parameter
+    included, within float32 roundings."""
+    from gradcomp.compressors.dgc import _lengths, segment_norms
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(1)) * 2
+    lengths, gap, sizes = _lengths(((10, 1000), (1010, 0), (1500, 900)), 3000, x.device)
+    assert sizes == (10, 1000, 0, 490, 900, 600) and gap.tolist() == [1, 0, 0, 1, 0, 1]
+    a = segment_norms(x, lengths, sizes, by_views=False)
+    b = segment_norms(x, lengths, sizes, by_views=True)
+    assert torch.equal(segment_norms(x, lengths, sizes), a) and b[2] == 0  # the CPU: sums
+    torch.testing.assert_close(b, a, rtol=1e-6, atol=0)
+    torch.testing.assert_close(b, torch.stack([t.norm() for t in x.split(list(sizes))]))
+
+
 # Methods whose exchange is segmented (a fixed op count per bucket), with their launch
 # budget: the codec issue's 60; threshold's adaptive tau, sign codes and per-sender decode
 # take ~90 (bench/RESULTS.md section 7).

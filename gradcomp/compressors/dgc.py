@@ -108,7 +108,20 @@ def _lengths(layout: tuple, n: int, device) -> tuple[torch.Tensor, torch.Tensor]
     if pos < n:
         out.append(n - pos), gap.append(True)
     return (torch.tensor(out, dtype=torch.int64, device=device),
-            torch.tensor(gap, dtype=torch.bool, device=device))
+            torch.tensor(gap, dtype=torch.bool, device=device), tuple(out))
+
+
+def segment_norms(x: torch.Tensor, lengths: torch.Tensor, sizes: tuple,
+                  by_views: bool | None = None) -> torch.Tensor:
+    """The L2 norm of each segment of x (consecutive runs of ``lengths``; ``sizes`` the same
+    as ints). On the CPU a segment reduction of x * x; on a GPU (``by_views`` None) one
+    multi-tensor norm over the segments' views: torch's CUDA segment_reduce sums a segment
+    in one thread (bench/RESULTS.md 5, "The GPU again")."""
+    if by_views is None:
+        by_views = x.device.type != "cpu"
+    if by_views:
+        return torch.stack(torch._foreach_norm(x.split(list(sizes)), 2))
+    return torch.segment_reduce(x * x, "sum", lengths=lengths).sqrt_()
 
 
 def _per_element(values, ctx):
@@ -181,9 +194,9 @@ class DGC(Compressor):
             x.add_(ctx.param_values(), alpha=wd)
         if cfg.clip:  # each parameter's own L2 norm, all at once (segment sums)
             limit = cfg.clip / math.sqrt(ctx.comm.world_size)
-            lengths, gap = _lengths(tuple((p.offset, p.numel) for p in ctx.params), x.numel(),
-                                    x.device)
-            norm = torch.segment_reduce(x * x, "sum", lengths=lengths).sqrt_()
+            lengths, gap, sizes = _lengths(tuple((p.offset, p.numel) for p in ctx.params),
+                                           x.numel(), x.device)
+            norm = segment_norms(x, lengths, sizes)
             factor = (limit / (norm + 1e-12)).clamp_(max=1.0).masked_fill_(gap, 1.0)
             x.mul_(torch.repeat_interleave(factor, lengths, output_size=x.numel()))
         if not isinstance(m, torch.Tensor) and not m:
