@@ -1,7 +1,8 @@
 """Where the GPU time goes (one CUDA device): kernel block/warp sweep, the DGC select broken
 into its steps, and a torch.profiler table of one DDP step per method (NCCL, one rank).
 
-    PYTHONPATH=. python3 -m gradcomp_bench.gpu_probe [sweep] [dgc] [profile[@MODEL][=SPEC;SPEC]]
+    PYTHONPATH=. python3 -m gradcomp_bench.gpu_probe [sweep] [dgc] [segments] [select] [layout]
+        [profile[@MODEL][=SPEC;SPEC]]
 """
 import math
 import os
@@ -79,6 +80,67 @@ def dgc(n=N, ratio=0.001):
     }
     for name, fn in rows.items():
         print(f"  {name:<34}{ms(fn):>9.4f}")
+
+
+def select(n=N, ratio=0.001, sample_ratio=0.01):
+    """DGC's segmented select on one parameter of n elements, step by step (ms): what
+    `gradcomp-bench kernels`' dgc_select row times whole."""
+    from gradcomp.kernels import segmented as sg
+    x = torch.randn(n, device=DEV)
+    pl = sg.topk_plan(((0, n),), n, ratio, sample_ratio, DEV)
+    shifts = torch.zeros(1, dtype=torch.int64, device=DEV)
+    thr = sg.sample(x, pl, shifts)[2]
+    C = pl.slots
+    find = sg.implementation("segment_candidates", x, "triton")
+    val, idx = find(x, thr, pl.seg_of, pl.seg_start, pl.slot_base, pl.slot_end, C)
+    k, cap, m, ks = sg.budget(n, ratio, sample_ratio)
+    keys = torch.randint(0, 2**62, (m,), device=DEV)
+    print(f"== segmented select at n={n}, ratio={ratio}: k={k}, capacity={cap}, sample {m} (ms)")
+    rows = {
+        "select (all)": lambda: sg.select(x, pl, shifts),
+        "sample (gather, keys, sort)": lambda: sg.sample(x, pl, shifts),
+        f"torch.sort int64 keys ({m})": lambda: torch.sort(keys),
+        f"torch.topk(sample |x|, {ks})": lambda: torch.topk(x[:m].abs(), max(ks, 1), sorted=False),
+        "segment_candidates (triton)": lambda: find(x, thr, pl.seg_of, pl.seg_start, pl.slot_base,
+                                                    pl.slot_end, C),
+        f"take_largest (stable sort of {C + 1})": lambda: sg._take_largest(val, idx, pl),
+        "torch.topk(x.abs(), k)": lambda: torch.topk(x.abs(), k, sorted=False),
+    }
+    for name, fn in rows.items():
+        print(f"  {name:<40}{ms(fn):>9.4f}")
+
+
+def layout(model="gpt2_small"):
+    """TernGrad's move of a bucket into its padded layer order and back, on the GPU: the
+    int32 gathers it runs there against the CPU's runs (one torch.cat of views) (ms)."""
+    from gradcomp_bench import models
+    from gradcomp.compressors.base import ParamSlice
+    from gradcomp.compressors.terngrad import _Layout
+    with torch.device("meta"):
+        named = list(models.build(model).named_parameters())
+    params, off = [], 0
+    for name, t in named:
+        params.append(ParamSlice(name, tuple(t.shape), off, t.numel()))
+        off += t.numel()
+    lay = _Layout(params, [], off, DEV)
+    x = torch.randn(off, device=DEV)
+    out = torch.empty(lay.npad, device=DEV)
+    back = torch.empty(off, device=DEV)
+    def fill(t):
+        return t if lay.pad is None else t.index_fill_(0, lay.pad, 0.0)
+    ok = torch.equal(lay.to_padded(x, out.clone()), fill(torch.index_select(x, 0, lay.take)))
+    print(f"== TernGrad layout of {model}: {len(params)} layers, {off} -> {lay.npad} (ms); "
+          f"runs == gather: {ok}")
+    rows = {
+        "spread: index_select by take (+ pad fill)": lambda: fill(torch.index_select(
+            x, 0, lay.take, out=out)),
+        "spread: runs (one cat)": lambda: lay.to_padded(x, out),
+        "gather: index_select by back": lambda: torch.index_select(out, 0, lay.back, out=back),
+        "gather: runs (one cat)": lambda: lay.to_x(out, back),
+        "copy of x": lambda: back.copy_(x),
+    }
+    for name, fn in rows.items():
+        print(f"  {name:<44}{ms(fn):>9.4f}")
 
 
 def segments(model="gpt2_small"):
@@ -168,4 +230,5 @@ if __name__ == "__main__":
             model = head.partition("@")[2] or "resnet18"
             profile(tuple(specs.split(";")) if specs else profile.__defaults__[0], model)
         else:
-            {"sweep": sweep, "dgc": dgc, "segments": segments}[w]()
+            {"sweep": sweep, "dgc": dgc, "segments": segments, "select": select,
+             "layout": layout}[w]()
