@@ -123,21 +123,30 @@ def layout(model="gpt2_small"):
         params.append(ParamSlice(name, tuple(t.shape), off, t.numel()))
         off += t.numel()
     lay = _Layout(params, [], off, DEV)
+    # the gathers TernGrad ran on the GPU before (session 46): an int32 position per element
+    starts = lay.starts.tolist()
+    take = torch.cat([torch.arange(p.offset, p.offset + m, device=DEV) if m == p.numel else
+                      torch.cat([torch.arange(p.offset, p.offset + p.numel, device=DEV),
+                                 torch.zeros(m - p.numel, dtype=torch.int64, device=DEV)])
+                      for p, m in zip(params, lay.sizes)]).int()
+    back = torch.cat([torch.arange(a, a + p.numel, device=DEV)
+                      for p, a in zip(params, starts)]).int()
+    pad = torch.cat([torch.arange(a + p.numel, a + m, device=DEV)
+                     for p, a, m in zip(params, starts, lay.sizes)])
     x = torch.randn(off, device=DEV)
     out = torch.empty(lay.npad, device=DEV)
-    back = torch.empty(off, device=DEV)
-    def fill(t):
-        return t if lay.pad is None else t.index_fill_(0, lay.pad, 0.0)
-    ok = torch.equal(lay.to_padded(x, out.clone()), fill(torch.index_select(x, 0, lay.take)))
+    dst = torch.empty(off, device=DEV)
+    ok = torch.equal(lay.to_padded(x, out.clone()),
+                     torch.index_select(x, 0, take).index_fill_(0, pad, 0.0))
     print(f"== TernGrad layout of {model}: {len(params)} layers, {off} -> {lay.npad} (ms); "
           f"runs == gather: {ok}")
     rows = {
-        "spread: index_select by take (+ pad fill)": lambda: fill(torch.index_select(
-            x, 0, lay.take, out=out)),
+        "spread: index_select by take (+ pad fill)": lambda: torch.index_select(
+            x, 0, take, out=out).index_fill_(0, pad, 0.0),
         "spread: runs (one cat)": lambda: lay.to_padded(x, out),
-        "gather: index_select by back": lambda: torch.index_select(out, 0, lay.back, out=back),
-        "gather: runs (one cat)": lambda: lay.to_x(out, back),
-        "copy of x": lambda: back.copy_(x),
+        "gather: index_select by back": lambda: torch.index_select(out, 0, back, out=dst),
+        "gather: runs (one cat)": lambda: lay.to_x(out, dst),
+        "copy of x": lambda: dst.copy_(x),
     }
     for name, fn in rows.items():
         print(f"  {name:<44}{ms(fn):>9.4f}")
