@@ -7,8 +7,9 @@ For each kernel and size, three timings of the same work on one device:
   * ``reference``: ``gradcomp.kernels.reference.<fn>``;
   * ``copy``: ``dst.copy_(src)`` moving as many bytes as the kernel must read plus write,
     the bandwidth yardstick.
-plus DGC's select (``sparse_select``: sampled threshold + ``select_topk``, ratio 0.001)
-against ``torch.topk(x.abs(), k)``.
+plus DGC's select at ratio 0.001 (what the hook runs, ``segmented.select`` on one
+parameter, and its per-parameter reference ``sparse_select``) against
+``torch.topk(x.abs(), k)``.
 
 Each row holds the median and 20/80 percentile times, the effective bandwidth (bytes the
 operation must move at least, i.e. one read of each input and one write of each output,
