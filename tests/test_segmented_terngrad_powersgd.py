@@ -86,7 +86,7 @@ MIXED = ([(f"tiny{i}", (1 + i % 7,)) for i in range(40)] + [("huge", (70001,))]
 # --------------------------------------------------------------------------- TernGrad
 def terngrad_reference(x, params, cfg, step, W, e=None):
     """TernGrad parameter by parameter with the reference kernels: each parameter padded to a
-    multiple of 4 alone, its statistics alone, its codes drawn with its seed as an int (one
+    multiple of 4 alone, its statistics alone (the CPU's path over one segment), its codes drawn with its seed as an int (one
     stream counted from its first element). Returns (average, new residuals by name)."""
     out, res = torch.empty_like(x), {}
     for p in params:
@@ -103,7 +103,7 @@ def terngrad_reference(x, params, cfg, step, W, e=None):
         if e is not None:
             y[: p.numel] += e[p.name]
         unclipped = y.clone()
-        s = layer_stats(y, torch.tensor([m]), cfg.clip)
+        s = layer_stats(y, torch.tensor([m]), cfg.clip, sizes=[m])  # the CPU's path, one layer
         r = torch.zeros(m) if e is not None else None
         codes = ref.ternary_compress(y, r, s, torch.zeros(m, dtype=torch.long), seed_of(step, p.name))
         if e is not None:
@@ -155,7 +155,7 @@ def test_terngrad_reference_above_is_not_blind():
     s = torch.stack([x[:64].abs().max(), x[64:].abs().max()])
     seg = torch.arange(128) // 64
     y = x.clone()
-    layer_stats(y, torch.tensor([64, 64]), cfg.clip, seg)
+    layer_stats(y, torch.tensor([64, 64]), cfg.clip, seg, [64, 64])
     s = layer_stats(y.clone(), torch.tensor([64, 64]), 0)
     acc = torch.zeros(128)
     ref.ternary_decompress(ref.ternary_compress(y, None, s, seg, seed_of(0, "a")).unsqueeze(0),
@@ -549,14 +549,17 @@ def test_powersgd_bucket_with_a_gap_takes_the_batched_path(monkeypatch):
 
 
 @pytest.mark.parametrize("clip", [2.5, 0.0])
-def test_terngrad_stats_by_segments_equal_the_element_path_bit_for_bit(clip):
-    """layer_stats' CPU path (clamps and inf-norms over the segments' views) against its
-    per-element path (a bound per element, a clamp between tensors, a segment max): the
-    scales bit for bit, the clipped y equal (bit for bit but the sign of a zero where a
-    segment's bound is 0, which no code or scale depends on), with zeros of both signs, a
-    segment of zeros (bound 0), one of equal values (sigma 0), outliers, and segments whose
-    squares underflow (1e-30) or overflow (3e30), which take the exact fallback."""
-    sizes = [8, 4, 12, 64, 4, 1028, 16, 8]
+def test_terngrad_stats_by_segments_match_the_element_path(clip):
+    """layer_stats' CPU path (clamps and inf-norms over the segments' views, sums by numpy's
+    reduceat) against its per-element path (a bound per element, a clamp between tensors,
+    segment reductions), with zeros of both signs, a segment of zeros (bound 0), one of
+    equal values (sigma 0), outliers, and segments whose squares underflow (1e-30) or
+    overflow (3e30), which take the exact fallback. Without clipping: the scales and y bit
+    for bit. With it: the scales and clipped y within float32 roundings of that path's (its
+    sums add in another order), sigma within 1e-6 of float64's, the same NaNs (the
+    overflowing segment's sigma is inf - inf on both paths), and the same result on a
+    second call (deterministic)."""
+    sizes = [8, 4, 12, 64, 4, 1028, 16, 8]  # the last two: squares under- and overflow
     g = torch.Generator().manual_seed(4)
     y = torch.randn(sum(sizes), generator=g)
     y[::5] = 0.0
@@ -569,16 +572,44 @@ def test_terngrad_stats_by_segments_equal_the_element_path_bit_for_bit(clip):
     y[-8:] *= 3e30
     lengths = torch.tensor(sizes)
     seg = torch.repeat_interleave(torch.arange(len(sizes)), lengths)
-    a, b = y.clone(), y.clone()
+    a, b, c = y.clone(), y.clone(), y.clone()
     sa = layer_stats(a, lengths, clip, seg)
     sb = layer_stats(b, lengths, clip, seg, sizes)
-    assert torch.equal(sa.view(torch.int32), sb.view(torch.int32))
-    # (the overflowing segment's sigma is inf - inf: NaN, clipping it to NaN on both paths)
-    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
-    nz = (a != 0) & ~a.isnan()
-    assert torch.equal(a[nz].view(torch.int32), b[nz].view(torch.int32))
-    if clip:
-        assert not torch.equal(a, y)  # the outliers were clipped
+    assert torch.equal(sb.view(torch.int32), layer_stats(c, lengths, clip, seg, sizes)
+                       .view(torch.int32)) and torch.equal(b.isnan(), c.isnan())
+    if not clip:
+        assert torch.equal(sa.view(torch.int32), sb.view(torch.int32))
+        nz = a != 0
+        assert torch.equal(a[nz].view(torch.int32), b[nz].view(torch.int32))
+        return
+    torch.testing.assert_close(sb, sa, rtol=1e-6, atol=0, equal_nan=True)
+    torch.testing.assert_close(b, a, rtol=1e-6, atol=0, equal_nan=True)
+    assert not torch.equal(a, y)  # the outliers were clipped
+    y64 = [t.double() for t in y.split(sizes)]
+    top = torch.stack([t.abs().max() for t in y64])
+    sigma = torch.stack([t.std(unbiased=False) for t in y64])
+    assert not sb[:-1].isnan().any() and sb[-1].isnan()
+    # (the 1e-30 segment's squares underflow in float32: sigma 0 on both paths)
+    torch.testing.assert_close(sb[:6].double(), top.minimum(clip * sigma)[:6], rtol=1e-6, atol=0)
+    assert sb[1] == 0 and sb[2] == 0  # zeros, equal values (sigma 0): clipped to zeros
+
+
+def test_terngrad_segment_sums_by_numpy_are_closer_than_torchs():
+    """_segment_sums (numpy's pairwise reduceat) against float64 sums over 3 segments of up
+    to 2M elements: within 1e-6 of each sum's scale, where a one-at-a-time float32 sum
+    (torch.segment_reduce on the CPU) drifts further; an empty segment sums to 0."""
+    from gradcomp.compressors.terngrad import _segment_sums
+    sizes = [2_000_000, 4, 300_000]
+    y = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(6)) + 0.25
+    want = torch.stack([t.double().sum() for t in y.split(sizes)])
+    scale = torch.stack([t.double().abs().sum() for t in y.split(sizes)])
+    got = _segment_sums(y, sizes)
+    assert got.dtype == torch.float32 and got.shape == (3,)
+    assert ((got.double() - want).abs() / scale).max() < 1e-6
+    seq = torch.segment_reduce(y, "sum", lengths=torch.tensor(sizes))
+    assert ((seq.double() - want).abs() / scale).max() > ((got.double() - want).abs() / scale).max()
+    assert torch.equal(_segment_sums(y[:8], [4, 0, 4]), torch.stack([y[:4].sum(), torch.tensor(0.0),
+                                                                      y[4:8].sum()]))
 
 
 @pytest.mark.parametrize("clip", [2.5, 0.0])

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .. import kernels
@@ -137,10 +138,16 @@ def _stats_by_segment(y: torch.Tensor, lengths: torch.Tensor, clip: float,
       max with -b, then the min with b), in place of a bound per element (a gather), its
       negation and a clamp between them; and max |clip(y)| = min(max |y|, b) exactly.
 
-    Same scales bit for bit as :func:`layer_stats`' per-element path, the same clipped
-    values (only a zero's sign may differ where a segment's bound is 0, which no code or
-    scale depends on); the mean and mean square keep their segment reductions (sums:
-    their order is the result)."""
+    * the mean and mean square are each segment's sum by numpy's ``add.reduceat`` (pairwise
+      and vectorized: 4 ms at 11M elements against 30 for ``torch.segment_reduce``, whose
+      CPU kernel adds one element at a time, and closer to the float64 sums), divided by
+      its length.
+
+    Without clipping, the same scales bit for bit as :func:`layer_stats`' per-element path.
+    With it, the bound differs from that path's in the last bits (its sums add in another
+    order), so the scales and clipped values do too; deterministic on a machine (numpy
+    picks its SIMD width from the CPU), so a run resumes bit-exactly. A zero's sign may
+    differ where a segment's bound is 0, which no code or scale depends on."""
     n = y.numel()
     parts = y.split(sizes)
     sq = torch.mul(y, y, out=scratch("terngrad.stats", n, torch.float32, y.device))
@@ -150,13 +157,23 @@ def _stats_by_segment(y: torch.Tensor, lengths: torch.Tensor, clip: float,
     if odd:
         scale[odd] = torch.stack(torch._foreach_norm([parts[i] for i in odd], float("inf")))
     if clip:
-        mean = torch.segment_reduce(y, "mean", lengths=lengths)
-        meansq = torch.segment_reduce(sq, "mean", lengths=lengths)
+        mean = _segment_sums(y, sizes).div_(lengths)
+        meansq = _segment_sums(sq, sizes).div_(lengths)
         bound = (meansq - mean * mean).clamp_min_(0).sqrt_().mul_(clip)
         torch._foreach_clamp_min_(parts, bound.neg().tolist())
         torch._foreach_clamp_max_(parts, bound.tolist())
         torch.minimum(scale, bound, out=scale)
     return scale
+
+
+def _segment_sums(t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """Each segment's sum (consecutive runs of ``sizes``) of a CPU tensor, by numpy's pairwise
+    ``add.reduceat`` (empty segments: torch's segment sum, as reduceat gives them an
+    element, not 0)."""
+    if min(sizes) == 0:
+        return torch.segment_reduce(t, "sum", lengths=torch.tensor(sizes))
+    starts = np.cumsum([0] + sizes[:-1])
+    return torch.from_numpy(np.add.reduceat(t.detach().numpy(), starts))
 
 
 @register_method

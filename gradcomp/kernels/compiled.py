@@ -139,20 +139,20 @@ def _ternary(x, residual, scale, seg, seed, starts):
 
 def _ternary_terms(packed, scale, seg, W: int):
     """sum_w s[w] * q[w] of reference.ternary_decompress, written to fuse, its sum over the W
-    messages unrolled in the reference's order (w = 0, 1, ...): one loop over code bytes,
-    the byte's four elements as four columns (each loads its byte once per message)."""
-    seg4 = seg.view(-1, 4)
-    cols = []
-    for k in range(4):
-        sg = seg4[:, k].long()
-        total = None
-        for w in range(W):
-            c = (packed[w].to(torch.int32) >> (2 * k)) & 3
-            t = ((c == 1).to(torch.float32) - (c == 2).to(torch.float32)) * scale[w][sg]
-            # the reference's sum over messages starts from 0: 0 + t turns -0.0 into +0.0
-            total = t + 0.0 if total is None else total + t
-        cols.append(total)
-    return torch.stack(cols, dim=1).view(-1)
+    messages unrolled in the reference's order (w = 0, 1, ...): one loop over the elements,
+    element j reading bits 2 (j % 4) of byte j // 4 of each message (as one loop over bytes
+    with four columns it ran 1.1-1.6x slower: Inductor stored the columns and interleaved
+    them in a second loop)."""
+    j = torch.arange(seg.numel(), dtype=torch.int64, device=seg.device)
+    byte, shift = j >> 2, ((j & 3) * 2).to(torch.int32)
+    sg = seg.long()
+    total = None
+    for w in range(W):
+        c = (packed[w][byte].to(torch.int32) >> shift) & 3
+        t = ((c == 1).to(torch.float32) - (c == 2).to(torch.float32)) * scale[w][sg]
+        # the reference's sum over messages starts from 0: 0 + t turns -0.0 into +0.0
+        total = t + 0.0 if total is None else total + t
+    return total
 
 
 def _ternary_put(packed, scale, seg, out, alpha, W: int):
