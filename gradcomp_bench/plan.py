@@ -57,12 +57,12 @@ ENCODER_SHARE = 0.9  # of an allgather-shaped codec at W = 2 (TernGrad's decoder
 # measured at W = 2 on ResNet-18 (bench/RESULTS.md): compression ratio against a ring
 # allreduce's bytes (section 1f; dgc at 0.001 from section 1), codec ns per gradient element
 # on this CPU (1 thread per rank, measured inside the rig's steps: onebit and powersgd from
-# section 1j's new runs, topk and dgc from 1k's, terngrad and threshold from 1l's; means
+# section 1j's new runs, topk and dgc from 1k's, threshold from 1l's, terngrad from 1m's; means
 # of two runs) and on an H100 (section 5, "The GPU again": a ResNet-18 step at world size 1
 # against compute-only, per element)
 RATIO = {"allreduce": 1.0, "onebit": 16.8, "terngrad": 15.8, "topk": 9.9, "powersgd": 71.5,
          "dgc": 500.0, "threshold": 30.0}
-CODEC_NS = {"cpu": {"allreduce": 0.0, "onebit": 44.5, "terngrad": 39.0, "topk": 30.5,
+CODEC_NS = {"cpu": {"allreduce": 0.0, "onebit": 44.5, "terngrad": 34.0, "topk": 30.5,
                     "powersgd": 27.0, "dgc": 17.5, "threshold": 17.0},
             "h100": {"allreduce": 0.0, "onebit": 0.30, "terngrad": 0.57, "topk": 0.35,
                      "powersgd": 0.18, "dgc": 0.36, "threshold": 0.60}}
