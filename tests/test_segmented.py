@@ -94,6 +94,31 @@ def test_segmented_select_equals_the_per_parameter_reference(compact, monkeypatc
         assert at == vals.numel()
 
 
+def test_select_returns_each_parameters_values_in_index_order():
+    """Each parameter's k values come out in index order, unfilled slots (index 0) last, on
+    both ways of ordering the slots (the CPU's mask, the GPU's sort), which agree."""
+    rng = random.Random(1)
+    g = torch.Generator().manual_seed(1)
+    for trial in range(10):
+        layout, n = random_layout(rng)
+        x = torch.randn(n, generator=g)
+        pl = S.topk_plan(tuple(layout), n, 0.3, 0.5, torch.device("cpu"))
+        shifts = torch.tensor([S.shift(rng.getrandbits(62), m) for _, m in layout])
+        vals, idx, _ = S.select(x, pl, shifts)
+        at = 0
+        for off, m in layout:
+            k = S.budget(m, 0.3, 0.5)[0]
+            i = idx[at : at + k]
+            filled = int((i >= off).sum()) if m else 0
+            assert torch.all(i[:filled] >= off) and torch.all(i[filled:] == 0), trial
+            assert torch.all(i[1:filled] > i[: filled - 1]), trial
+            at += k
+    taken = torch.randperm(1000, generator=g)[:300]
+    assert torch.equal(S.slot_order(taken, 1000, by_mask=True),
+                       S.slot_order(taken, 1000, by_mask=False))
+    assert torch.equal(S.slot_order(taken, 1000), taken.sort().values)
+
+
 def test_select_takes_the_largest_and_bounds_the_overflow():
     """What the reference itself must do: with a threshold that lets everything through, the
     first `capacity` elements are the candidates and the k largest of them are sent."""

@@ -101,8 +101,9 @@ def select_param(y: torch.Tensor, ratio: float, sample_ratio: float, seed: int):
     """Reference: (values, int64 indices into y) of about the ratio*n largest |y|, one
     parameter, and the sampled threshold (None when every element is sent). The threshold is
     the ks-th largest sampled magnitude; the candidates are the first ``capacity`` elements
-    with |y| >= it, in index order; the result is the k largest candidates, ties in index
-    order. Slots the candidates did not fill carry value 0 and index 0."""
+    with |y| >= it, in index order; the result is the k largest candidates (ties: the lower
+    index), in index order. Slots the candidates did not fill carry value 0 and index 0 and
+    come last."""
     n = y.numel()
     k, capacity, m, ks = budget(n, ratio, sample_ratio)
     if m == 0:
@@ -117,7 +118,8 @@ def select_param(y: torch.Tensor, ratio: float, sample_ratio: float, seed: int):
     val[: cand.numel()] = y[cand]
     idx[: cand.numel()] = cand
     order = torch.sort(_desc_key(val.abs(), torch.full_like(idx, _LOW31)), stable=True).indices
-    return val[order[:k]], idx[order[:k]], thr
+    order = torch.sort(order[:k]).values  # in index order, unfilled slots last
+    return val[order], idx[order], thr
 
 
 @dataclass(frozen=True)
@@ -312,4 +314,19 @@ def _take_largest(val: torch.Tensor, idx: torch.Tensor, pl: SelectPlan):
     # spill slot, whatever it holds, sorts after every parameter's: it is never taken)
     order = torch.sort(_desc_key(val.abs(), pl.slot_key), stable=True).indices
     order = torch.index_select(order, 0, pl.take)
+    order = slot_order(order, val.numel())
     return torch.index_select(val, 0, order), torch.index_select(idx, 0, order)
+
+
+def slot_order(taken: torch.Tensor, slots: int, by_mask: bool | None = None) -> torch.Tensor:
+    """The distinct slot positions ``taken`` in increasing order: each parameter's values come
+    out in index order (its candidates fill its slots in index order, unfilled slots after),
+    so the sparse writes that follow them (error feedback's update, the decoder's
+    scatter-add) walk the bucket forward instead of jumping (on the CPU 15 against 4-5 ms for
+    560k of 11.2M elements). ``by_mask`` (default: on the CPU): a mask and ``nonzero`` (a
+    sort of 560k took ~30 ms there); else a sort (no host sync: the GPU's way). The same
+    result either way."""
+    if by_mask if by_mask is not None else taken.device.type == "cpu":
+        mask = torch.zeros(slots, dtype=torch.bool).index_fill_(0, taken, True)
+        return torch.nonzero(mask).view(-1)
+    return torch.sort(taken).values
