@@ -15,8 +15,9 @@ ops over the whole bucket, whatever its parameter count:
   3. Candidates: |y| >= threshold of its parameter; the first cap_p of each parameter, in
      index order, are compacted into the parameter's slots of a candidate buffer.
   4. Exact top k_p of each parameter's candidates: ONE sort of the buffer under the same key;
-     parameter p's candidates then sit in its own cap_p positions, largest first, and a fixed
-     gather takes the first k_p of each.
+     parameter p's candidates then sit in its own cap_p positions, largest first; the first
+     k_p of each are taken, put back in slot order (:func:`slot_order`: each parameter's
+     values in index order) and gathered.
 
 :func:`select_param` is the per-parameter reference (the same rules, one parameter at a
 time): :func:`select` equals it bit for bit, value and index, for every parameter.
