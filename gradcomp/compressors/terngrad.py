@@ -25,10 +25,10 @@ Each rank sends n/4 bytes (+4 bytes per layer): 16x less than fp32, but allgathe
 every rank receives (W-1) * n/4 bytes, so the saving shrinks as W grows past 8 or so.
 
 Per-layer semantics, per-bucket execution: a bucket's layers are described once per layout
-(index tensors between x and the padded layout, segment ids and starts, cached), so a
-bucket costs the same number of ops whatever its layer count: one gather in, one
-segmented statistics pass, ONE ternary_compress over the whole bucket (a seed per layer),
-one allgather, ONE ternary_decompress, one scatter out.
+(the moves between x and the padded layout as runs, segment ids and starts, cached), so a
+bucket costs the same number of ops whatever its layer count: one move in (a cat of
+views), one segmented statistics pass, ONE ternary_compress over the whole bucket (a seed
+per layer), one allgather, ONE ternary_decompress, one move out.
 
 Since the segmented rewrite the random stream is Philox (before: one ``torch.Generator``
 per layer), and since issue 35 each Philox call serves four elements (before: one, its

@@ -327,7 +327,9 @@ def slot_order(taken: torch.Tensor, slots: int, by_mask: bool | None = None) -> 
     560k of 11.2M elements). ``by_mask`` (default: on the CPU): a mask and ``nonzero`` (a
     sort of 560k took ~30 ms there); else a sort (no host sync: the GPU's way). The same
     result either way."""
-    if by_mask if by_mask is not None else taken.device.type == "cpu":
+    if by_mask is None:
+        by_mask = taken.device.type == "cpu"
+    if by_mask:
         mask = torch.zeros(slots, dtype=torch.bool).index_fill_(0, taken, True)
         return torch.nonzero(mask).view(-1)
     return torch.sort(taken).values
