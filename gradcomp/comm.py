@@ -30,7 +30,8 @@ class Traffic:
     ``wire``: bytes a bandwidth-optimal implementation puts on this rank's link (ring
     allreduce 2(W-1)/W, allgather (W-1), all-to-all (W-1)/W times the message)."""
 
-    __slots__ = ("sent", "wire", "intra", "collectives", "comm_s", "total_s")
+    __slots__ = ("sent", "wire", "intra", "collectives", "comm_s", "total_s", "comm_cpu_s",
+                 "total_cpu_s")
 
     def __init__(self):
         self.sent = 0
@@ -39,6 +40,10 @@ class Traffic:
         self.collectives = 0
         self.comm_s = 0.0   # wall time inside collectives
         self.total_s = 0.0  # wall time of whole exchanges (compress + collectives + decompress)
+        # the same two spans in the exchanging thread's CPU time (time.thread_time): what the
+        # exchange took from the cores, where wall time also counts waiting for them
+        self.comm_cpu_s = 0.0
+        self.total_cpu_s = 0.0
 
     def merge(self, other: "Traffic") -> None:
         for k in self.__slots__:
@@ -85,7 +90,7 @@ class Comm:
 
     def _run(self, issue) -> None:
         """Issue ``issue()`` (an async collective: returns its Work) in turn, then wait."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         rider = self.rider
         with self.ticket.turn() if self.ticket is not None else contextlib.nullcontext():
             if rider.tensor is not None and rider.work is None:
@@ -94,6 +99,7 @@ class Comm:
             work = issue()
         work.wait()
         self.traffic.comm_s += time.perf_counter() - t0
+        self.traffic.comm_cpu_s += time.thread_time() - c0
 
     def allreduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         W = self.world_size
@@ -130,9 +136,10 @@ class Comm:
         if rider.tensor is not None:
             if rider.work is None:  # issued with a collective of its own
                 self._run(lambda: _DONE)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             rider.work.wait()
             self.traffic.comm_s += time.perf_counter() - t0
+            self.traffic.comm_cpu_s += time.thread_time() - c0
             rider.tensor = rider.work = None
         return bad.tolist()
 

@@ -97,6 +97,9 @@ def summarize(method: str, res: dict, world: int, rate_bps: float | None, warmup
            "intra_node_bytes": statistics.mean(h.get("intra_node_wire_bytes", 0.0) for h in tail)
            if tail else 0.0,
            "codec_s": statistics.mean(h["codec_s"] for h in tail) if tail else None,
+           # the codec's CPU time (codec_s is wall time, on cores shared with backward)
+           "codec_cpu_s": statistics.mean(h.get("codec_cpu_s", math.nan) for h in tail)
+           if tail else None,
            "comm_s": statistics.mean(h["comm_s"] for h in tail) if tail else None}
     link_s = wire * 8 / rate_bps if rate_bps else 0.0
     row["nocomm_s"] = max(0.0, row["step_s"] - link_s)  # what is left without the wire time

@@ -312,6 +312,7 @@ def ddp_table(rows) -> str:
         v["bound_ms"] = r["bound_s"] * 1e3 if "bound_s" in r else None
         v["codec_ms"] = r["codec_s"] * 1e3 if r.get("codec_s") is not None else None
         v["comm_ms"] = r["comm_s"] * 1e3 if r.get("comm_s") is not None else None
+        v["codec_cpu_ms"] = r["codec_cpu_s"] * 1e3 if r.get("codec_cpu_s") is not None else None
         be = r.get("breakeven_bps")
         v["breakeven"] = None if be is None else ("always" if be == float("inf") else
                                                   "never" if be == 0 else _rate_name(be))
@@ -324,6 +325,7 @@ def ddp_table(rows) -> str:
             ("x_compute_mean", "x compute (mean)", ".2f"), ("bound_ms", "bound ms", ".0f"),
             ("x_bound", "x bound", ".2f"), ("wire_MB", "wire MB", ".3f"), ("bytes", "from", ""),
             ("ratio", "ratio", ".0f"), ("codec_ms", "codec ms", ".1f"),
+            ("codec_cpu_ms", "codec CPU ms", ".1f"),
             ("comm_ms", "in collectives ms", ".1f"),
             ("at1e+08", "@100M ms", ".0f"), ("at1e+09", "@1G ms", ".0f"),
             ("at1e+10", "@10G ms", ".0f"), ("breakeven", "beats ddp below", "")]

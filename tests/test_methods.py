@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import gradcomp
-from conftest import SHAPES, Scalars, layout, state_for
+from conftest import SHAPES, Scalars, lay_out, layout, state_for
 
 # slots whose contents were not yet delivered, with the weight each counts towards the sum
 SLOTS = {"residual": 1.0, "accumulation": 1.0, "server_residual": 1.0}
@@ -90,6 +90,32 @@ def test_stats_count_the_bytes_of_the_tensors_sent():
         s = st.stats()
         assert s["sent_bytes"] == nbytes, spec
         assert s["raw_bytes"] == 4 * n and s["ratio"] == 4 * n / nbytes
+
+
+def test_stats_codec_cpu_time_is_the_exchanging_threads():
+    """codec_cpu_s: the CPU time the exchange took on its thread (time.thread_time), where
+    codec_s is wall time: an exchange that waits 50 ms (here a sleep inside it, as a thread
+    waits for a core shared with backward) counts the wait in codec_s, not in codec_cpu_s;
+    codec_cpu_s is at most what this thread spent in the call."""
+    import time
+    params = lay_out([(f"w{i}", (256, 256)) for i in range(4)])
+    x = torch.randn(sum(p.numel for p in params))
+    st = state_for("topk:ratio=0.05")
+    st.reduce(x.clone(), params)  # the first call warms caches
+    run = st.guard.run
+
+    def waiting(*a, **kw):
+        time.sleep(0.05)
+        return run(*a, **kw)
+
+    st.guard.run = waiting
+    c0 = time.thread_time()
+    st.reduce(x.clone(), params)
+    spent = time.thread_time() - c0
+    s = st.stats()
+    assert s["codec_s"] >= 0.05
+    assert 0.0 < s["codec_cpu_s"] <= spent + 1e-3
+    assert s["codec_cpu_s"] < s["codec_s"] - 0.04
 
 
 @pytest.mark.parametrize("spec", ["topk:ratio=0.1", "onebit:chunk=64", "terngrad:error_feedback=true",

@@ -317,7 +317,7 @@ class GradcompState:
         x = buf if buf.dtype == torch.float32 else buf.float()
         if scale is not None:  # memory holds unscaled values: the loss scale may change
             x = x / scale
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         if lane.inter is not None:  # hierarchical: the method runs on this rank's shard
             shards = self.hierarchy.shards(params, lane.intra.rank, buf.device)
             ctx = _Ctx(self, lane.inter, bucket, shards.mine, shards.pieces(param_tensors),
@@ -374,6 +374,7 @@ class GradcompState:
         if out is not buf:
             buf.copy_(out)
         traffic.total_s += time.perf_counter() - t0
+        traffic.total_cpu_s += time.thread_time() - c0
         self.telemetry.add(step, traffic, buf.numel() * buf.element_size(),
                            keep=step - self.config.delay - 4)
         return buf
@@ -532,7 +533,10 @@ class GradcompState:
         under a hierarchical topology, ``inter_node_wire_bytes`` the rest, which crossed
         between nodes (under a flat topology all of it may), their ``ratio``, the number of
         ``collectives``, and the seconds spent inside collectives (``comm_s``) and
-        compressing/decompressing (``codec_s``), summed over the step's buckets. With
+        compressing/decompressing (``codec_s``), summed over the step's buckets, and
+        ``codec_cpu_s``: the exchanging threads' CPU time outside collectives (``codec_s``
+        is wall time: on cores shared with backward it also counts the waits for a core;
+        this is what the codec took from them; on a GPU, the host's time). With
         ``delay=D`` the latest step whose exchanges have all finished is D steps back. The
         warm-up's schedule: ``compressing`` (whether the step in flight is compressed; False
         for plain allreduce), ``warmup_switch_step`` (the first compressed step; None while
@@ -553,6 +557,7 @@ class GradcompState:
             "ratio": raw / t.sent if t.sent else float("inf"),
             "collectives": t.collectives,
             "comm_s": t.comm_s, "codec_s": t.total_s - t.comm_s,
+            "codec_cpu_s": t.total_cpu_s - t.comm_cpu_s,
             "compressing": bool(self.warmup.compressing(max(self._step, 0))),
             "warmup_switch_step": self.warmup.switch_step(), "warmup_norm_change": self.warmup.ratio,
             "topology": "hierarchical" if self.local_size else "flat",
