@@ -101,6 +101,10 @@ def summarize(method: str, res: dict, world: int, rate_bps: float | None, warmup
            "codec_cpu_s": statistics.mean(h.get("codec_cpu_s", math.nan) for h in tail)
            if tail else None,
            "comm_s": statistics.mean(h["comm_s"] for h in tail) if tail else None}
+    ph = res.get("phases", [])[warmup:]
+    for k in ("forward_s", "backward_s", "rest_s", "tail_s"):  # the step's split (train._phases)
+        got = [p[k] for p in ph if k in p]
+        row[k] = statistics.median(got) if got else None
     link_s = wire * 8 / rate_bps if rate_bps else 0.0
     row["nocomm_s"] = max(0.0, row["step_s"] - link_s)  # what is left without the wire time
     return row

@@ -313,6 +313,8 @@ def ddp_table(rows) -> str:
         v["codec_ms"] = r["codec_s"] * 1e3 if r.get("codec_s") is not None else None
         v["comm_ms"] = r["comm_s"] * 1e3 if r.get("comm_s") is not None else None
         v["codec_cpu_ms"] = r["codec_cpu_s"] * 1e3 if r.get("codec_cpu_s") is not None else None
+        for k in ("forward", "backward", "rest", "tail"):
+            v[f"{k}_ms"] = r[f"{k}_s"] * 1e3 if r.get(f"{k}_s") is not None else None
         be = r.get("breakeven_bps")
         v["breakeven"] = None if be is None else ("always" if be == float("inf") else
                                                   "never" if be == 0 else _rate_name(be))
@@ -326,6 +328,8 @@ def ddp_table(rows) -> str:
             ("x_bound", "x bound", ".2f"), ("wire_MB", "wire MB", ".3f"), ("bytes", "from", ""),
             ("ratio", "ratio", ".0f"), ("codec_ms", "codec ms", ".1f"),
             ("codec_cpu_ms", "codec CPU ms", ".1f"),
+            ("forward_ms", "fwd ms", ".0f"), ("backward_ms", "bwd ms", ".0f"),
+            ("rest_ms", "opt ms", ".0f"), ("tail_ms", "tail ms", ".0f"),
             ("comm_ms", "in collectives ms", ".1f"),
             ("at1e+08", "@100M ms", ".0f"), ("at1e+09", "@1G ms", ".0f"),
             ("at1e+10", "@10G ms", ".0f"), ("breakeven", "beats ddp below", "")]

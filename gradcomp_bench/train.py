@@ -182,7 +182,7 @@ def train(rank: int, world: int, cfg: TrainConfig | dict) -> dict:
     else:
         raise ValueError(f"schedule={cfg.schedule!r}: allowed 'cosine', 'onecycle'")
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
-    losses, times, curve, hist, step = [], [], [], [], 0
+    losses, times, curve, hist, phases, step = [], [], [], [], [], 0
     model.train()
     while step < total:
         perm = torch.randperm(len(xtr), generator=torch.Generator().manual_seed(cfg.seed + step))
@@ -197,10 +197,15 @@ def train(rank: int, world: int, cfg: TrainConfig | dict) -> dict:
             xb, yb = data.normalize(xb).to(device), ytr[idx].to(device)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
+            traced = getattr(state, "trace", False) is None  # a GradcompState: its timestamps
+            if traced:
+                state.trace = []
             t0 = time.perf_counter()
             loss = F.cross_entropy(model(xb), yb)
             opt.zero_grad(set_to_none=True)
+            t1 = time.perf_counter()
             loss.backward()
+            t2 = time.perf_counter()
             opt.step()
             sched.step()
             if cfg.barrier:
@@ -208,6 +213,9 @@ def train(rank: int, world: int, cfg: TrainConfig | dict) -> dict:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t0)
+            phases.append(_phases(t0, t1, t2, times[-1], state.trace if traced else None))
+            if traced:
+                state.trace = None
             losses.append(loss.item())
             if state is not None:
                 hist.append(state.stats())
@@ -218,13 +226,25 @@ def train(rank: int, world: int, cfg: TrainConfig | dict) -> dict:
     if state is not None and hasattr(state, "flush"):
         state.flush()
     out = {"config": asdict(cfg), "losses": losses, "step_times": times, "curve": curve,
-           "world": world, "steps": step}
+           "world": world, "steps": step, "phases": phases}
     if state is not None:
         out["stats"] = state.stats()
         out["stats_history"] = hist
         state.close()
     if cfg.eval:
         out.update(curve[-1])
+    return out
+
+
+def _phases(t0: float, t1: float, t2: float, step_s: float, trace) -> dict:
+    """One step's split: forward (and zero_grad), backward (which returns once every bucket's
+    exchange has finished: DDP waits for them), the rest (optimizer, scheduler); with a
+    gradcomp state's ``trace``, ``tail_s``: from the last bucket handed to the hook to
+    backward's return, the part of the exchanges that no gradient computation hid."""
+    out = {"forward_s": t1 - t0, "backward_s": t2 - t1, "rest_s": step_s - (t2 - t0)}
+    submits = [e[2] for e in trace or () if e[0] == "submit"]
+    if submits:
+        out["tail_s"] = max(0.0, t2 - max(submits))
     return out
 
 

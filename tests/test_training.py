@@ -8,12 +8,19 @@ STEPS = 24
 
 
 def _run_all(rank, world, methods):
-    return {m: train(rank, world, dict(method=m, max_steps=STEPS, epochs=0, eval=False))["losses"]
+    return {m: train(rank, world, dict(method=m, max_steps=STEPS, epochs=0, eval=False))
             for m in methods}
 
 
 def test_every_method_lowers_the_loss(cifar, spawn):
-    losses = spawn(_run_all, 2, args=(METHODS,), timeout=600)[0]
-    for m, ls in losses.items():
+    runs = spawn(_run_all, 2, args=(METHODS,), timeout=600)[0]
+    for m, r in runs.items():
+        ls = r["losses"]
         first, last = sum(ls[:6]) / 6, sum(ls[-6:]) / 6
         assert last < first - 0.1, f"{m}: loss {first:.3f} -> {last:.3f}"
+        # the rig's split of each step: its parts add up to the step; the tail (after the
+        # last gradient was handed to the hook) is part of backward, which waits for it
+        assert len(r["phases"]) == STEPS
+        for ph, step in zip(r["phases"], r["step_times"]):
+            assert abs(ph["forward_s"] + ph["backward_s"] + ph["rest_s"] - step) < 1e-6
+            assert 0 <= ph["tail_s"] <= ph["backward_s"] and ph["forward_s"] > 0
