@@ -226,6 +226,7 @@ def cmd_ddp(args) -> int:
         row = bench.summarize(m, res, w, rate, args.warmup, args.model)
         rows.append(row)
         raw.append({"method": m, "world": w, "link_bps": rate, "step_times": res["step_times"],
+                    "phases": res.get("phases"),
                     **({"method_probe": (res.get("stats") or {}).get("method_probe")}
                        if m.startswith("auto") else {})})
         tag = f"w{w}/{_rate_name(rate)}/{m}"

@@ -245,6 +245,8 @@ def _phases(t0: float, t1: float, t2: float, step_s: float, trace) -> dict:
     submits = [e[2] for e in trace or () if e[0] == "submit"]
     if submits:
         out["tail_s"] = max(0.0, t2 - max(submits))
+        # each event (submit / exchange, bucket, start, end), in seconds from backward's start
+        out["events"] = [(k, b, a - t1, z - t1) for k, b, a, z in trace]
     return out
 
 

@@ -30,7 +30,7 @@ RUNS += [f"{s},delay={d},warmup_window=1,warmup_threshold=100"
          for s in ("onebit:chunk=64", "powersgd:rank=1", "dgc:ratio=0.05") for d in (0, 1)]
 
 
-def _sequences(rank, world):
+def _sequences(rank, world, ordered=True):
     log = record_collectives(rank)
     out = {}
     for spec in RUNS:
@@ -38,6 +38,8 @@ def _sequences(rank, world):
         model = DDP(net, bucket_cap_mb=0.004)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         state = gradcomp.register(model, spec, optimizer=opt, min_numel=0, lanes=4)
+        if ordered is not None:  # gloo's default is False (test_gloo_... below)
+            state.ordered = ordered
         start = len(log)
         for step in range(4):
             x, y = batch(rank, step)
@@ -46,6 +48,7 @@ def _sequences(rank, world):
             opt.step()
         state.drain()
         out[spec] = log[start:]
+        assert state.ordered is (ordered if ordered is not None else False)
         state.close()
     return out
 
@@ -53,6 +56,28 @@ def _sequences(rank, world):
 @pytest.fixture(scope="module")
 def sequences(spawn):
     return spawn(_sequences, 2, timeout=600)
+
+
+def _by_group(log):
+    out = {}
+    for g, op, n in log:
+        out.setdefault(g, []).append((op, n))
+    return out
+
+
+def _group_sequences(rank, world):
+    return {spec: _by_group(log) for spec, log in _sequences(rank, world, ordered=None).items()}
+
+
+def test_gloo_issues_without_turns_each_groups_sequence_the_same_on_every_rank(spawn):
+    """On gloo the default is no global order (``state.ordered`` False, asserted in
+    _sequences): what gloo needs is that each process group sees one sequence on every rank
+    (each lane's group is used by its thread alone), which holds under the same random
+    delays."""
+    a, b = spawn(_group_sequences, 2, timeout=600)
+    for spec in RUNS:
+        assert len(a[spec]) > 1, "several lanes were in use"
+        assert a[spec] == b[spec], spec
 
 
 @pytest.mark.parametrize("spec", RUNS)
@@ -119,3 +144,62 @@ def test_torch_powersgd_baseline_in_order_issues_one_sequence_on_gloo(spawn):
     assert len(a) == len(b) > 6 * 3, "several buckets' P and Q allreduces every step"
     assert a == b
     assert pa == pb  # the ranks' models stay identical
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward takes 0.4 s: the first layer's gradients (DDP's last bucket)
+    come that long after the later layers'."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(0.4)
+        return g
+
+
+class _SlowNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.rest = small_net()[0], small_net()[1:]
+
+    def forward(self, x):
+        return self.rest(_SlowBackward.apply(self.first(x)))
+
+
+def _first_bucket_done(rank, world, ordered):
+    """Per step after the first: did bucket 0's exchange (1-bit's two collectives) finish
+    before DDP handed over its last bucket?"""
+    model = DDP(_SlowNet(), bucket_cap_mb=0.004)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    state = gradcomp.register(model, "onebit:chunk=64,warmup=none", optimizer=opt, min_numel=0)
+    if ordered is not None:
+        state.ordered = ordered
+    out = []
+    for step in range(3):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        state.trace = []
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        ev, state.trace = state.trace, None
+        last = max(a for k, b, a, z in ev if k == "submit")
+        end0 = next(z for k, b, a, z in ev if k == "exchange" and b == 0)
+        if step:  # DDP rebuilds its buckets after the first iteration
+            out.append(end0 < last)
+    n = len({b for k, b, a, z in ev if k == "submit"})
+    state.close()
+    return out, n, state.ordered
+
+
+@pytest.mark.parametrize("ordered", [None, True])
+def test_on_gloo_a_buckets_exchange_finishes_while_backward_goes_on(spawn, ordered):
+    """gloo's default (no global order): bucket 0's two-phase exchange finishes while backward
+    still computes the first layer (0.4 s later). In the global order (NCCL's) its second
+    collective waits for the group's last bucket, handed over at backward's end."""
+    (done, buckets, got), _ = spawn(_first_bucket_done, 2, args=(ordered,), timeout=120)
+    assert 1 < buckets <= 4, "one group of buckets (lanes=4)"
+    assert got is (ordered or False)
+    assert done == [not ordered] * 2

@@ -24,6 +24,17 @@ collectives all go before the next group's. A collective is issued asynchronousl
 turn is held, then waited for after the turn is given up, so the next ticket never waits
 for this one's round trip. Exchanges of a round all go before the next round's (with
 ``delay`` the background exchange of step t is issued before step t+1's).
+
+Only where it is needed. The order costs overlap: inside a group of buckets a bucket's
+second collective waits until every bucket of the group has issued its first, so a two-phase
+exchange (1-bit, TernGrad, PowerSGD) of the first bucket waits for the group's last bucket,
+which backward hands over at its very end (ResNet-18 under DDP's defaults: 3 buckets, one
+group; the first bucket's exchange finished after backward's last gradient, measured in
+bench/RESULTS.md section 1n). gloo needs no order across process groups: each group has its
+own connections and threads, and each lane's group is used by that lane's thread alone, whose
+collectives follow its exchanges in submission order, the same on every rank. So where every
+lane's process groups are gloo, turns are granted at once (``Sequencer.ordered`` False); any
+other backend (NCCL) takes them in key order.
 """
 from __future__ import annotations
 
@@ -34,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from ..comm import Comm
 
@@ -66,8 +78,11 @@ class Sequencer:
     exchange, and no bucket of the round not yet submitted, could still issue a smaller key.
     """
 
-    def __init__(self, lanes: int):
+    def __init__(self, lanes: int, ordered: bool | None = None):
         self.lanes = lanes
+        # False: turns granted at once (gloo: see the module doc); None: not decided yet
+        # (the state decides at its first exchange, from its lanes' backends)
+        self.ordered = ordered
         self._cv = threading.Condition()
         self._next: dict[tuple[int, int], int] = {}  # open (round, bucket) -> next phase
         self._round = 0
@@ -108,7 +123,8 @@ class Sequencer:
     def turn(self, rnd: int, bucket: int, phase: int, timeout: float | None = None):
         """Hold the turn of (rnd, bucket, phase) while issuing; then the next key may go."""
         with self._cv:
-            if not self._cv.wait_for(lambda: self._clear(rnd, bucket, phase), timeout):
+            if self.ordered is not False and not self._cv.wait_for(
+                    lambda: self._clear(rnd, bucket, phase), timeout):
                 raise RuntimeError(f"gradcomp: collective of bucket {bucket}, phase {phase} "
                                    f"waited {timeout} s for its turn (a bucket never submitted?)")
         try:
@@ -157,6 +173,10 @@ class Lane:
 
     def comms(self) -> list[Comm]:
         return [c for c in (self.comm, self.intra, self.inter) if c is not None]
+
+    def gloo(self) -> bool:
+        """Whether every process group this lane issues on is gloo's alone (no NCCL)."""
+        return all(c.group is None or dist.get_backend(c.group) == "gloo" for c in self.comms())
 
     def set_ticket(self, ticket) -> None:
         for c in self.comms():

@@ -252,6 +252,20 @@ class GradcompState:
         self._seq = Sequencer(len(self._lanes))
 
     @property
+    def ordered(self) -> bool | None:
+        """Whether collectives take turns in one global order, the same on every rank (what
+        NCCL needs; hooks/engine.py): decided at the first exchange, False where every lane's
+        process groups are gloo (which needs no order across groups), True otherwise; None
+        until then. Set it (after registration, before the first step) to choose."""
+        return self._seq.ordered
+
+    @ordered.setter
+    def ordered(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"ordered={value!r}: allowed True or False")
+        self._seq.ordered = value
+
+    @property
     def lanes(self) -> int:
         """How many buckets' exchanges can run at once (one process group each)."""
         return len(self._lanes)
@@ -670,6 +684,8 @@ class GradcompState:
             if ex is None:
                 return
             buf, fut, delayed = ex.buf, ex.fut, ex.delayed
+            if self._seq.ordered is None:  # decided once, before any collective is issued
+                self._seq.ordered = not all(ln.gloo() for ln in self._lanes)
             ticket = Ticket(self._seq, ex.rnd, ex.bucket, TURN_TIMEOUT_S)
             if self._error is not None:
                 ticket.close()
