@@ -25,10 +25,24 @@ BASELINES = {"ddp": {}, "fp16": {}, "torch-powersgd": {"rank": 2, "start": 2, "o
 _MIN_ZERO = {"ordered"}
 
 
+ORDERED = "|ordered"  # a gradcomp spec's suffix: its collectives in NCCL's global order
+
+
+def split_ordered(spec: str) -> tuple[str, bool]:
+    """(the spec without ``|ordered``, whether it had it). ``onebit|ordered`` sets
+    ``state.ordered = True`` after registering (on gloo the default is False: the rig
+    compares the two side by side)."""
+    spec = spec.strip()
+    return (spec[: -len(ORDERED)], True) if spec.endswith(ORDERED) else (spec, False)
+
+
 def parse_method(spec: str) -> tuple[str, dict]:
     """A method spec, ``"name:key=value,..."``, as (name, options): a gradcomp method's by the
     library's own :func:`gradcomp.parse_spec` (and checked by its config), a baseline's with
     its defaults filled in. ValueError names what is wrong."""
+    spec, ordered = split_ordered(spec)
+    if ordered and not is_gradcomp(spec):
+        raise ValueError(f"{spec + ORDERED!r}: {ORDERED} is for gradcomp's methods")
     name, _, rest = spec.strip().partition(":")
     if name == "auto":  # the library picks the method at registration (hooks/auto.py)
         return parse_spec(spec, auto=True)
@@ -52,7 +66,7 @@ def parse_method(spec: str) -> tuple[str, dict]:
 
 
 def is_gradcomp(spec: str) -> bool:
-    return spec.strip().partition(":")[0] not in BASELINES
+    return split_ordered(spec)[0].partition(":")[0] not in BASELINES
 
 
 def _in_order(hook):
@@ -77,7 +91,11 @@ def _noop_hook(state, bucket):
 def attach(model: DDP, spec: str, optimizer, **options):
     """Put ``spec``'s communication on ``model``; returns the gradcomp state or None."""
     if is_gradcomp(spec):
-        return register(model, spec, optimizer=optimizer, **options)
+        spec, ordered = split_ordered(spec)
+        state = register(model, spec, optimizer=optimizer, **options)
+        if ordered:
+            state.ordered = True
+        return state
     name, opts = parse_method(spec)
     if name == "ddp":
         return None

@@ -210,3 +210,15 @@ def test_seeds_plot_draws_every_file_together(tmp_path, capsys):
     assert "onebit" in capsys.readouterr().out
     for name in ("convergence_val_loss.png", "convergence_loss_vs_bytes.png"):
         assert (out / name).stat().st_size > 1000
+
+
+def test_ordered_suffix_is_for_gradcomp_methods_only():
+    """``onebit|ordered`` (the rig's side-by-side of gloo's default and NCCL's global order)
+    parses as onebit; on a baseline it is refused, naming it."""
+    from gradcomp_bench.train import is_gradcomp, parse_method, split_ordered
+    assert split_ordered("onebit:chunk=64|ordered") == ("onebit:chunk=64", True)
+    assert split_ordered("onebit") == ("onebit", False)
+    assert parse_method("onebit:chunk=64|ordered") == parse_method("onebit:chunk=64")
+    assert is_gradcomp("terngrad|ordered") and not is_gradcomp("noop")
+    with pytest.raises(ValueError, match=r"'noop\|ordered': \|ordered is for gradcomp"):
+        parse_method("noop|ordered")

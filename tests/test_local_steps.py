@@ -455,6 +455,7 @@ def _sequences(rank, world, specs):
     out = {}
     for spec in specs:
         net, model, opt, state = _job(spec, net_fn=_BNNet, lanes=4)
+        state.ordered = True  # NCCL's global order (gloo's default skips it)
         start = len(log)
         for step in range(2 * H + 1):
             _step(model, opt, rank, step)

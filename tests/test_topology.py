@@ -44,11 +44,13 @@ def odd_net():
 NETS = {"small": small_net, "odd": odd_net}
 
 
-def _train(rank, spec, steps=STEPS, capture=False, sgd=None, net_fn=small_net):
+def _train(rank, spec, steps=STEPS, capture=False, sgd=None, net_fn=small_net, ordered=None):
     net = net_fn()
     model = DDP(net, bucket_cap_mb=0.004)
     opt = torch.optim.SGD(model.parameters(), **(sgd or {"lr": 0.05}))
     state = gradcomp.register(model, spec, optimizer=opt, min_numel=0, warmup="none") if spec else None
+    if ordered is not None:  # NCCL's global order, which gloo's default skips
+        state.ordered = ordered
     local, avg = train_capturing(rank, model, net, opt, steps, capture)
     params = [p.detach().clone() for p in net.parameters()]
     return state, params, local, avg
@@ -83,9 +85,13 @@ def _job(rank, world):
     for spec in ORDER:
         for d in (0, 1):
             start = len(log)
-            state = _train(rank, _with(spec, f"{HIER},delay={d}"), steps=3)[0]
+            state = _train(rank, _with(spec, f"{HIER},delay={d}"), steps=3, ordered=True)[0]
             state.drain()
             out["order"][(spec, d)] = log[start:]
+        start = len(log)  # gloo's default: no global order, each group's own order
+        state = _train(rank, _with(spec, f"{HIER},delay=1"), steps=3)[0]
+        state.drain()
+        out["order"][(spec, "gloo")] = log[start:], state.ordered
     return out
 
 
@@ -255,3 +261,20 @@ def test_topology_auto_follows_the_measurement(auto_runs, forced):
         assert groups == explicit_groups
         for a, b in zip(params, explicit):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("spec", ORDER)
+def test_on_gloo_each_group_sees_one_sequence_on_all_its_ranks(runs, spec):
+    """Without the global order (gloo's default): every process group, the nodes' own and
+    the ones across nodes, gets the same sequence of (op, size) from each of its ranks."""
+    per_group = {}
+    for rank, r in enumerate(runs):
+        seq, ordered = r["order"][(spec, "gloo")]
+        assert ordered is False
+        for g, op, n in seq:
+            per_group.setdefault(g, {}).setdefault(rank, []).append((op, n))
+    shared = [g for g, by_rank in per_group.items() if len(by_rank) > 1]
+    assert len(shared) >= 3, "the lanes' flat, node and cross-node groups"
+    for g in shared:
+        seqs = list(per_group[g].values())
+        assert all(q == seqs[0] for q in seqs[1:]), g
