@@ -330,6 +330,6 @@ def slot_order(taken: torch.Tensor, slots: int, by_mask: bool | None = None) -> 
     if by_mask is None:
         by_mask = taken.device.type == "cpu"
     if by_mask:
-        mask = torch.zeros(slots, dtype=torch.bool).index_fill_(0, taken, True)
+        mask = torch.zeros(slots, dtype=torch.bool, device=taken.device).index_fill_(0, taken, True)
         return torch.nonzero(mask).view(-1)
     return torch.sort(taken).values
