@@ -131,6 +131,43 @@ def finish(rows: list[dict]) -> None:
                 r["breakeven_bps"] = dw / dc if dc > 0 else math.inf
 
 
+def combine_rounds(rows: list[dict], methods: list[str]) -> list[dict]:
+    """The rows of a ``ddp --rounds`` run (each with its ``round``) as one row per method.
+
+    Each round's rows get their ratios from :func:`finish` against that round's own noop
+    (paired: a method and the compute-only step it is divided by ran minutes apart, not a
+    whole run apart); a method's row then holds the median over rounds of each number,
+    ratios included, its rounds' steps and ratios under ``rounds`` and the ratios' range as
+    ``x_compute_lo`` / ``x_compute_hi``. One round: its rows as :func:`finish` leaves them."""
+    by_round: dict[int, list[dict]] = {}
+    for r in rows:
+        by_round.setdefault(r.pop("round", 0), []).append(r)
+    for rs in by_round.values():
+        finish(rs)
+    if len(by_round) == 1:
+        return next(iter(by_round.values()))
+    groups: dict[tuple, list[dict]] = {}
+    for k in sorted(by_round):
+        for r in by_round[k]:
+            groups.setdefault((r["world"], r["link_bps"], r["method"]), []).append(r)
+    order = {m: i for i, m in enumerate(methods)}
+    out = []
+    for (world, link, method), rs in sorted(groups.items(), key=lambda kv: (
+            kv[0][0], kv[0][1] or 0, order.get(kv[0][2], len(order)))):
+        row = dict(rs[0])
+        for key, v in rs[0].items():
+            vals = [r.get(key) for r in rs]
+            if (key not in ("world", "link_bps") and not isinstance(v, bool)
+                    and all(isinstance(x, (int, float)) for x in vals)):
+                row[key] = statistics.median(vals)
+        row["rounds"] = [{"step_s": r["step_s"], "x_compute": r.get("x_compute")} for r in rs]
+        ratios = [r["x_compute"] for r in rs if r.get("x_compute") is not None]
+        if ratios:
+            row["x_compute_lo"], row["x_compute_hi"] = min(ratios), max(ratios)
+        out.append(row)
+    return out
+
+
 def project(row: dict, bps: float) -> float:
     """Step time at another bandwidth from the measured non-communication time and bytes."""
     return row["nocomm_s"] + row["wire_bytes"] * 8 / bps

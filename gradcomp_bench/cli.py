@@ -200,14 +200,20 @@ def cmd_ddp(args) -> int:
                          f"at least 2 nodes (--nodes, or --world)")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    jobs = [(w, r, m) for w in worlds for r in rates for m in methods]
+    if args.rounds < 1:
+        raise UsageError(f"--rounds {args.rounds}: allowed an integer >= 1")
+    # round k runs the method list rotated by k: the machine's drift within a run falls on
+    # every method alike, and each method's ratio pairs it with its own round's noop
+    jobs = [(w, r, m, k) for k in range(args.rounds) for w in worlds for r in rates
+            for m in methods[k % len(methods):] + methods[:k % len(methods)]]
     if link_note:
         print(link_note, file=sys.stderr)
     rows, raw = [], []
     scalars = report.Scalars(args.tensorboard)
     quiet = torchrun and int(os.environ["RANK"]) != 0
-    for w, rate, m in _progress(jobs, lambda j: f"world {j[0]} link {_rate_name(j[1])} {j[2]}",
-                                disable=quiet):
+    for w, rate, m, k in _progress(
+            jobs, lambda j: f"world {j[0]} link {_rate_name(j[1])} {j[2]}"
+            + (f" round {j[3] + 1}" if args.rounds > 1 else ""), disable=quiet):
         cfg = TrainConfig(method=m, model=args.model, data=data_dir, synthetic=args.synthetic,
                           epochs=0, max_steps=args.steps + args.warmup, batch=args.batch,
                           eval=False, seed=args.seed,
@@ -224,8 +230,10 @@ def cmd_ddp(args) -> int:
             with Link(rate, latency, n=w // per_node) as link:
                 res = bench.run_train(w, cfg, link=link, per_node=per_node)[0]
         row = bench.summarize(m, res, w, rate, args.warmup, args.model)
+        row["round"] = k
         rows.append(row)
-        raw.append({"method": m, "world": w, "link_bps": rate, "step_times": res["step_times"],
+        raw.append({"method": m, "world": w, "link_bps": rate, "round": k,
+                    "step_times": res["step_times"],
                     "phases": res.get("phases"),
                     **({"method_probe": (res.get("stats") or {}).get("method_probe")}
                        if m.startswith("auto") else {})})
@@ -238,7 +246,7 @@ def cmd_ddp(args) -> int:
     scalars.close()
     if quiet:
         return 0
-    bench.finish(rows)
+    rows = bench.combine_rounds(rows, methods)
     doc = _write_json(args, out_dir, "ddp", {"rows": rows, "raw": raw})
     print(ddp_table(rows))
     _plot(doc, out_dir)
@@ -311,6 +319,8 @@ def ddp_table(rows) -> str:
         v["wire_MB"] = r["wire_bytes"] / 1e6
         v["bytes"] = "stats" if r["bytes_measured"] else "model"
         v["bound_ms"] = r["bound_s"] * 1e3 if "bound_s" in r else None
+        v["x_range"] = (f"{r['x_compute_lo']:.2f}-{r['x_compute_hi']:.2f}"
+                        if "x_compute_lo" in r else None)
         v["codec_ms"] = r["codec_s"] * 1e3 if r.get("codec_s") is not None else None
         v["comm_ms"] = r["comm_s"] * 1e3 if r.get("comm_s") is not None else None
         v["codec_cpu_ms"] = r["codec_cpu_s"] * 1e3 if r.get("codec_cpu_s") is not None else None
@@ -324,7 +334,8 @@ def ddp_table(rows) -> str:
         view.append(v)
     cols = [("method", "method", ""), ("world", "W", "d"), ("link", "link", ""),
             ("step_ms", "step ms", ".0f"), ("spread", "p20-p80", ""),
-            ("x_compute", "x compute", ".2f"), ("mean_ms", "mean ms", ".0f"),
+            ("x_compute", "x compute", ".2f"), ("x_range", "x rounds", ""),
+            ("mean_ms", "mean ms", ".0f"),
             ("x_compute_mean", "x compute (mean)", ".2f"), ("bound_ms", "bound ms", ".0f"),
             ("x_bound", "x bound", ".2f"), ("wire_MB", "wire MB", ".3f"), ("bytes", "from", ""),
             ("ratio", "ratio", ".0f"), ("codec_ms", "codec ms", ".1f"),
@@ -698,6 +709,10 @@ def parser() -> argparse.ArgumentParser:
                         "of --ranks-per-node ranks, replicas across nodes)")
     d.add_argument("--steps", type=int, default=12, help="measured steps after warm-up")
     d.add_argument("--warmup", type=int, default=4)
+    d.add_argument("--rounds", type=int, default=1,
+                   help="run every method this many times, the order rotated each round; each "
+                        "row's ratios are the medians of its rounds' (each against its own "
+                        "round's noop)")
     c = sub.add_parser("convergence", help="accuracy per method: CIFAR-10 (SGD), or a GPT's "
                                             "validation loss (AdamW) with --model gpt")
     common(c, CONVERGENCE_METHODS, "resnet18", None)

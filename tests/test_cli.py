@@ -222,3 +222,41 @@ def test_ordered_suffix_is_for_gradcomp_methods_only():
     assert is_gradcomp("terngrad|ordered") and not is_gradcomp("noop")
     with pytest.raises(ValueError, match=r"'noop\|ordered': \|ordered is for gradcomp"):
         parse_method("noop|ordered")
+
+
+def test_ddp_rounds_rotate_the_order_and_pair_each_ratio_with_its_rounds_noop(
+        tmp_path, monkeypatch, capsys):
+    """--rounds 3: each round runs the methods in an order rotated by one, and a method's
+    ratio is the median of its rounds' ratios, each against the noop of its own round (the
+    machine slows 10% per run here: unpaired, the drift would decide the ratio)."""
+    from gradcomp_bench import bench
+    calls = []
+
+    def fake(world, cfg, link=None, per_node=1):
+        slow = 1 + 0.1 * len(calls)
+        calls.append(cfg.method)
+        base = {"noop": 1.0, "allreduce": 1.2, "ddp": 1.5}[cfg.method]
+        return [{"step_times": [base * slow] * 4}]
+
+    monkeypatch.setattr(bench, "run_train", fake)
+    monkeypatch.setattr(cli, "_plot", lambda doc, out: None)
+    path = tmp_path / "r.json"
+    assert cli.main(["ddp", "--synthetic", "--link", "none", "--methods", "noop,allreduce,ddp",
+                     "--rounds", "3", "--steps", "2", "--warmup", "2", "--json", str(path),
+                     "--out", str(tmp_path)]) == 0
+    assert calls == ["noop", "allreduce", "ddp", "allreduce", "ddp", "noop",
+                     "ddp", "noop", "allreduce"]
+    doc = json.loads(path.read_text())
+    rows = {r["method"]: r for r in doc["rows"]}
+    assert [r["method"] for r in doc["rows"]] == ["noop", "allreduce", "ddp"]
+    slow = [1 + 0.1 * i for i in range(9)]
+    ar = sorted([1.2 * slow[1] / slow[0], 1.2 * slow[3] / slow[5], 1.2 * slow[8] / slow[7]])
+    assert rows["allreduce"]["x_compute"] == pytest.approx(ar[1])
+    assert (rows["allreduce"]["x_compute_lo"], rows["allreduce"]["x_compute_hi"]) == (
+        pytest.approx(ar[0]), pytest.approx(ar[2]))
+    assert [r["step_s"] for r in rows["ddp"]["rounds"]] == pytest.approx(
+        [1.5 * slow[2], 1.5 * slow[4], 1.5 * slow[6]])
+    assert rows["noop"]["x_compute"] == 1.0
+    assert sorted(r["round"] for r in doc["raw"]) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert "x rounds" in capsys.readouterr().out
+    assert cli.main(["ddp", "--synthetic", "--rounds", "0"]) == 2
