@@ -107,6 +107,11 @@ def summarize(method: str, res: dict, world: int, rate_bps: float | None, warmup
         row[k] = statistics.median(got) if got else None
     link_s = wire * 8 / rate_bps if rate_bps else 0.0
     row["nocomm_s"] = max(0.0, row["step_s"] - link_s)  # what is left without the wire time
+    sizes = res.get("bucket_bytes")
+    # the last bucket's share of the gradient (its exchange starts when backward has ended)
+    row["last_bucket_share"] = sizes[-1] / sum(sizes) if sizes and sum(sizes) else None
+    # delayed averaging: a step's exchanges run behind the next step, the last bucket's too
+    row["delayed"] = bool(((res.get("config") or {}).get("options") or {}).get("delay"))
     return row
 
 
@@ -122,6 +127,19 @@ def finish(rows: list[dict]) -> None:
             link_s = r["wire_bytes"] * 8 / r["link_bps"] if r["link_bps"] else 0.0
             r["bound_s"] = noop["step_s"] + link_s
             r["x_bound"] = r["step_s"] / r["bound_s"]
+            if r.get("forward_s") and noop.get("forward_s") and not r.get("delayed"):
+                # paced by the forward, which no synchronous exchange touches: the step in
+                # forwards against compute-only's (the machine's speed, which drifts by up to
+                # 20% within minutes on a shared host, cancels; bench/RESULTS.md 1o)
+                r["x_paced"] = (r["step_s"] / r["forward_s"]) / (noop["step_s"] / noop["forward_s"])
+            share = r.get("last_bucket_share")
+            if r.get("codec_cpu_s") is not None and share is not None:
+                # the floor of this implementation on cores backward keeps busy: the codec's
+                # CPU time adds, and so does the wire of the last bucket (nothing is left to
+                # overlap it with); what a step takes beyond it is waiting
+                r["floor_s"] = noop["step_s"] + r["codec_cpu_s"] + (
+                    0.0 if r.get("delayed") else share * link_s)
+                r["x_floor"] = r["step_s"] / r["floor_s"]
         if base and r is not base:
             dw = (base["wire_bytes"] - r["wire_bytes"]) * 8
             dc = r["nocomm_s"] - base["nocomm_s"]

@@ -319,6 +319,7 @@ def ddp_table(rows) -> str:
         v["wire_MB"] = r["wire_bytes"] / 1e6
         v["bytes"] = "stats" if r["bytes_measured"] else "model"
         v["bound_ms"] = r["bound_s"] * 1e3 if "bound_s" in r else None
+        v["floor_ms"] = r["floor_s"] * 1e3 if "floor_s" in r else None
         v["x_range"] = (f"{r['x_compute_lo']:.2f}-{r['x_compute_hi']:.2f}"
                         if "x_compute_lo" in r else None)
         v["codec_ms"] = r["codec_s"] * 1e3 if r.get("codec_s") is not None else None
@@ -335,9 +336,11 @@ def ddp_table(rows) -> str:
     cols = [("method", "method", ""), ("world", "W", "d"), ("link", "link", ""),
             ("step_ms", "step ms", ".0f"), ("spread", "p20-p80", ""),
             ("x_compute", "x compute", ".2f"), ("x_range", "x rounds", ""),
+            ("x_paced", "x paced", ".2f"),
             ("mean_ms", "mean ms", ".0f"),
             ("x_compute_mean", "x compute (mean)", ".2f"), ("bound_ms", "bound ms", ".0f"),
-            ("x_bound", "x bound", ".2f"), ("wire_MB", "wire MB", ".3f"), ("bytes", "from", ""),
+            ("x_bound", "x bound", ".2f"), ("floor_ms", "floor ms", ".0f"),
+            ("x_floor", "x floor", ".2f"), ("wire_MB", "wire MB", ".3f"), ("bytes", "from", ""),
             ("ratio", "ratio", ".0f"), ("codec_ms", "codec ms", ".1f"),
             ("codec_cpu_ms", "codec CPU ms", ".1f"),
             ("forward_ms", "fwd ms", ".0f"), ("backward_ms", "bwd ms", ".0f"),

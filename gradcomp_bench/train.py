@@ -244,7 +244,7 @@ def train(rank: int, world: int, cfg: TrainConfig | dict) -> dict:
     if state is not None and hasattr(state, "flush"):
         state.flush()
     out = {"config": asdict(cfg), "losses": losses, "step_times": times, "curve": curve,
-           "world": world, "steps": step, "phases": phases}
+           "world": world, "steps": step, "phases": phases, "bucket_bytes": _bucket_bytes(model)}
     if state is not None:
         out["stats"] = state.stats()
         out["stats_history"] = hist
@@ -252,6 +252,17 @@ def train(rank: int, world: int, cfg: TrainConfig | dict) -> dict:
     if cfg.eval:
         out.update(curve[-1])
     return out
+
+
+def _bucket_bytes(model) -> list[int] | None:
+    """The bytes of each of DDP's buckets as it last built them (by the order backward made
+    the gradients ready, after its first step), bucket 0 first; None where it does not say
+    (not DDP)."""
+    try:
+        return [b.buffer().numel() * b.buffer().element_size()
+                for b in model.reducer._get_zeros_like_grad_buckets()]
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def _phases(t0: float, t1: float, t2: float, step_s: float, trace) -> dict:

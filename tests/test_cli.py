@@ -260,3 +260,28 @@ def test_ddp_rounds_rotate_the_order_and_pair_each_ratio_with_its_rounds_noop(
     assert sorted(r["round"] for r in doc["raw"]) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     assert "x rounds" in capsys.readouterr().out
     assert cli.main(["ddp", "--synthetic", "--rounds", "0"]) == 2
+
+
+def test_the_floor_and_the_paced_ratio():
+    """floor = compute-only + the codec's CPU time + the last bucket's share of the wire
+    time (none with delayed averaging: that exchange runs behind the next step); the paced
+    ratio counts the step in forwards."""
+    from gradcomp_bench import bench
+    rows = [{"method": "noop", "world": 2, "link_bps": 1e8, "step_s": 2.0, "mean_s": 2.0,
+             "wire_bytes": 0.0, "nocomm_s": 2.0},
+            {"method": "onebit", "world": 2, "link_bps": 1e8, "step_s": 2.6, "mean_s": 2.6,
+             "wire_bytes": 2.5e6, "nocomm_s": 2.4, "codec_cpu_s": 0.2,
+             "last_bucket_share": 0.4},
+            {"method": "dgc", "world": 2, "link_bps": 1e8, "step_s": 2.3, "mean_s": 2.3,
+             "wire_bytes": 2.5e6, "nocomm_s": 2.1, "codec_cpu_s": 0.1,
+             "last_bucket_share": 0.4, "delayed": True}]
+    rows[0]["forward_s"], rows[1]["forward_s"], rows[2]["forward_s"] = 0.5, 0.6, 0.6
+    bench.finish(rows)
+    assert rows[1]["floor_s"] == pytest.approx(2.0 + 0.2 + 0.4 * 0.2)
+    # paced: 2.6 / 0.6 forwards against 2.0 / 0.5; none where the exchange runs behind the
+    # next step (its forward is not the machine's pace alone)
+    assert rows[1]["x_paced"] == pytest.approx((2.6 / 0.6) / 4.0)
+    assert "x_paced" not in rows[2]
+    assert rows[1]["x_floor"] == pytest.approx(2.6 / 2.28)
+    assert rows[2]["floor_s"] == pytest.approx(2.1)
+    assert "floor_s" not in rows[0]  # no codec

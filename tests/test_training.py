@@ -7,6 +7,11 @@ METHODS = ["allreduce", "topk:ratio=0.01", "dgc:ratio=0.01", "onebit", "terngrad
 STEPS = 24
 
 
+def _params():
+    from gradcomp_bench import models
+    return list(models.build("resnet_small").parameters())
+
+
 def _run_all(rank, world, methods):
     return {m: train(rank, world, dict(method=m, max_steps=STEPS, epochs=0, eval=False))
             for m in methods}
@@ -24,3 +29,5 @@ def test_every_method_lowers_the_loss(cifar, spawn):
         for ph, step in zip(r["phases"], r["step_times"]):
             assert abs(ph["forward_s"] + ph["backward_s"] + ph["rest_s"] - step) < 1e-6
             assert 0 <= ph["tail_s"] <= ph["backward_s"] and ph["forward_s"] > 0
+        # DDP's buckets as it built them: together, every gradient's fp32 bytes
+        assert sum(r["bucket_bytes"]) == 4 * sum(p.numel() for p in _params())
