@@ -9,6 +9,8 @@ CPU time per gradient element (``time.thread_time``) and then returns the bucket
 * ``none``: nothing burnt (the rig's ``noop``);
 * ``compute``: arithmetic on a 64 KB tensor (stays in the core's cache);
 * ``stream``: copies between two 45 MB buffers (memory traffic, as a codec's passes);
+* ``codec:METHOD``: the method's own exchange (warm-up off) on a process group of this rank
+  alone: its codec, no wire;
 
 and reports per kind the median backward time and the side thread's CPU time per step.
 If backward grows by about the burnt time, a codec costs its CPU time and no more; if it
