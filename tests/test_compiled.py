@@ -76,9 +76,22 @@ def test_onebit_decompress_matches_the_reference(W):
         scales = torch.randn(W, 2, n // CHUNK, generator=g)
         out = torch.randn(n, generator=g)
         want = ref.onebit_decompress(bits, scales, CHUNK, out.clone(), 1 / W)
+        blocked = cpu.onebit_decompress(bits, scales, CHUNK, out.clone(), 1 / W)
         got = compiled.onebit_decompress(bits, scales, CHUNK, out, 1 / W)
         assert got is out
         torch.testing.assert_close(got, want, **TOL)
+        assert torch.equal(got, blocked)  # the same bits as the path it replaces
+        # out not read: the result of a zero out, -0.0 as +0.0, whatever out held
+        fresh = torch.full((n,), float("nan"))
+        got = compiled.onebit_decompress(bits, scales, CHUNK, fresh, 1 / W, accumulate=False)
+        want = cpu.onebit_decompress(bits, scales, CHUNK, torch.zeros(n), 1 / W)
+        assert torch.equal(got, want) and not torch.signbit(got[got == 0]).any()
+        # non-finite scales: the reference's selection (no 0 * inf), as the blocked path does
+        scales[0, 0, 1], scales[0, 1, 2], scales[W - 1, 0, 3] = math.inf, -math.inf, math.nan
+        got = compiled.onebit_decompress(bits, scales, CHUNK, out.clone(), 1 / W)
+        want = cpu.onebit_decompress(bits, scales, CHUNK, out.clone(), 1 / W)
+        assert got.isnan().any() and got.isinf().any()
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)  # bit for bit
 
 
 def test_deterministic():
@@ -98,7 +111,7 @@ def test_dispatch(monkeypatch):
     big, small = torch.randn(compiled.MIN_NUMEL), torch.randn(compiled.MIN_NUMEL - CHUNK)
     monkeypatch.setenv("GRADCOMP_KERNELS", "auto")
     assert kernels.backend("onebit_compress", big) == "compiled"
-    assert kernels.backend("onebit_decompress", big) == "cpu"  # measured no faster compiled
+    assert kernels.backend("onebit_decompress", big) == "compiled"
     assert kernels.backend("onebit_compress", small) == "cpu"
     assert kernels.backend("ternary_compress", big) == "compiled"
     assert kernels.backend("ternary_compress", small) == "reference"

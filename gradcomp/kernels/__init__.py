@@ -77,8 +77,7 @@ def _decoder(name: str, out: torch.Tensor, accumulate: bool):
     """The decoder ``name`` for ``out``, taking the decoders' arguments. With
     ``accumulate=False`` its result is what a zero-filled out would get, bit for bit (0 + v:
     -0.0 comes out +0.0): :mod:`.cpu`'s and :mod:`.compiled`'s decoders write it without
-    reading out; the others get out zeroed first. (The 1-bit decoder is never the compiled
-    one: compiled.STEPS.)"""
+    reading out; the others get out zeroed first."""
     which = backend(name, out)
     fn = implementation(name, out, which)
     if which in ("cpu", "compiled"):

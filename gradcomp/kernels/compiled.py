@@ -34,9 +34,13 @@ compiled once per process (twice with and without a residual) with every size dy
 Inductor's on-disk FX graph cache makes a later process's compile fast (bench/RESULTS.md,
 section 6). Where compiling fails (no C++ compiler), one warning, and the steps run
 :mod:`.cpu` (1-bit) or the reference (TernGrad) from then on. Inputs that are not fp32, CPU
-and contiguous, or smaller than ``MIN_NUMEL``, run those too. The dispatcher sends only the
-encoders here (``STEPS``): the fused 1-bit decoder is built and tested but was measured no
-faster than :mod:`.cpu`'s.
+and contiguous, or smaller than ``MIN_NUMEL``, run those too.
+
+The 1-bit decoder: one loop over the elements, each chunk's element k reading bit k % 8 of
+its byte, bit-identical to :mod:`.cpu`'s blocked decoder (the messages added in the same
+order); 23 -> 7 ms for one message of 11M elements on one thread, 40 -> 11 for two
+(bench/RESULTS.md section 6, "The 1-bit decoder in one loop"). Compiled once per chunk
+size and message count.
 """
 from __future__ import annotations
 
@@ -52,9 +56,9 @@ from .reference import PHILOX_KEY_A, PHILOX_KEY_B, PHILOX_ROUND_A, PHILOX_ROUND_
 # cpu.py's threshold: from 2^17 elements up the compiled steps took no more CPU time than the
 # blocked ones (bench/compiled_codec.py, bench/RESULTS.md section 6); below it, not measured
 MIN_NUMEL = 1 << 17
-# the steps the dispatcher sends here: not the fused 1-bit decoder, measured no faster than
-# cpu.py's (within this machine's noise, RESULTS.md section 6); TernGrad's are bit-identical
-STEPS = ("onebit_compress", "ternary_compress", "ternary_decompress")
+# the steps the dispatcher sends here (the decoders and TernGrad's encoder bit-identical to
+# the paths they replace)
+STEPS = ("onebit_compress", "onebit_decompress", "ternary_compress", "ternary_decompress")
 
 _failed: str | None = None  # why compiling failed, once it has
 
@@ -83,14 +87,31 @@ def _feedback(y: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return y.sub_(torch.where(y >= 0, scales[0].unsqueeze(1), scales[1].unsqueeze(1)))
 
 
-def _decode(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, alpha: torch.Tensor,
-            chunk: int) -> torch.Tensor:
-    """reference.onebit_decompress on (W, C, chunk / 8) bits and a (C, chunk) out, written to
-    fuse: unpack, select and sum the W messages and accumulate into out in one loop."""
-    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
-    pos = ((bits.unsqueeze(-1) >> shifts) & 1).bool().view(bits.shape[0], -1, chunk)
-    total = torch.where(pos, scales[:, 0].unsqueeze(-1), scales[:, 1].unsqueeze(-1)).sum(dim=0)
-    return out.add_(total * alpha)
+def _onebit_terms(bits: torch.Tensor, scales: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The sum over the W messages of reference.onebit_decompress's values, (C, chunk), from
+    (W, C, chunk / 8) bits and (W, 2, C) scales, written to fuse into one loop over the
+    elements: element k of a chunk reads bit k % 8 of its byte k // 8 (each byte broadcast
+    over its eight elements, so the loads stay direct and the loop vectorizes; as one
+    unpack of (W, C, chunk / 8, 8) bools and a ``where`` it ran no faster than :mod:`.cpu`,
+    and with per-element computed indices 4x slower), selects hi or lo as the reference's
+    ``where`` does, and adds the messages in the reference's order (w = 0, 1, ...; the sum
+    starts from 0: 0 + t turns -0.0 into +0.0). The same bits as :mod:`.cpu`'s decoder."""
+    W, C = bits.shape[0], bits.shape[1]
+    shift = torch.arange(chunk, dtype=torch.int32, device=bits.device) & 7
+    total = None
+    for w in range(W):  # W is static: the messages unroll
+        b = bits[w].unsqueeze(-1).expand(C, chunk // 8, 8).reshape(C, chunk).to(torch.int32)
+        t = torch.where((b >> shift) & 1 == 1, scales[w, 0].unsqueeze(-1),
+                        scales[w, 1].unsqueeze(-1))
+        total = t + 0.0 if total is None else total + t
+    return total
+
+
+def _onebit_put(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
+                alpha: torch.Tensor, chunk: int) -> torch.Tensor:
+    """out (C, chunk) = what ``cpu.put_decoded`` gives without accumulating (alpha * total +
+    0.0), in the same loop: no total buffer, out not read."""
+    return out.copy_(_onebit_terms(bits, scales, chunk) * alpha + 0.0)
 
 
 _U32 = 0xFFFFFFFF
@@ -189,9 +210,12 @@ def _compiled_onebit(step: str, chunk: int):
             return _stats(x, residual, chunk)
     elif step == "feedback":
         return torch.compile(_feedback, fullgraph=True)
+    elif step == "onebit_terms":  # compiled again per message count W (a static size)
+        def fn(bits, scales):
+            return _onebit_terms(bits, scales, chunk)
     else:
         def fn(bits, scales, out, alpha):
-            return _decode(bits, scales, out, alpha, chunk)
+            return _onebit_put(bits, scales, out, alpha, chunk)
     return torch.compile(fn, fullgraph=True)
 
 
@@ -227,8 +251,9 @@ def takes(t: torch.Tensor) -> bool:
 # the 1-bit steps' dims marked dynamic, per argument: chunks (C), messages (W)
 _DYNAMIC = {"stats": ((0,), (0,)),                    # x (C, chunk), residual (C, chunk)
             "feedback": ((0,), (1,)),                 # y (C, chunk), scales (2, C)
-            "decode": ((0, 1), (0, 2), (0,), ())}     # bits (W, C, chunk/8), scales (W, 2, C),
-                                                      # out (C, chunk), alpha
+            # bits (W, C, chunk/8), scales (W, 2, C), out (C, chunk), alpha; W stays static
+            "onebit_put": ((1,), (2,), (0,), ()),
+            "onebit_terms": ((1,), (2,))}
 
 
 def _run(step: str, chunk: int, *args):
@@ -267,19 +292,28 @@ def onebit_compress(x: torch.Tensor, residual: torch.Tensor | None, chunk: int):
 
 
 def onebit_decompress(bits: torch.Tensor, scales: torch.Tensor, chunk: int, out: torch.Tensor,
-                      alpha: float = 1.0) -> torch.Tensor:
-    """:func:`reference.onebit_decompress`, fused. Same arguments; results within an ulp or
-    two."""
+                      alpha: float = 1.0, accumulate: bool = True) -> torch.Tensor:
+    """:func:`cpu.onebit_decompress`, fused: the same arguments, the same bits (the messages'
+    sum in one loop, the accumulation into ``out`` cpu's own ``put_decoded``).
+    ``accumulate=False``: out is not read, the result is that of a zero out."""
     n = out.numel()
-    if (takes(out) and n % chunk == 0 and chunk % 8 == 0 and bits.shape[0] > 0
+    if (takes(out) and n % chunk == 0 and chunk % 8 == 0 and bits.dim() == 2
+            and bits.shape[0] > 0 and bits.shape[1] * 8 == n
             and bits.dtype == torch.uint8 and bits.is_contiguous()
-            and scales.dtype == torch.float32 and scales.is_contiguous()):
-        a = torch.tensor(alpha, dtype=torch.float32)
+            and scales.dtype == torch.float32 and scales.is_contiguous()
+            and tuple(scales.shape) == (bits.shape[0], 2, n // chunk)):
         W, C = bits.shape[0], n // chunk
-        if _run("decode", chunk, bits.view(W, C, chunk // 8), scales, out.view(C, chunk),
-                a) is not None:
-            return out
-    return cpu.onebit_decompress(bits, scales, chunk, out, alpha)
+        b3 = bits.view(W, C, chunk // 8)
+        if not accumulate:
+            a = torch.tensor(alpha, dtype=torch.float32)
+            if _run("onebit_put", chunk, b3, scales, out.view(C, chunk), a) is not None:
+                return out
+        else:
+            total = _run("onebit_terms", chunk, b3, scales)
+            if total is not None:
+                cpu.put_decoded(out, total.view(-1), alpha, accumulate)
+                return out
+    return cpu.onebit_decompress(bits, scales, chunk, out, alpha, accumulate)
 
 
 def ternary_compress(x: torch.Tensor, residual: torch.Tensor | None, scale: torch.Tensor,
