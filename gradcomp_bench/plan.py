@@ -9,7 +9,8 @@ The model (per rank, per step; every term measured or computed, two overlap fact
 * ``compute``: the step without communication (the bench's ``noop`` row, or ``--compute-ms``).
 * ``codec``: the method's CPU/GPU time compressing and decompressing one step's gradients.
   ALPHA of it adds to the step: on the CPU rig the ranks' backward already keeps the cores
-  busy, so the codec's time mostly adds; part of it hides behind backward's idle moments.
+  busy, so the codec's time adds, and a little more (the codec's thread slows backward by
+  cache and memory traffic: RESULTS 1o, ``bench/interference.py``).
 * ``comm``: the link. DDP starts a bucket's exchange during backward, so BETA * compute of
   it hides behind compute (``exposed = max(0, comm - BETA * compute)``); with ``delay=1`` a
   step's exchange has the whole next step (``max(0, comm - compute)``); with ``local_steps=H``
@@ -20,8 +21,10 @@ The model (per rank, per step; every term measured or computed, two overlap fact
   latency steps of one collective, ``2 ceil(log2 W)`` for an allreduce and ``ceil(log2 W)``
   for an allgather or all-to-all (tree / recursive-doubling schedules; a ring at W = 2).
 
-ALPHA and BETA were fitted once, on the quietest rig run (:data:`CALIBRATION`), and are
-checked against every other rig measurement by ``gradcomp-bench plan --check``.
+ALPHA and BETA are :func:`fit` on one rig run (:data:`CALIBRATION`) and checked against
+every other rig measurement by ``gradcomp-bench plan --check``. Each row's compute-only step
+is taken at the pace the host ran that row (:func:`paced_compute`): this host's speed drifts
+by up to 20% within a run.
 
 Projection to W ranks (``gradcomp-bench plan --gpus 8,64,1024 --links 100mbit,...``): per
 rank, the wire bytes of an allreduce-shaped method (allreduce, PowerSGD, 1-bit's two-phase
@@ -39,12 +42,15 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-# ALPHA: the share of the codec's time that adds to the step; BETA: the share of the compute
-# time behind which DDP's in-backward exchanges hide. Fitted (grid of 0.05) to minimize the
-# mean relative error on CALIBRATION's rows; GPU_ALPHA: on a GPU the codec runs on the same
-# device as backward (not measured apart: all of it counted)
-ALPHA, BETA, GPU_ALPHA = 0.75, 0.1, 1.0
-CALIBRATION = "bench/results/ddp_resnet18_100mbit_auto.json"  # RESULTS section 1f
+# ALPHA: the share of the codec's time that adds to the step (above 1: the codec's thread
+# also slows backward on the shared cores, RESULTS 1o); BETA: the share of the compute time
+# behind which DDP's in-backward exchanges hide. :func:`fit` on CALIBRATION's rows (grid of
+# 0.05, least mean relative error; tests/test_plan.py checks these are its answer);
+# GPU_ALPHA: on a GPU the codec runs on the same device as backward (not measured apart: all
+# of it counted)
+ALPHA, BETA, GPU_ALPHA = 1.05, 0.15, 1.0
+# RESULTS 1o: every method in 3 paired rounds, the forward recorded (the pace), current code
+CALIBRATION = "bench/results/ddp_resnet18_100mbit_s49_rounds.json"
 
 # collectives per bucket exchange (gradcomp/compressors/*: the ctx.comm calls)
 COLLECTIVES = {"allreduce": ("allreduce",), "ddp": ("allreduce",), "fp16": ("allreduce",),
@@ -84,6 +90,7 @@ class Case:
     local_steps: int = 1
     local_delay: bool = False
     alpha: float = ALPHA
+    beta: float = BETA
 
 
 def hops(kind: str, world: int) -> int:
@@ -104,7 +111,7 @@ def predict(c: Case) -> float:
     elif c.delay:
         hidden = c.compute_s
     else:
-        hidden = BETA * c.compute_s
+        hidden = c.beta * c.compute_s
     return c.compute_s + (c.alpha * c.codec_s + max(0.0, comm - hidden)) / H
 
 
@@ -147,9 +154,24 @@ def _opt(spec: str, key: str) -> str | None:
     return m.group(1) if m else None
 
 
+def paced_compute(row: dict, noop: dict, overlapped: bool) -> float:
+    """The compute-only step at the pace the host ran ``row``'s steps: the noop row's step
+    times the row's forward over the noop row's forward, where the rig recorded both.
+
+    This host's speed drifts by up to 20% within one run (RESULTS 1o), and a synchronous
+    method's forward has no exchange in it, so its forward is the clock (the bench's ``x
+    paced`` column). Not where an exchange overlaps the next steps (``delay=1``,
+    ``local_delay=1``): there the forward shares the cores with the exchange."""
+    fwd, noop_fwd = row.get("forward_s"), noop.get("forward_s")
+    if overlapped or not fwd or not noop_fwd:
+        return noop["step_s"]
+    return noop["step_s"] * fwd / noop_fwd
+
+
 def rig_cases(path: str | Path):
     """(Case, measured seconds, label) for each row of a ``gradcomp-bench ddp`` JSON that the
-    model covers: the run's own compute-only step, codec seconds and wire bytes as inputs."""
+    model covers: the run's own compute-only step (paced, :func:`paced_compute`), codec
+    seconds and wire bytes as inputs."""
     d = json.loads(Path(path).read_text())
     rows = d.get("rows") if isinstance(d, dict) else None
     if not rows:
@@ -178,13 +200,31 @@ def rig_cases(path: str | Path):
         H = int(_opt(spec, "local_steps") or 1)
         torch_hook = name in ("ddp", "fp16")  # the bench's --delay is for gradcomp's methods
         delay = not torch_hook and bool(run_delay or int(_opt(spec, "delay") or 0))
-        case = Case(name, r["world"], noop["step_s"], codec, r["wire_bytes"], r["link_bps"],
-                    lat, buckets, delay=delay,
-                    local_steps=H, local_delay=bool(int(_opt(spec, "local_delay") or 0)))
+        local_delay = bool(int(_opt(spec, "local_delay") or 0))
+        case = Case(name, r["world"], paced_compute(r, noop, delay or local_delay), codec,
+                    r["wire_bytes"], r["link_bps"], lat, buckets, delay=delay,
+                    local_steps=H, local_delay=local_delay)
         # with local steps the median is an inner step: the mean counts the rounds
         measured = r.get("mean_s", r["step_s"]) if H > 1 else r["step_s"]
         out.append((case, measured, f"{Path(path).name}: {spec}"))
     return out
+
+
+def fit(paths, step: float = 0.05) -> tuple[float, float]:
+    """(ALPHA, BETA) on a grid of ``step`` (ALPHA 0..2, BETA 0..1) with the least mean
+    relative error over the rows of ``paths``; ties go to the smaller values."""
+    cases = [(c, m) for p in paths for c, m, _ in rig_cases(p)]
+    if not cases:
+        raise ValueError(f"fit: no row the model covers in {', '.join(map(str, paths))}")
+    best = None
+    for i in range(int(round(2 / step)) + 1):
+        for j in range(int(round(1 / step)) + 1):
+            a, b = round(i * step, 10), round(j * step, 10)
+            err = sum(abs(predict(Case(**{**c.__dict__, "alpha": a, "beta": b})) / m - 1)
+                      for c, m in cases) / len(cases)
+            if best is None or err < best[0] - 1e-12:
+                best = (err, a, b)
+    return best[1], best[2]
 
 
 def check(paths) -> list[dict]:

@@ -1,6 +1,7 @@
 """The cost model (gradcomp_bench/plan.py, ``gradcomp-bench plan``): its formula by hand, the
 directions it must move in, reading the rig's JSON, DDP's bucket count, and the CLI."""
 import json
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -124,3 +125,46 @@ def test_the_cli_checks_and_projects(tmp_path, capsys):
 def test_bad_input_is_refused_by_name(args, says, capsys):
     assert main(["plan", *args]) == 2
     assert says in capsys.readouterr().err
+
+
+def test_each_rows_compute_is_taken_at_the_pace_the_host_ran_it(tmp_path):
+    # this host drifts within a run: a row whose forward took 10% longer than compute-only's
+    # ran on a host 10% slower, so its compute-only step is 10% longer; not where the
+    # exchange overlaps the next step (delay=1), nor where a forward is not recorded
+    rows = [{"method": "noop", "world": 2, "link_bps": 1e8, "step_s": 2.0, "forward_s": 0.6},
+            {"method": "onebit", "world": 2, "link_bps": 1e8, "step_s": 2.6, "forward_s": 0.66,
+             "wire_bytes": 1e6, "codec_s": 0.3},
+            {"method": "dgc:delay=1", "world": 2, "link_bps": 1e8, "step_s": 2.6,
+             "forward_s": 0.66, "wire_bytes": 1e6, "codec_s": 0.3},
+            {"method": "topk", "world": 2, "link_bps": 1e8, "step_s": 2.6,
+             "wire_bytes": 1e6, "codec_s": 0.3}]
+    path = tmp_path / "paced.json"
+    path.write_text(json.dumps({"kind": "ddp", "argv": ["gradcomp-bench", "ddp"], "rows": rows}))
+    got = {c.method: c.compute_s for c, _, _ in plan.rig_cases(path)}
+    assert got == {"onebit": pytest.approx(2.2), "dgc": 2.0, "topk": 2.0}
+
+
+def test_the_fit_finds_the_factors_that_made_the_steps(tmp_path):
+    # steps made by the model itself with ALPHA 0.6 and BETA 0.3: the fit gives them back
+    rows = [{"method": "noop", "world": 2, "link_bps": 1e8, "step_s": 1.0}]
+    for i, (codec, wire) in enumerate([(0.2, 2e6), (0.5, 1e6), (0.1, 5e6), (0.3, 3e5)]):
+        c = plan.Case("topk", 2, 1.0, codec, wire, 1e8, 0.0, 3, alpha=0.6, beta=0.3)
+        rows.append({"method": f"topk:ratio=0.0{i + 1}", "world": 2, "link_bps": 1e8,
+                     "step_s": plan.predict(c), "wire_bytes": wire, "codec_s": codec})
+    path = tmp_path / "made.json"
+    argv = ["gradcomp-bench", "ddp", "--model", "resnet18"]
+    path.write_text(json.dumps({"kind": "ddp", "argv": argv, "rows": rows}))
+    assert plan.fit([path]) == (0.6, 0.3)
+    with pytest.raises(ValueError, match="no row the model covers"):
+        plan.fit([_empty(tmp_path)])
+
+
+def _empty(tmp_path):
+    path = tmp_path / "empty.json"
+    path.write_text(json.dumps({"kind": "ddp", "argv": [], "rows": []}))
+    return path
+
+
+def test_the_shipped_factors_are_the_fit_on_the_calibration_run():
+    root = Path(__file__).resolve().parents[1]
+    assert plan.fit([root / plan.CALIBRATION]) == (plan.ALPHA, plan.BETA)
