@@ -132,6 +132,12 @@ def finish(rows: list[dict]) -> None:
                 # forwards against compute-only's (the machine's speed, which drifts by up to
                 # 20% within minutes on a shared host, cancels; bench/RESULTS.md 1o)
                 r["x_paced"] = (r["step_s"] / r["forward_s"]) / (noop["step_s"] / noop["forward_s"])
+            sync = next((o for o in same if o["method"] == "sync"), None)
+            if (sync and r.get("x_paced") is not None and sync.get("forward_s")
+                    and not r.get("delayed")):
+                # paced against ``sync`` (compute-only + the wait for the slower rank, which
+                # every synchronous exchange pays and compute-only does not)
+                r["x_sync"] = (r["step_s"] / r["forward_s"]) / (sync["step_s"] / sync["forward_s"])
             share = r.get("last_bucket_share")
             if r.get("codec_cpu_s") is not None and share is not None:
                 # the floor of this implementation on cores backward keeps busy: the codec's

@@ -336,7 +336,7 @@ def ddp_table(rows) -> str:
     cols = [("method", "method", ""), ("world", "W", "d"), ("link", "link", ""),
             ("step_ms", "step ms", ".0f"), ("spread", "p20-p80", ""),
             ("x_compute", "x compute", ".2f"), ("x_range", "x rounds", ""),
-            ("x_paced", "x paced", ".2f"),
+            ("x_paced", "x paced", ".2f"), ("x_sync", "x sync", ".2f"),
             ("mean_ms", "mean ms", ".0f"),
             ("x_compute_mean", "x compute (mean)", ".2f"), ("bound_ms", "bound ms", ".0f"),
             ("x_bound", "x bound", ".2f"), ("floor_ms", "floor ms", ".0f"),

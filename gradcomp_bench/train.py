@@ -16,12 +16,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from . import data, models
 from gradcomp.hooks import build_config, parse_spec, register
 
-# Baselines that are not gradcomp methods: torch's own hooks, and no communication at all;
-# each with its options and their defaults (all integers, >= 1 unless named in _MIN_ZERO).
+# Baselines that are not gradcomp methods: torch's own hooks, no communication at all
+# (``noop``), and ``sync``: no gradient sent, but the ranks meet once per bucket as every
+# method's exchange makes them (a one-element allreduce): compute-only plus the wait for the
+# slower rank. Each with its options and their defaults (all integers, >= 1 unless named in
+# _MIN_ZERO).
 # torch-powersgd's ``ordered=1`` completes each bucket's exchange inside the hook (see
 # _in_order): the same arithmetic, issued in one order on every rank.
 BASELINES = {"ddp": {}, "fp16": {}, "torch-powersgd": {"rank": 2, "start": 2, "ordered": 0},
-             "noop": {}}
+             "noop": {}, "sync": {}}
 _MIN_ZERO = {"ordered"}
 
 
@@ -88,6 +91,25 @@ def _noop_hook(state, bucket):
     return fut
 
 
+class SyncState:
+    """The ``sync`` baseline's state: what each bucket's allreduce of a one gave (the number
+    of ranks that reached it), in the order the buckets came."""
+
+    def __init__(self):
+        self.seen: list[float] = []
+
+
+def _sync_hook(state: SyncState, bucket):
+    buf = bucket.buffer()
+    one = torch.ones(1)
+    fut = dist.all_reduce(one, async_op=True).get_future()
+
+    def done(f):
+        state.seen.append(float(f.value()[0][0]))
+        return buf  # the rank's own gradient, not averaged (as noop's)
+    return fut.then(done)
+
+
 def attach(model: DDP, spec: str, optimizer, **options):
     """Put ``spec``'s communication on ``model``; returns the gradcomp state or None."""
     if is_gradcomp(spec):
@@ -104,6 +126,9 @@ def attach(model: DDP, spec: str, optimizer, **options):
                          f"are 'ddp' (plain FSDP/HSDP) and gradcomp's methods")
     if name == "noop":
         model.register_comm_hook(None, _noop_hook)
+        return None
+    if name == "sync":
+        model.register_comm_hook(SyncState(), _sync_hook)
         return None
     if name == "fp16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks

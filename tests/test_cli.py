@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from gradcomp_bench import cli
 
@@ -285,3 +286,61 @@ def test_the_floor_and_the_paced_ratio():
     assert rows[1]["x_floor"] == pytest.approx(2.6 / 2.28)
     assert rows[2]["floor_s"] == pytest.approx(2.1)
     assert "floor_s" not in rows[0]  # no codec
+
+
+def test_the_sync_baseline_meets_the_other_rank_once_per_bucket_and_sends_no_gradient(spawn):
+    """``sync``: every bucket's hook allreduces a one (both ranks reach it: 2.0 each time) and
+    hands back the rank's own gradient, not the average."""
+    from gradcomp_bench.train import parse_method
+    assert parse_method("sync") == ("sync", {})
+    seen, grads = zip(*spawn(_sync_ranks, 2, timeout=120))
+    assert seen[0] == seen[1] and len(seen[0]) >= 3 and set(seen[0]) == {2.0}
+    assert all(not torch.equal(a, b) for a, b in zip(*grads))  # each rank kept its own
+    for rank in (0, 1):  # and its own is what plain local backward gives
+        ref = _local_grads(rank)
+        assert all(torch.allclose(g, r) for g, r in zip(grads[rank], ref))
+
+
+def _sync_net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(20, 600), torch.nn.ReLU(),
+                               torch.nn.Linear(600, 600), torch.nn.ReLU(),
+                               torch.nn.Linear(600, 10))  # 1.5 MB: past DDP's 1 MB first bucket
+
+
+def _sync_loss(model, rank):
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(8, 20, generator=g), torch.randint(0, 10, (8,), generator=g)
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def _local_grads(rank):
+    net = _sync_net()
+    _sync_loss(net, rank).backward()
+    return [p.grad for p in net.parameters()]
+
+
+def _sync_ranks(rank, world):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from gradcomp_bench.train import SyncState, _sync_hook
+    model = DDP(_sync_net(), bucket_cap_mb=0.1)  # several buckets
+    state = SyncState()
+    model.register_comm_hook(state, _sync_hook)
+    for _ in range(2):  # DDP's first backward is one bucket; it splits them after it
+        model.zero_grad()
+        _sync_loss(model, rank).backward()
+    return state.seen, [p.grad.clone() for p in model.parameters()]
+
+
+def test_x_sync_paces_each_row_against_the_sync_baseline():
+    from gradcomp_bench import bench
+    base = {"world": 2, "link_bps": 1e8, "wire_bytes": 0.0}
+    rows = [{**base, "method": "noop", "step_s": 2.0, "mean_s": 2.0, "nocomm_s": 2.0,
+             "forward_s": 0.5},
+            {**base, "method": "sync", "step_s": 2.2, "mean_s": 2.2, "nocomm_s": 2.2,
+             "forward_s": 0.5},
+            {**base, "method": "onebit", "step_s": 2.6, "mean_s": 2.6, "nocomm_s": 2.6,
+             "forward_s": 0.6}]
+    bench.finish(rows)
+    assert rows[2]["x_sync"] == pytest.approx((2.6 / 0.6) / (2.2 / 0.5))
+    assert rows[1]["x_sync"] == 1.0 and rows[1]["x_paced"] == pytest.approx(1.1)
