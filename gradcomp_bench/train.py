@@ -92,20 +92,23 @@ def _noop_hook(state, bucket):
 
 
 class SyncState:
-    """The ``sync`` baseline's state: what each bucket's allreduce of a one gave (the number
-    of ranks that reached it), in the order the buckets came."""
+    """The ``sync`` baseline's state: how many bucket meetings there were, and the sum of
+    what their allreduces of a one gave (the number of ranks that reached each; a tensor on
+    the buckets' device, so no host sync)."""
 
     def __init__(self):
-        self.seen: list[float] = []
+        self.meetings = 0
+        self.ranks_total = None
 
 
 def _sync_hook(state: SyncState, bucket):
     buf = bucket.buffer()
-    one = torch.ones(1)
-    fut = dist.all_reduce(one, async_op=True).get_future()
+    fut = dist.all_reduce(buf.new_ones(1), async_op=True).get_future()
 
     def done(f):
-        state.seen.append(float(f.value()[0][0]))
+        got = f.value()[0]
+        state.meetings += 1
+        state.ranks_total = got if state.ranks_total is None else state.ranks_total + got
         return buf  # the rank's own gradient, not averaged (as noop's)
     return fut.then(done)
 
