@@ -152,6 +152,7 @@ def _context(model: str) -> int:
 
 def cmd_ddp(args) -> int:
     from . import bench, report
+    from .launch import RankError
     from .train import TrainConfig
     methods = _methods(args.methods)
     _lanes(args)
@@ -208,7 +209,7 @@ def cmd_ddp(args) -> int:
             for m in methods[k % len(methods):] + methods[:k % len(methods)]]
     if link_note:
         print(link_note, file=sys.stderr)
-    rows, raw = [], []
+    rows, raw, failed = [], [], []
     scalars = report.Scalars(args.tensorboard)
     quiet = torchrun and int(os.environ["RANK"]) != 0
     for w, rate, m, k in _progress(
@@ -221,14 +222,27 @@ def cmd_ddp(args) -> int:
                           device=args.device, broadcast_buffers=args.broadcast_buffers,
                           barrier=args.barrier, parallel=args.parallel,
                           ranks_per_node=per_node if args.parallel == "hsdp" else 0)
-        if torchrun:
-            res = _torchrun_ranks(cfg)[0]
-        elif rate is None:
-            res = bench.run_train(w, cfg, per_node=per_node)[0]
-        else:
-            from .netlink import Link
-            with Link(rate, latency, n=w // per_node) as link:
-                res = bench.run_train(w, cfg, link=link, per_node=per_node)[0]
+        try:
+            if torchrun:
+                res = _torchrun_ranks(cfg)[0]
+            elif rate is None:
+                res = bench.run_train(w, cfg, per_node=per_node)[0]
+            else:
+                from .netlink import Link
+                with Link(rate, latency, n=w // per_node) as link:
+                    res = bench.run_train(w, cfg, link=link, per_node=per_node)[0]
+        except RankError as exc:
+            # one method's failure (torch's PowerSGD hook on gloo can abort on a collective
+            # mismatch, bench/torch_powersgd_gloo.py) must not lose the runs around it: it
+            # is recorded, the others go on, and the command exits 1 at the end
+            if torchrun:
+                raise
+            failed.append({"method": m, "world": w, "link_bps": rate, "round": k,
+                           "error": _last_error_line(exc)})
+            print(f"gradcomp-bench ddp: {m} (world {w}, {_rate_name(rate)}"
+                  + (f", round {k + 1}" if args.rounds > 1 else "") + f") failed: "
+                  + failed[-1]["error"], file=sys.stderr)
+            continue
         row = bench.summarize(m, res, w, rate, args.warmup, args.model)
         row["round"] = k
         rows.append(row)
@@ -247,9 +261,16 @@ def cmd_ddp(args) -> int:
     if quiet:
         return 0
     rows = bench.combine_rounds(rows, methods)
-    doc = _write_json(args, out_dir, "ddp", {"rows": rows, "raw": raw})
+    doc = _write_json(args, out_dir, "ddp", {"rows": rows, "raw": raw,
+                                             **({"failed": failed} if failed else {})})
     print(ddp_table(rows))
-    _plot(doc, out_dir)
+    if rows:
+        _plot(doc, out_dir)
+    if failed:
+        print(f"{len(failed)} of {len(jobs)} runs failed (in the JSON's \"failed\"): "
+              + ", ".join(f"{f['method']}" + (f" round {f['round'] + 1}" if args.rounds > 1
+                                              else "") for f in failed), file=sys.stderr)
+        return 1
     return 0
 
 

@@ -345,3 +345,37 @@ def test_x_sync_paces_each_row_against_the_sync_baseline():
     bench.finish(rows)
     assert rows[2]["x_sync"] == pytest.approx((2.6 / 0.6) / (2.2 / 0.5))
     assert rows[1]["x_sync"] == 1.0 and rows[1]["x_paced"] == pytest.approx(1.1)
+
+
+def test_a_run_that_fails_costs_its_row_not_the_others(tmp_path, monkeypatch, capsys):
+    """ddp --rounds 2 where one method fails in round 2 (as torch's PowerSGD hook can on
+    gloo): the failure is in the JSON and on stderr, every other run is kept, the method's
+    row comes from the round it finished, and the command exits 1."""
+    from gradcomp_bench import bench
+    from gradcomp_bench.launch import RankError
+    calls = []
+
+    def fake(world, cfg, link=None, per_node=1):
+        calls.append(cfg.method)
+        if cfg.method == "allreduce" and calls.count("allreduce") == 2:
+            raise RankError("rank 0 failed:\nTraceback ...\nRuntimeError: collective mismatch",
+                            {})
+        return [{"step_times": [{"noop": 1.0, "allreduce": 1.2, "ddp": 1.5}[cfg.method]] * 4}]
+
+    monkeypatch.setattr(bench, "run_train", fake)
+    monkeypatch.setattr(cli, "_plot", lambda doc, out: None)
+    path = tmp_path / "r.json"
+    assert cli.main(["ddp", "--synthetic", "--link", "none", "--methods", "noop,allreduce,ddp",
+                     "--rounds", "2", "--steps", "2", "--warmup", "2", "--json", str(path),
+                     "--out", str(tmp_path)]) == 1
+    assert len(calls) == 6  # the failure did not stop the runs after it
+    doc = json.loads(path.read_text())
+    assert doc["failed"] == [{"method": "allreduce", "world": 2, "link_bps": None, "round": 1,
+                              "error": "RuntimeError: collective mismatch"}]
+    rows = {r["method"]: r for r in doc["rows"]}
+    assert set(rows) == {"noop", "allreduce", "ddp"}
+    assert [r["step_s"] for r in rows["allreduce"]["rounds"]] == [1.2]
+    assert rows["ddp"]["x_compute"] == pytest.approx(1.5)
+    err = capsys.readouterr().err
+    assert "allreduce (world 2, " in err and "round 2) failed: RuntimeError: collective" in err
+    assert "1 of 6 runs failed" in err
