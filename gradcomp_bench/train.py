@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -99,6 +100,8 @@ class SyncState:
     def __init__(self):
         self.meetings = 0
         self.ranks_total = None
+        # the callbacks run on the backend's threads, two buckets' at once on gloo's pool
+        self.lock = threading.Lock()
 
 
 def _sync_hook(state: SyncState, bucket):
@@ -107,8 +110,9 @@ def _sync_hook(state: SyncState, bucket):
 
     def done(f):
         got = f.value()[0]
-        state.meetings += 1
-        state.ranks_total = got if state.ranks_total is None else state.ranks_total + got
+        with state.lock:
+            state.meetings += 1
+            state.ranks_total = got if state.ranks_total is None else state.ranks_total + got
         return buf  # the rank's own gradient, not averaged (as noop's)
     return fut.then(done)
 

@@ -293,13 +293,13 @@ def test_the_sync_baseline_meets_the_other_rank_once_per_bucket_and_sends_no_gra
     hands back the rank's own gradient, not the average."""
     from gradcomp_bench.train import parse_method
     assert parse_method("sync") == ("sync", {})
-    seen, grads = zip(*spawn(_sync_ranks, 2, timeout=120))
+    seen, grads, local = zip(*spawn(_sync_ranks, 2, timeout=120))
     # (meetings, the sum of the ranks each found): 2 ranks at each of >= 3 meetings
     assert seen[0] == seen[1] and seen[0][0] >= 3 and seen[0][1] == 2.0 * seen[0][0]
     assert all(not torch.equal(a, b) for a, b in zip(*grads))  # each rank kept its own
-    for rank in (0, 1):  # and its own is what plain local backward gives
-        ref = _local_grads(rank)
-        assert all(torch.allclose(g, r) for g, r in zip(grads[rank], ref))
+    for rank in (0, 1):  # and its own is what plain local backward gives (in the same process)
+        assert all(torch.allclose(g, r, rtol=1e-4, atol=1e-6)
+                   for g, r in zip(grads[rank], local[rank]))
 
 
 def _sync_net():
@@ -330,7 +330,8 @@ def _sync_ranks(rank, world):
     for _ in range(2):  # DDP's first backward is one bucket; it splits them after it
         model.zero_grad()
         _sync_loss(model, rank).backward()
-    return (state.meetings, float(state.ranks_total)), [p.grad.clone() for p in model.parameters()]
+    return ((state.meetings, float(state.ranks_total)), [p.grad.clone() for p in model.parameters()],
+            _local_grads(rank))
 
 
 def test_x_sync_paces_each_row_against_the_sync_baseline():
