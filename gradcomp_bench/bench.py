@@ -115,6 +115,11 @@ def summarize(method: str, res: dict, world: int, rate_bps: float | None, warmup
     return row
 
 
+def _in_forwards(row: dict) -> float:
+    """The row's step counted in forwards (the clock of the paced ratios)."""
+    return row["step_s"] / row["forward_s"]
+
+
 def finish(rows: list[dict]) -> None:
     """Add ratio to compute-only, the bound, and the break-even bandwidth vs allreduce."""
     for r in rows:
@@ -131,13 +136,12 @@ def finish(rows: list[dict]) -> None:
                 # paced by the forward, which no synchronous exchange touches: the step in
                 # forwards against compute-only's (the machine's speed, which drifts by up to
                 # 20% within minutes on a shared host, cancels; bench/RESULTS.md 1o)
-                r["x_paced"] = (r["step_s"] / r["forward_s"]) / (noop["step_s"] / noop["forward_s"])
+                r["x_paced"] = _in_forwards(r) / _in_forwards(noop)
             sync = next((o for o in same if o["method"] == "sync"), None)
-            if (sync and r.get("x_paced") is not None and sync.get("forward_s")
-                    and not r.get("delayed")):
+            if sync and "x_paced" in r and sync.get("forward_s"):
                 # paced against ``sync`` (compute-only + the wait for the slower rank, which
                 # every synchronous exchange pays and compute-only does not)
-                r["x_sync"] = (r["step_s"] / r["forward_s"]) / (sync["step_s"] / sync["forward_s"])
+                r["x_sync"] = _in_forwards(r) / _in_forwards(sync)
             share = r.get("last_bucket_share")
             if r.get("codec_cpu_s") is not None and share is not None:
                 # the floor of this implementation on cores backward keeps busy: the codec's

@@ -36,6 +36,7 @@ topologies are not modelled (flat rings only).
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import math
 import re
@@ -220,7 +221,7 @@ def fit(paths, step: float = 0.05) -> tuple[float, float]:
     for i in range(int(round(2 / step)) + 1):
         for j in range(int(round(1 / step)) + 1):
             a, b = round(i * step, 10), round(j * step, 10)
-            err = sum(abs(predict(Case(**{**c.__dict__, "alpha": a, "beta": b})) / m - 1)
+            err = sum(abs(predict(dataclasses.replace(c, alpha=a, beta=b)) / m - 1)
                       for c, m in cases) / len(cases)
             if best is None or err < best[0] - 1e-12:
                 best = (err, a, b)

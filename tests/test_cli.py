@@ -225,12 +225,24 @@ def test_ordered_suffix_is_for_gradcomp_methods_only():
         parse_method("noop|ordered")
 
 
+def _fake_ddp_rounds(monkeypatch, tmp_path, fake, rounds):
+    """``ddp --methods noop,allreduce,ddp --rounds N`` with ``fake`` in place of the ranks'
+    training: (exit code, the JSON it wrote)."""
+    from gradcomp_bench import bench
+    monkeypatch.setattr(bench, "run_train", fake)
+    monkeypatch.setattr(cli, "_plot", lambda doc, out: None)
+    path = tmp_path / "r.json"
+    code = cli.main(["ddp", "--synthetic", "--link", "none", "--methods", "noop,allreduce,ddp",
+                     "--rounds", str(rounds), "--steps", "2", "--warmup", "2", "--json",
+                     str(path), "--out", str(tmp_path)])
+    return code, json.loads(path.read_text())
+
+
 def test_ddp_rounds_rotate_the_order_and_pair_each_ratio_with_its_rounds_noop(
         tmp_path, monkeypatch, capsys):
     """--rounds 3: each round runs the methods in an order rotated by one, and a method's
     ratio is the median of its rounds' ratios, each against the noop of its own round (the
     machine slows 10% per run here: unpaired, the drift would decide the ratio)."""
-    from gradcomp_bench import bench
     calls = []
 
     def fake(world, cfg, link=None, per_node=1):
@@ -239,15 +251,10 @@ def test_ddp_rounds_rotate_the_order_and_pair_each_ratio_with_its_rounds_noop(
         base = {"noop": 1.0, "allreduce": 1.2, "ddp": 1.5}[cfg.method]
         return [{"step_times": [base * slow] * 4}]
 
-    monkeypatch.setattr(bench, "run_train", fake)
-    monkeypatch.setattr(cli, "_plot", lambda doc, out: None)
-    path = tmp_path / "r.json"
-    assert cli.main(["ddp", "--synthetic", "--link", "none", "--methods", "noop,allreduce,ddp",
-                     "--rounds", "3", "--steps", "2", "--warmup", "2", "--json", str(path),
-                     "--out", str(tmp_path)]) == 0
+    code, doc = _fake_ddp_rounds(monkeypatch, tmp_path, fake, 3)
+    assert code == 0
     assert calls == ["noop", "allreduce", "ddp", "allreduce", "ddp", "noop",
                      "ddp", "noop", "allreduce"]
-    doc = json.loads(path.read_text())
     rows = {r["method"]: r for r in doc["rows"]}
     assert [r["method"] for r in doc["rows"]] == ["noop", "allreduce", "ddp"]
     slow = [1 + 0.1 * i for i in range(9)]
@@ -352,7 +359,6 @@ def test_a_run_that_fails_costs_its_row_not_the_others(tmp_path, monkeypatch, ca
     """ddp --rounds 2 where one method fails in round 2 (as torch's PowerSGD hook can on
     gloo): the failure is in the JSON and on stderr, every other run is kept, the method's
     row comes from the round it finished, and the command exits 1."""
-    from gradcomp_bench import bench
     from gradcomp_bench.launch import RankError
     calls = []
 
@@ -363,14 +369,9 @@ def test_a_run_that_fails_costs_its_row_not_the_others(tmp_path, monkeypatch, ca
                             {})
         return [{"step_times": [{"noop": 1.0, "allreduce": 1.2, "ddp": 1.5}[cfg.method]] * 4}]
 
-    monkeypatch.setattr(bench, "run_train", fake)
-    monkeypatch.setattr(cli, "_plot", lambda doc, out: None)
-    path = tmp_path / "r.json"
-    assert cli.main(["ddp", "--synthetic", "--link", "none", "--methods", "noop,allreduce,ddp",
-                     "--rounds", "2", "--steps", "2", "--warmup", "2", "--json", str(path),
-                     "--out", str(tmp_path)]) == 1
+    code, doc = _fake_ddp_rounds(monkeypatch, tmp_path, fake, 2)
+    assert code == 1
     assert len(calls) == 6  # the failure did not stop the runs after it
-    doc = json.loads(path.read_text())
     assert doc["failed"] == [{"method": "allreduce", "world": 2, "link_bps": None, "round": 1,
                               "error": "RuntimeError: collective mismatch"}]
     rows = {r["method"]: r for r in doc["rows"]}
