@@ -142,6 +142,121 @@ def test_resume_through_the_optimizers_checkpoint_is_bit_exact():
         assert torch.equal(p, q)
 
 
+def test_v_still_zero_at_the_switch_learns_on_as_adams_own():
+    """An embedding's rows that no gradient reached during the warm-up have v = 0 when v
+    freezes: they go on learning v as Adam does (v = beta2 v + (1 - beta2) g^2), so their
+    first step is Adam's size, not m / eps; every other element's v stays frozen."""
+    torch.manual_seed(0)
+    emb = nn.Parameter(torch.randn(8, 4))
+    opt = torch.optim.AdamW([emb], lr=1e-2, betas=(0.9, 0.99), weight_decay=0.0)
+    flag = [False]
+    binding = FrozenVariance(opt, lambda p: True, lambda: flag[0])
+    seen = torch.zeros(8, 1)
+    seen[:5] = 1  # rows 5..7: tokens the warm-up never saw
+    for step in range(DENSE + COMPRESSED):
+        flag[0] = step >= DENSE
+        emb.grad = torch.randn(8, 4, generator=torch.Generator().manual_seed(step)) * (
+            seen if step < DENSE else 1)
+        if step == DENSE:
+            v0, w0 = opt.state[emb]["exp_avg_sq"].clone(), emb.detach().clone()
+            m0 = opt.state[emb]["exp_avg"].clone()
+        opt.step()
+    v = opt.state[emb]["exp_avg_sq"]
+    assert torch.equal(v[:5], v0[:5]), "v moved where it was learned"
+    want = torch.zeros(3, 4, dtype=torch.float64)
+    m, w = m0[5:].double(), w0[5:].double()
+    assert torch.equal(m, torch.zeros_like(m)) and torch.equal(v0[5:], torch.zeros(3, 4))
+    for step in range(DENSE, DENSE + COMPRESSED):
+        g = (torch.randn(8, 4, generator=torch.Generator().manual_seed(step)))[5:].double()
+        want = 0.99 * want + 0.01 * g * g
+        m = 0.9 * m + 0.1 * g
+        w = w - 1e-2 / (1 - 0.9 ** (step + 1)) * m / ((want / (1 - 0.99 ** DENSE)).sqrt() + 1e-8)
+    torch.testing.assert_close(v[5:].double(), want, rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(emb[5:].detach().double(), w, rtol=1e-5, atol=1e-7)
+    assert (emb[5:] - w0[5:]).abs().max() < 0.1  # Adam-sized steps (with v frozen at 0: ~1e5)
+    binding.close()
+
+
+@pytest.mark.parametrize("overflow", [False, True])
+def test_fused_adamw_under_gradscaler_steps_as_the_unfused_one(overflow):
+    """GradScaler.step() leaves a fused optimizer's gradients scaled and calls its step even
+    after an overflow (the fused kernel reads ``grad_scale`` and ``found_inf``): the frozen
+    step must unscale them and skip the step as the kernel does."""
+    runs = []
+    for fused in (False, True):
+        net = small_net()
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1, fused=fused)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        scaler.scale(torch.ones(()))  # what a backward's scaler.scale(loss) does first
+        flag = [False]
+        binding = FrozenVariance(opt, lambda p: p.dim() >= 2, lambda: flag[0])
+        for step in range(DENSE + COMPRESSED):
+            flag[0] = step >= DENSE
+            make = _grads(step)
+            for p in net.parameters():
+                p.grad = make(p) * scaler.get_scale()
+            if overflow and step == DENSE + 1:
+                next(net.parameters()).grad[0, 0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+        binding.close()
+        runs.append([p.detach().clone() for p in net.parameters()])
+    for a, b in zip(*runs):
+        assert torch.isfinite(b).all()
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_the_groups_are_read_live_after_the_optimizer_reloads():
+    """optimizer.load_state_dict() replaces the param groups' dicts (a resumed job whose
+    scheduler moves beta1): the momentum exchange reads the loaded groups, not the ones
+    there when it was bound."""
+    from conftest import lay_out
+    net, opt, _ = _run("adamw", DENSE, bind=False)
+    named = dict(net.named_parameters())
+    names = {id(p): n for n, p in named.items()}
+    binding = FrozenVariance(opt, lambda p: p.dim() >= 2, lambda: True, names, momentum=True)
+    sd = opt.state_dict()
+    for g in sd["param_groups"]:
+        g["betas"] = (0.7, 0.95)
+    opt.load_state_dict(sd)
+    slices = lay_out([(n, tuple(p.shape)) for n, p in named.items()])
+    a, b = binding.momentum(slices, torch.device("cpu"))
+    for sl in slices:
+        p = named[sl.name]
+        if p.dim() >= 2:
+            torch.testing.assert_close(a[sl.offset : sl.offset + sl.numel],
+                                       torch.full((sl.numel,), 0.3))
+            torch.testing.assert_close(b[sl.offset : sl.offset + sl.numel],
+                                       0.7 * opt.state[p]["exp_avg"].reshape(-1))
+    binding.close()
+
+
+def test_decoupled_weight_decay_is_each_groups_own():
+    """Adam with one group ``decoupled_weight_decay=True`` and one L2 group: each group's
+    frozen step is the one it would get alone."""
+    def job(groups_of):
+        torch.manual_seed(0)
+        ws = [nn.Parameter(torch.randn(6, 5)), nn.Parameter(torch.randn(6, 5))]
+        opts = [torch.optim.Adam(g(ws), lr=1e-2) for g in groups_of]
+        flag = [False]
+        binds = [FrozenVariance(o, lambda p: True, lambda: flag[0]) for o in opts]
+        for step in range(DENSE + COMPRESSED):
+            flag[0] = step >= DENSE
+            for i, w in enumerate(ws):
+                w.grad = torch.randn(6, 5, generator=torch.Generator().manual_seed(step * 7 + i))
+            for o in opts:
+                o.step()
+        for b in binds:
+            b.close()
+        return ws
+    both = job([lambda ws: [{"params": [ws[0]], "weight_decay": 0.1, "decoupled_weight_decay": True},
+                            {"params": [ws[1]], "weight_decay": 0.1}]])
+    alone = job([lambda ws: [{"params": [ws[0]], "weight_decay": 0.1, "decoupled_weight_decay": True}],
+                 lambda ws: [{"params": [ws[1]], "weight_decay": 0.1}]])
+    for a, b in zip(both, alone):
+        assert torch.equal(a, b)
+
+
 def _ddp_adamw(rank, world, spec, steps, options):
     net = small_net()
     model = DDP(net, bucket_cap_mb=0.004)

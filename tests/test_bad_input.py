@@ -207,6 +207,48 @@ def test_ranks_that_disagree_all_refuse_naming_what(case, match, spawn):
         assert msg and match in msg, msg
 
 
+def _misuse(rank, world, case):
+    """Registration misuses that torch would otherwise meet later, with its own error (or a
+    silently unaveraged gradient): each refused on every rank, nothing left attached."""
+    import sys
+
+    import torch.distributed as dist
+    from conftest import small_net
+    model = DDP(small_net())
+    kw = {}
+    if case == "group":  # a group of other ranks than DDP's: each rank alone
+        alone = [dist.new_group([r]) for r in range(world)]
+        kw = {"process_group": alone[rank]}
+    if case == "twice":
+        gradcomp.register(model, "topk:ratio=0.5").close()
+    if case == "logdir":  # tensorboard is an optional extra: as if it were not installed
+        sys.modules["torch.utils.tensorboard"] = None
+        kw = {"log_dir": "/nonexistent/runs"}
+    try:
+        gradcomp.register(model, "topk:ratio=0.5", **kw)
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    if case == "logdir":  # nothing was attached: registering without it works
+        del sys.modules["torch.utils.tensorboard"]
+        gradcomp.register(model, "topk:ratio=0.5").close()
+    return error
+
+
+@pytest.mark.parametrize("case,match", [
+    ("group", "process_group= holds ranks"),
+    ("twice", "already has a communication hook"),
+    ("logdir", "needs tensorboard"),
+])
+def test_registration_misuse_is_refused_on_every_rank(case, match, spawn):
+    for msg in spawn(_misuse, 2, args=(case,), timeout=90):
+        assert msg and match in msg, msg
+
+
+def test_spaces_around_a_method_name_are_ignored():
+    assert gradcomp.build_config(" topk : ratio = 0.1 ")[0] == "topk"
+
+
 def _by_hand(rank, world):
     """The documented path for a hook registered by hand: gradcomp.State(..., model=)."""
     from conftest import batch, small_net, train_steps

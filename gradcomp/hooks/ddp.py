@@ -24,13 +24,23 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
              log_details=False, **options) -> GradcompState:
     """``gradcomp.register`` for a DDP model (hooks/register.py checked the model and the
     process group): the state, its process groups and the hook, then the optimizer."""
-    pg = process_group if process_group is not None else model.process_group
     try:
-        ranks = dist.get_process_group_ranks(pg)
+        ranks = dist.get_process_group_ranks(model.process_group)
     except (KeyError, ValueError, RuntimeError) as exc:
         raise RuntimeError(f"gradcomp.register: the model's process group is not a live group "
                            f"of this job ({type(exc).__name__}); wrap the model in DDP after "
                            f"init_process_group() and register it in the same job") from None
+    if process_group is not None:  # checked before any collective: every rank refuses alike
+        try:
+            given = dist.get_process_group_ranks(process_group)
+        except (KeyError, ValueError, RuntimeError):
+            given = None  # not a group this rank is in
+        if given != ranks:
+            raise ValueError(f"process_group= holds ranks {given if given is not None else 'without this rank'}"
+                             f", the DDP model's group {ranks}: DDP averages over its own "
+                             f"group's ranks, so the exchange must too; allowed a group of "
+                             f"the same ranks, or None (the model's)")
+    pg = process_group if process_group is not None else model.process_group
     # A group of our own: DDP issues collectives of its own on its group (unused-parameter
     # maps, bucket rebuilds) that must not interleave with our exchanges.
     backend = dist.get_backend(pg)
@@ -52,6 +62,17 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
             raise ValueError(f"invalid lanes={lanes!r}: allowed an integer in [1, {MAX_LANES}] "
                              f"(each lane is a process group and a thread)")
         _check_compiled_autograd(model)
+        if getattr(model, "_comm_hooks", None):
+            raise ValueError(f"this DDP model already has a communication hook "
+                               f"({model._comm_hooks[0][0].__qualname__}): DDP takes one per "
+                               f"model; register gradcomp once (state.close() does not remove "
+                               f"it), or wrap the module in a new DDP to change method")
+        if log_dir is not None:  # a missing tensorboard refused here, before anything is attached
+            try:
+                from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+            except ImportError as exc:
+                raise ValueError(f"log_dir={log_dir!r} needs tensorboard ({exc}): pip install "
+                                 f"tensorboard, or log_dir=None") from None
         state = _build_state(model, method, optimizer, group, options)
         if scaler is not None:
             if state.config.delay:

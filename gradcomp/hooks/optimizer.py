@@ -28,7 +28,10 @@ momentum SGD. Here, per parameter the method compresses:
   2. At the parameter's first compressed step its Adam state is frozen: v stays as it is,
      with the bias correction of that step (``1 - beta2**k``, k its Adam step count then,
      kept in the optimizer's own state as ``gradcomp_frozen_step``: it travels with the
-     optimizer's checkpoint).
+     optimizer's checkpoint). Elements whose v is still 0 then (no gradient reached them
+     during the warm-up: an embedding row of a token not yet seen, a dead unit) are not
+     frozen: their v goes on learning as Adam's own (v = beta2 v + (1 - beta2) g^2; where
+     they are is kept as ``gradcomp_v_gaps``), else their first step would be m / eps.
   3. Every compressed step, from the optimizer's step pre-hook, with the group's current
      lr, betas, eps and weight decay (schedulers are followed):
         AdamW: w *= 1 - lr wd     (Adam: g += wd w)
@@ -91,6 +94,7 @@ _NEUTRAL = {"seed", "topology", "local_size", "min_numel", "exact", "adam", "del
             "dense_wire"}
 _warned: set = set()
 FROZEN_KEY = "gradcomp_frozen_step"  # in optimizer.state[p]: the Adam step v was frozen at
+GAPS_KEY = "gradcomp_v_gaps"  # in optimizer.state[p]: where v was 0 at the switch (learned on)
 
 
 def held() -> list[str]:
@@ -307,6 +311,12 @@ def after_closure(args, kwargs, fn):
     return args, {**kwargs, "closure": closure_then_fn}
 
 
+def _decoupled(optimizer, group) -> bool:
+    """Whether ``group`` decays its weights decoupled (AdamW's, or Adam's
+    ``decoupled_weight_decay=True`` in that group) rather than as Adam's L2 term."""
+    return isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay"))
+
+
 class FrozenVariance:
     """Adam/AdamW with v frozen at the switch to compression, for the parameters the method
     compresses (module docstring). ``compressed(p)``: whether the method compresses
@@ -322,8 +332,10 @@ class FrozenVariance:
                       if compressed(p)}
         self.precondition = precondition
         names = names or {}
-        # name -> (parameter, its group) for the parameters this binding steps
-        self._by_name = {names[id(p)]: (p, g) for g in self.optimizer.param_groups
+        # name -> (parameter, its group's index) for the parameters this binding steps: the
+        # group is looked up at each use, as optimizer.load_state_dict() replaces the groups'
+        # dicts (a resumed job's beta1 schedule would otherwise be read from the old ones)
+        self._by_name = {names[id(p)]: (p, i) for i, g in enumerate(self.optimizer.param_groups)
                          for p in g["params"] if id(p) in self._mine and id(p) in names}
         self._scales: dict = {}  # bucket layout -> its preconditioner (constant once frozen)
         self._moments: dict = {}  # bucket layout -> where its first moments go (momentum)
@@ -350,24 +362,32 @@ class FrozenVariance:
         if not self._compressing():
             return
         opt = self.optimizer
-        decoupled = isinstance(opt, torch.optim.AdamW) or any(
-            g.get("decoupled_weight_decay") for g in opt.param_groups)
+        # GradScaler.step() on a fused optimizer (``fused=True``) leaves the gradients scaled
+        # and steps even after an overflow: it hands the optimizer its scale and overflow
+        # flag as attributes for the fused kernel. Read here the same way (the flag's host
+        # read, once per step, is the one GradScaler makes for every other optimizer)
+        found_inf = getattr(opt, "found_inf", None)
+        if found_inf is not None and bool(found_inf):
+            return  # the fused step skips itself; so does this one
+        grad_scale = getattr(opt, "grad_scale", None)
         for group in opt.param_groups:
             params = [p for p in group["params"] if id(p) in self._mine and p.grad is not None
                       and opt.state.get(p)]  # no Adam state yet: the optimizer's own step
             if not params:
                 continue
-            self._step_group(group, params, decoupled or group.get("decoupled_weight_decay"))
+            self._step_group(group, params, _decoupled(opt, group), grad_scale)
             for p in params:
                 self._hidden.append((p, p.grad))
                 p.grad = None
 
-    def _step_group(self, group, params, decoupled) -> None:
+    def _step_group(self, group, params, decoupled, grad_scale=None) -> None:
         opt = self.optimizer
         lr = float(group["lr"])
         beta1, beta2 = (float(b) for b in group["betas"])
         eps, wd = group["eps"], group["weight_decay"]
         grads = [p.grad for p in params]
+        if grad_scale is not None:
+            grads = torch._foreach_div(grads, grad_scale.to(grads[0].device))
         if group.get("maximize"):
             grads = torch._foreach_neg(grads)
         if wd and decoupled:
@@ -379,12 +399,25 @@ class FrozenVariance:
         ms, vs = [s["exp_avg"] for s in states], [s[key] for s in states]
         torch._foreach_lerp_(ms, [g.to(m.dtype) for g, m in zip(grads, ms)], 1 - beta1)
         step_sizes, v_scales = [], []
-        for s in states:  # host scalars per parameter, not tensor work
-            frozen = s.setdefault(FROZEN_KEY, int(s["step"]))
+        for s, v in zip(states, vs):  # host scalars per parameter, not tensor work
+            frozen = s.get(FROZEN_KEY)
+            if frozen is None:  # this parameter's switch
+                frozen = s[FROZEN_KEY] = int(s["step"])
+                gaps = v == 0
+                if gaps.any():  # one host read per parameter, once
+                    s[GAPS_KEY] = gaps
             s["step"] += 1
             t = int(s["step"])
             step_sizes.append(-lr / (1 - beta1 ** t))
             v_scales.append(1.0 / (1 - beta2 ** frozen) ** 0.5)
+        # Where v was still 0 at the switch (an embedding row whose token the warm-up never
+        # saw, a unit that was dead through it), a frozen v would make the step m / eps: v
+        # goes on learning there as Adam's own, v += (1 - beta2) (g^2 - v). A loop over the
+        # few parameters that have such elements (embeddings), not over all of them.
+        for g, s, v in zip(grads, states, vs):
+            gaps = s.get(GAPS_KEY)
+            if gaps is not None:  # bool, or the parameter's dtype once the optimizer reloaded
+                v.addcmul_(gaps.to(v.dtype), g.to(v.dtype).square().sub_(v), value=1 - beta2)
         denom = torch._foreach_sqrt(vs)
         torch._foreach_mul_(denom, v_scales)
         torch._foreach_add_(denom, eps)
@@ -409,7 +442,7 @@ class FrozenVariance:
             entry = self._by_name.get(sl.name)
             if entry is None:
                 continue
-            p, group = entry
+            p, group = entry[0], self.optimizer.param_groups[entry[1]]
             st = self.optimizer.state.get(p)
             if not st:  # no Adam step yet: no variance to precondition by (built again later)
                 complete = False
@@ -417,8 +450,10 @@ class FrozenVariance:
             beta2 = float(group["betas"][1])
             k = st.get(FROZEN_KEY, int(st["step"]))
             v = st["max_exp_avg_sq" if group.get("amsgrad") else "exp_avg_sq"]
-            d = (v.detach().float().reshape(-1).cpu() / (1 - beta2 ** k)).sqrt_().add_(group["eps"])
-            s[sl.offset : sl.offset + sl.numel] = d.reciprocal_()
+            v = v.detach().float().reshape(-1).cpu()
+            d = (v / (1 - beta2 ** k)).sqrt_().add_(group["eps"]).reciprocal_()
+            # 1 where v is 0 (no variance yet: the frozen step learns it there), not 1 / eps
+            s[sl.offset : sl.offset + sl.numel] = d.masked_fill_(v == 0, 1.0)
         s = s.to(device)
         if complete:
             self._scales[key] = s
@@ -468,14 +503,13 @@ class FrozenVariance:
         beta = torch.zeros(n, dtype=torch.float32)
         wdc = torch.zeros(n, dtype=torch.float32)
         pieces, at, any_l2, complete = [], 0, False, True
-        decoupled = isinstance(self.optimizer, torch.optim.AdamW)
         for sl in sorted(params, key=lambda s: s.offset):
             entry = self._by_name.get(sl.name)
             st = None if entry is None else self.optimizer.state.get(entry[0])
             if entry is None or not st:
                 complete = complete and entry is None
                 continue
-            p, group = entry
+            p, group = entry[0], self.optimizer.param_groups[entry[1]]
             if sl.offset > at:
                 pieces.append(torch.zeros(sl.offset - at, dtype=torch.float32, device=device))
             beta1 = float(group["betas"][0])
@@ -483,7 +517,7 @@ class FrozenVariance:
             span = slice(sl.offset, sl.offset + sl.numel)
             a[span], beta[span] = sign * (1 - beta1), beta1
             wd = float(group["weight_decay"])
-            if wd and not (decoupled or group.get("decoupled_weight_decay")):
+            if wd and not _decoupled(self.optimizer, group):
                 wdc[span], any_l2 = (1 - beta1) * wd, True
             pieces.append((p,))
             at = sl.offset + sl.numel

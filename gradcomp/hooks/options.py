@@ -22,6 +22,7 @@ def parse_spec(spec: str, auto: bool = False) -> tuple[str, dict]:
         raise TypeError(f"method must be a name or spec string such as 'onebit' or "
                         f"'powersgd:rank=4', got {spec!r}: allowed {allowed}")
     name, _, rest = spec.strip().partition(":")
+    name = name.strip()
     if name not in METHODS and not (auto and name == AUTO):
         raise ValueError(f"unknown method {name!r}: allowed {allowed}")
     cfg = MethodConfig if name == AUTO else METHODS[name].config
