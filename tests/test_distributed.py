@@ -142,3 +142,37 @@ def test_a_dead_rank_makes_the_survivors_fail_not_hang(spec, world, spawn):
     for r in [0, *range(2, world)]:  # every survivor raised, soon, and its process ended
         status, waited, _ = got[r]
         assert status == "raised" and waited < 60, (r, got[r])
+
+
+ONEBIT_PARAMS = [("a", 257), ("b", 5000), ("c", 1027), ("d", 40), ("e", 2048)]
+
+
+def _onebit_padding(rank, world, chunk):
+    """Each chunk's elements equal (one value per parameter and rank, positive or negative):
+    1-bit is exact on them, so every rank must get the exact average, the last, partly
+    filled chunk of each parameter included (its padding zeros once counted as positives)."""
+    from gradcomp.compressors.base import ParamSlice
+    params, off = [], 0
+    for name, n in ONEBIT_PARAMS:
+        params.append(ParamSlice(name, (n,), off, n))
+        off += n
+    sign = torch.tensor([1.0, -1.0, 1.0, 1.0, -1.0])
+    x = torch.cat([torch.full((n,), float(sign[i]) * (rank + 1) * (i + 1))
+                   for i, (_, n) in enumerate(ONEBIT_PARAMS)])
+    want = torch.cat([torch.full((n,), float(sign[i]) * (world + 1) / 2 * (i + 1))
+                      for i, (_, n) in enumerate(ONEBIT_PARAMS)])
+    out = {}
+    for ef in (False, True):
+        _, cfg = gradcomp.build_config(f"onebit:chunk={chunk}", min_numel=0, warmup="none",
+                                       error_feedback=ef)
+        state = gradcomp.State("onebit", cfg, group=dist.group.WORLD)
+        out[ef] = state.reduce(x.clone(), params).clone()
+        state.close()
+    return out, want
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_onebit_is_exact_on_uniform_chunks_whatever_the_padding(world, spawn):
+    for out, want in spawn(_onebit_padding, world, args=(64,), timeout=120):
+        for ef in (False, True):
+            assert torch.equal(out[ef], want), (ef, (out[ef] - want).abs().argmax())

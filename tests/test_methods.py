@@ -274,3 +274,21 @@ def test_sparse_error_feedback_keeps_what_was_not_sent_bit_for_bit():
     before = x.clone()
     keep_unsent(x, x, idx, sent, dense)
     assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize("n", [300, 257, 129])
+def test_onebit_scales_of_a_partly_filled_chunk_count_its_real_elements(n):
+    """A parameter's last chunk, partly filled, is padded with zeros: its two values must be
+    the means of its real non-negative and negative elements, the padding not counted."""
+    from gradcomp.compressors.base import ParamSlice
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    x[-1] = x[-1].abs() + 0.5  # a positive value in the last chunk, whatever the draw
+    _, cfg = gradcomp.build_config("onebit:chunk=64", min_numel=0, warmup="none",
+                                   error_feedback=False)
+    state = gradcomp.State("onebit", cfg)
+    out = state.reduce(x.clone(), [ParamSlice("w", (n,), 0, n)])
+    state.close()
+    for start in range(0, n, 64):
+        c = x[start : start + 64].double()
+        want = torch.where(c >= 0, c[c >= 0].mean(), c[c < 0].mean())
+        torch.testing.assert_close(out[start : start + 64].double(), want, rtol=1e-6, atol=0)

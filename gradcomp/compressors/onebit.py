@@ -41,10 +41,37 @@ class OneBitConfig(MethodConfig):
               "a positive multiple of 8, at most 2**24")
 
 
-def encode(y: torch.Tensor, residual, chunk: int) -> torch.Tensor:
-    """One uint8 message: packed signs followed by the scales' bytes."""
-    bits, scales = kernels.onebit_compress(y, residual, chunk)
+def encode(y: torch.Tensor, residual, chunk: int, pad=None) -> torch.Tensor:
+    """One uint8 message: packed signs followed by the scales' bytes (``pad``: see
+    :func:`unpad`)."""
+    bits, scales = compress(y, residual, chunk, pad)
     return torch.cat([bits, scales.reshape(-1).view(torch.uint8)])
+
+
+def compress(y: torch.Tensor, residual, chunk: int, pad=None):
+    """kernels.onebit_compress, then :func:`unpad` where ``pad`` names padded chunks."""
+    bits, scales = kernels.onebit_compress(y, residual, chunk)
+    if pad is not None:
+        unpad(bits, scales, residual, chunk, *pad)
+    return bits, scales
+
+
+def unpad(bits, scales, residual, chunk: int, where: torch.Tensor, npad: torch.Tensor) -> None:
+    """The chunks ``where`` (chunk indices) end in ``npad`` padding elements, zeros, which the
+    kernels count among the non-negative ones: their mean of the non-negative elements
+    (scales[0]) is taken again over the real ones only, psum / (npos - npad), and the
+    residual of their real non-negative elements moved to match (y - hi: the kernel wrote
+    y - hi_kernel). Without this a parameter's last, partly filled chunk came back with its
+    positive values shrunk by how full the chunk was (1/256 for one element), negative ones
+    exact. A few small ops per bucket, no host read."""
+    pos = kernels.unpack_bits(bits.view(-1, chunk // 8)[where]).view(-1, chunk).bool()
+    npos = pos.sum(dim=1, dtype=torch.int32)  # >= npad: the padding's zeros are counted
+    old = scales[0, where]
+    new = old * npos / (npos - npad).clamp_min(1)  # psum / real ones; 0 where psum is 0
+    scales[0, where] = new
+    if residual is not None:
+        rows = residual.view(-1, chunk)
+        rows[where] = rows[where] + torch.where(pos, (old - new).unsqueeze(1), 0.0)
 
 
 def decode_sum(msgs: torch.Tensor, chunk: int, out: torch.Tensor, alpha: float,
@@ -79,12 +106,15 @@ class OneBit(Compressor):
         if ef:  # the residual is rewritten whole (gather writes every element of the bucket)
             e_now, e_next = ctx.memory_next("residual")
             res = lay.spread(e_now, "onebit.res")
-        msg = self._encode_parts(y[:-1], None if res is None else res[:-1], W, part, chunk)
+        msg = self._encode_parts(y[:-1], None if res is None else res[:-1], W, part, chunk,
+                                 lay.pad)
         if ef:
             lay.gather(res, out=e_next)
         got = ctx.comm.all_to_all(msg)  # (W, part_bytes): every rank's message for my part
         mine = scratch("onebit.mine", part, torch.float32, x.device)
         decode_sum(got, chunk, mine, 1.0 / W, accumulate=False)
+        if lay.own_pad_slots is not None:  # decoded padding (the chunk's hi): back to 0
+            mine.index_fill_(0, lay.own_pad_slots, 0.0)
         res2 = None
         if ef:  # the second memory holds, per parameter, what this rank owns (its part);
             # rewritten whole where own_back writes every element, else in place
@@ -93,7 +123,7 @@ class OneBit(Compressor):
             else:
                 e2 = e2_next = ctx.memory("server_residual")
             res2 = lay.own_part(e2, scratch("onebit.res2", part, torch.float32, x.device))
-        msg2 = torch.cat([encode(mine, res2, chunk),
+        msg2 = torch.cat([encode(mine, res2, chunk, lay.own_pad),
                           dense_values(x, dense).view(torch.uint8)])
         if ef:
             lay.own_back(res2, e2_next)
@@ -111,9 +141,9 @@ class OneBit(Compressor):
         return result
 
     @staticmethod
-    def _encode_parts(y, res, W, part, chunk):
+    def _encode_parts(y, res, W, part, chunk, pad=None):
         """Quantize y (W * part) once; lay the message out as W rows, one per destination."""
-        bits, scales = kernels.onebit_compress(y, res, chunk)
+        bits, scales = compress(y, res, chunk, pad)
         bits = bits.view(W, part // 8)
         scales = scales.view(2, W, part // chunk).transpose(0, 1).reshape(W, -1)
         return torch.cat([bits, scales.contiguous().view(torch.uint8)], dim=1)
@@ -140,6 +170,12 @@ class _Parts:
     to_bucket: Runs | None
     own_in: Runs | None
     own_out: Runs | None   # this rank's part -> bucket (all n written: W <= 4 only)
+    # a parameter's last chunk, where it does not fill it, ends in padding (see unpad):
+    # (chunk indices, padding elements) in the (W, part) layout and in this rank's part,
+    # and that padding's places in this rank's part; None where there is none
+    pad: tuple | None = None
+    own_pad: tuple | None = None
+    own_pad_slots: torch.Tensor | None = None
 
     def runs(self, t: torch.Tensor) -> bool:
         """Whether the moves go by runs for tensors like t: on the CPU (a GPU's index kernels
@@ -197,8 +233,17 @@ def _parts(layout: tuple, n: int, W: int, rank: int, chunk: int, device) -> _Par
     part = sum(widths)
     to_slot = torch.full((n,), W * part, dtype=torch.int64)
     runs, own, own_x, own_col = [], [], [], []  # runs: (bucket start, slot start, length)
+    pad, own_pad, own_pad_slots = [], [], []
     col = 0
     for (off, numel), width in zip(layout, widths):
+        if numel % chunk:  # the chunk holding the last element: part k, its j-th of this one
+            k, within = divmod(numel - 1, width)
+            start = col + within // chunk * chunk  # the chunk's first column in the part
+            real = numel - k * width - within // chunk * chunk
+            pad.append(((k * part + start) // chunk, chunk - real))
+            if k == rank:
+                own_pad.append((start // chunk, chunk - real))
+                own_pad_slots.append(torch.arange(start + real, start + chunk))
         i = torch.arange(numel, dtype=torch.int64)
         j = i // width
         to_slot[off : off + numel] = j * part + col + i - j * width
@@ -214,5 +259,12 @@ def _parts(layout: tuple, n: int, W: int, rank: int, chunk: int, device) -> _Par
     if runs:
         moves = (Runs(runs, n, W * part), Runs([(s, b, k) for b, s, k in runs], W * part + 1, n),
                  Runs(own, n, part), Runs([(c, b, k) for b, c, k in own], part, n) if W <= 4 else None)
+    def table(pairs):
+        if not pairs:
+            return None
+        t = torch.tensor(pairs, dtype=torch.int64).T
+        return t[0].to(device), t[1].to(torch.int32).to(device)
+
     return _Parts(part, W * part, to_slot.to(device), torch.cat(own_x).to(device),
-                  torch.cat(own_col).to(device), *moves)
+                  torch.cat(own_col).to(device), *moves, pad=table(pad), own_pad=table(own_pad),
+                  own_pad_slots=torch.cat(own_pad_slots).to(device) if own_pad_slots else None)
