@@ -144,6 +144,14 @@ class ParamMemory:
             views.update(zip(layout, nxt.split([views[n].numel() for n in layout])))
             self._keep(slot, bucket, cur)
 
+    def revert(self, slot: str, bucket: int, before: torch.Tensor) -> None:
+        """Undo :meth:`commit`: ``before`` (the slot's buffer until then, kept as the spare
+        and not written since) is the slot's buffer again."""
+        with self._lock:
+            spares = self._spares.get((slot, bucket), [])
+            spares[:] = [t for t in spares if t is not before]
+            self.commit(slot, bucket, before)
+
     def discard(self, slot: str, bucket: int, nxt: torch.Tensor) -> None:
         """``nxt`` (from :meth:`next_flat`) is not committed: back to the spares."""
         with self._lock:

@@ -165,10 +165,11 @@ def test_an_exchange_that_raises_leaves_the_memory_as_it_was(spec):
     torch.testing.assert_close(_memory(state), before, rtol=0, atol=0)
 
 
-def _scaled_run(rank, world, spec, mode, steps=8, bad_step=3, adamw=False):
+def _scaled_run(rank, world, spec, mode, steps=8, bad_step=3, adamw=False, one=False):
     """mode: 'scaler' (GradScaler passed to register, inf on rank 0 at bad_step),
     'plain' (no scaling; bad_step left out), 'unregistered' (GradScaler not passed).
-    ``adamw``: AdamW with two dense steps (Adam needs them) instead of SGD momentum."""
+    ``adamw``: AdamW with two dense steps (Adam needs them) instead of SGD momentum.
+    ``one``: the inf in one layer's gradient only (one bucket), not in the loss (all)."""
     net = small_net()
     model = DDP(net, bucket_cap_mb=0.004)
     if adamw:
@@ -188,9 +189,15 @@ def _scaled_run(rank, world, spec, mode, steps=8, bad_step=3, adamw=False):
         x, y = batch(rank, step)
         opt.zero_grad()
         loss = nn.functional.cross_entropy(model(x), y)
+        hook = None
         if step == bad_step and rank == 0:
-            loss = loss * float("inf")
+            if one:
+                hook = net[0].weight.register_hook(lambda g: g * float("inf"))
+            else:
+                loss = loss * float("inf")
         scaler.scale(loss).backward()
+        if hook is not None:
+            hook.remove()
         scaler.step(opt)
         scaler.update()
         scales.append(scaler.get_scale() if scaler.is_enabled() else 1.0)
@@ -213,6 +220,17 @@ def test_grad_scaler_with_changing_scale_and_an_overflow_matches_unscaled_traini
     (wrong, _, _), _ = spawn(_scaled_run, 2, args=(spec, "unregistered", 8, 99))
     (plain8, _, _), _ = spawn(_scaled_run, 2, args=(spec, "plain", 8, 99))
     assert any(not torch.equal(a, b) for a, b in zip(wrong, plain8))
+
+
+@pytest.mark.parametrize("spec", ["onebit", "powersgd:rank=1", "dgc:ratio=0.05,momentum=0.9"])
+def test_an_overflow_in_one_bucket_leaves_no_trace_in_the_others(spec, spawn):
+    """The inf in one layer's gradient only: its bucket is flagged, the others are finite
+    and their exchanges ran. The GradScaler skips the step, so every bucket's memory must be
+    as before it (each bucket's own guard put back only its own)."""
+    (scaled, _, _), _ = spawn(_scaled_run, 2, args=(spec, "scaler", 8, 3, False, True))
+    (plain, _, _), _ = spawn(_scaled_run, 2, args=(spec, "plain", 8, 3))
+    for a, b in zip(scaled, plain):
+        assert torch.equal(a, b), f"max diff {(a - b).abs().max():.3g}"
 
 
 @pytest.mark.parametrize("spec", ["onebit", "topk:ratio=0.2"])

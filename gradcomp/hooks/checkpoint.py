@@ -143,6 +143,7 @@ def state_dict(state) -> dict:
     checkpoint loads into the rank that wrote it); ``digest`` a SHA-256 of every tensor,
     checked on load."""
     state.drain()  # the exchanges in flight write the memory: first let them finish
+    state.guard.settle()  # ... and a skipped step's leave no trace in it
     sd = {"format": FORMAT, "method": state.method, "config": state.config.to_dict(),
           "world_size": state.world_size, "rank": _rank(state),
           "ranks_per_node": state.local_size,
@@ -161,6 +162,7 @@ def load_state_dict(state, sd: dict) -> None:
     fresh-process resume."""
     check_checkpoint(sd, state)
     state.drain()
+    state.guard.settle()  # the copies it holds are of the memory being replaced
     restore(state, sd)
 
 

@@ -3,6 +3,8 @@ memory as it was and gives every rank the inf/NaN a plain allreduce would (a Gra
 skips the step everywhere, and training goes on as if it never happened)."""
 from __future__ import annotations
 
+import threading
+
 import torch
 
 STEP_MOD = 2**24  # steps travel as float32: exact below this
@@ -36,8 +38,36 @@ class Guard:
     def __init__(self, memory):
         self.memory = memory
         self.skipped: int | None = None
+        # the finite exchanges of the current step, with what undoes them, until the step
+        # is decided (:meth:`settle`): (step, snapshot, names, [(slot, bucket, buffer before)])
+        self._held: list = []
+        self._lock = threading.Lock()
 
-    def run(self, x, ctx, flat, run):
+    def __getstate__(self):
+        self.settle()
+        d = self.__dict__.copy()
+        d.pop("_lock")
+        return d
+
+    def __setstate__(self, d):
+        self.__dict__.update(d)
+        self._lock = threading.Lock()
+
+    def settle(self) -> None:
+        """The step's exchanges are over (the next step begins, a checkpoint is taken, the
+        state closes): if it was skipped, the memory of every bucket that was finite is put
+        back too, not only the bucket that held the inf/NaN (its own was put back at once),
+        so the step leaves no trace in any bucket's memory; then their copies are released."""
+        with self._lock:
+            held, self._held = self._held, []
+        for step, snap, names, swaps in held:
+            if step == self.skipped:
+                self.memory.restore(snap, names)
+                for slot, bucket, before in swaps:
+                    self.memory.revert(slot, bucket, before)
+            self.memory.release(snap)
+
+    def run(self, x, ctx, flat, run, hold: bool = False):
         """Reduce with inf/NaN protection. Whether any rank's bucket holds a non-finite value
         travels beside the exchange (a flag all-reduced with its first collective); if one
         does, the step is garbage (a GradScaler skips it): the memory of the bucket's
@@ -57,7 +87,11 @@ class Guard:
 
         The flag also carries the step index (s, -s): ranks whose states are at different
         steps (a checkpoint loaded on one rank only) all raise at that exchange, the first
-        after the load, instead of training on with memories that do not belong together."""
+        after the load, instead of training on with memories that do not belong together.
+
+        ``hold``: a skipped step's index is taken again (DDP without delay): a finite
+        bucket's exchange keeps what undoes it until :meth:`settle` decides the step, as
+        another bucket of the same step may still hold inf/NaN."""
         names = [p.name for p in ctx.params]
         # the per-parameter tensors now; each flat slot as the exchange first asks for it to
         # write (ctx.memory); a slot it rewrites whole (ctx.memory_next) is not copied at all:
@@ -85,9 +119,14 @@ class Guard:
             raise
         finally:
             ctx.snapshot = None
+        swaps = [(slot, ctx.bucket, before) for slot, before in ctx.replaced()]
         ctx.finish(not flagged)
         if not flagged:
-            self.memory.release(snap)
+            if hold:
+                with self._lock:
+                    self._held.append((ctx.step, snap, names, swaps))
+            else:
+                self.memory.release(snap)
             return out
         self.memory.restore(snap, names)
         self.memory.release(snap)

@@ -96,6 +96,11 @@ class _Ctx:
                 self.device)
         return hit
 
+    def replaced(self) -> list:
+        """(slot, its buffer now) for each slot :meth:`memory_next` will replace at
+        :meth:`finish`: what puts the memory back after a commit (the guard's)."""
+        return [(slot, cur) for slot, (cur, _) in self._next.items()]
+
     def finish(self, ok: bool) -> None:
         """The exchange is over: the buffers of :meth:`memory_next` become the memory (ok) or
         go back unused (the step is dropped)."""
@@ -283,6 +288,7 @@ class GradcompState:
         never happened. Here, before any bucket of a step is queued, the adaptive warm-up
         decides whether the step is compressed (warmup.py)."""
         if bucket == 0:
+            self.guard.settle()  # the previous step's exchanges are over
             if (self.guard.skipped is not None and self.guard.skipped == self._step
                     and not self.config.delay and self.reuse_skipped):
                 self.guard.skipped = None
@@ -374,7 +380,8 @@ class GradcompState:
                 x = torch.addcmul(mom[1], x, mom[0])
             if pre is not None:
                 x = x * pre
-            out = self.guard.run(x, ctx, lane.comm, lambda y: run(y, method))
+            out = self.guard.run(x, ctx, lane.comm, lambda y: run(y, method),
+                                 hold=self.reuse_skipped and not self.config.delay)
             if pre is not None:
                 out = out / pre
             if mom is not None:
@@ -662,6 +669,7 @@ class GradcompState:
         flushed."""
         for lane in self._lanes:
             lane.close()
+        self.guard.settle()
         destroy_groups(self.owned_groups)
         self.compressor.unbind()
         if self.adam is not None:
