@@ -334,3 +334,54 @@ def test_unsupported_settings_are_refused_on_every_rank(spawn):
         assert [s for s, _ in r] == list(want)
         for spec, msg in r:
             assert msg is not None and want[spec] in msg, (spec, msg)
+
+
+def _lifecycle(rank, world):
+    """What a fine-tuning job does to a registered model: register twice (refused), unfreeze
+    a layer (named at the next forward, before FSDP starts its step; close and register
+    again, and training goes on), and close a state of a grouped fully_shard([a, b]) (FSDP's
+    own reduce-scatter is back)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    out = {}
+    net = _net(world, False)
+    opt = _sgd(net)
+    state = gradcomp.register(net, "onebit", optimizer=opt)
+    _train(net, opt, rank, range(1))
+    try:
+        gradcomp.register(net, "topk", optimizer=opt)
+        out["twice"] = None
+    except ValueError as exc:
+        out["twice"] = str(exc)
+    net[5].frozen.requires_grad_(True)
+    try:
+        _train(net, opt, rank, range(1, 2))
+        out["unfrozen"] = None
+    except RuntimeError as exc:
+        out["unfrozen"] = str(exc)
+    state.close()
+    opt = _sgd(net)
+    state = gradcomp.register(net, "onebit", optimizer=opt)
+    before = _local(net)
+    _train(net, opt, rank, range(2, 4))
+    out["goes_on"] = (state.step, not _same(before, _local(net)))
+    state.close()
+    # grouped: two modules, one FSDP state and parameter group
+    torch.manual_seed(0)
+    grouped = nn.Sequential(nn.Linear(20, 16), nn.ReLU(), nn.Linear(16, 10))
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    fully_shard([grouped[0], grouped[2]], mesh=mesh)
+    fully_shard(grouped, mesh=mesh)
+    g = grouped[0]._get_fsdp_state()._fsdp_param_groups[0]
+    was = (g._reduce_scatter_comm, g.reduce_scatter_unused_params)
+    gradcomp.register(grouped, "topk").close()
+    out["grouped"] = (g._reduce_scatter_comm, g.reduce_scatter_unused_params) == was
+    return out
+
+
+def test_register_twice_unfreeze_and_close_a_grouped_model(spawn):
+    for out in spawn(_lifecycle, 2, timeout=240):
+        assert "registered already" in out["twice"]
+        assert "'5.frozen' was unfrozen" in out["unfrozen"]
+        assert out["goes_on"] == (2, True)
+        assert out["grouped"]

@@ -64,11 +64,15 @@ def _units(model):
     """(module, its FSDP parameter group) for every ``fully_shard``-ed module, in module
     order (the order is the same on every rank)."""
     from torch.distributed.fsdp import FSDPModule
-    out = []
+    out, seen = [], set()
     for mname, mod in model.named_modules():
         if not isinstance(mod, FSDPModule):
             continue
-        groups = mod._get_fsdp_state()._fsdp_param_groups
+        state = mod._get_fsdp_state()
+        if id(state) in seen:  # fully_shard([a, b]): the modules share one state and group
+            continue
+        seen.add(id(state))
+        groups = state._fsdp_param_groups
         if len(groups) > 1:
             raise ValueError(f"module {mname or '<root>'!r} has {len(groups)} FSDP parameter "
                              f"groups (a per-parameter mesh, shard_placement_fn): allowed one "
@@ -115,10 +119,10 @@ class _Layout:
 
     def check(self, numel: int, per_rank: bool) -> None:
         want = self.block if per_rank else self.block * self.W
-        if numel != want:
+        if numel != want:  # (the forward's check, _check_frozen, names it before this)
             raise RuntimeError(f"gradcomp: FSDP reduced {numel} elements where the registered "
                                f"layout has {want}: parameters were frozen or unfrozen after "
-                               f"gradcomp.register; register again after changing requires_grad")
+                               f"gradcomp.register")
 
     def gather(self, inp: torch.Tensor) -> torch.Tensor:
         """The reduce-scatter input (W blocks) -> each parameter whole, end to end."""
@@ -277,6 +281,10 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
         if is_auto(method):
             raise ValueError("method='auto' under FSDP/HSDP: not supported (its probe times "
                              "DDP's exchange); name a method, e.g. 'terngrad' with AdamW")
+        if getattr(model, "_gradcomp_registered", False):
+            raise ValueError("this FSDP model is registered already: call state.close() on "
+                             "its state first (one gradcomp state per model; closing an "
+                             "older one puts FSDP's own collectives back)")
         name, config = for_optimizer(method, options, optimizer)
         optimizer_binding.check_method(name, config, optimizer)
         _refuse(name, config, scaler, hsdp, optimizer)
@@ -299,6 +307,13 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
     state.reuse_skipped = False
     handle = model.register_forward_pre_hook(adapter.begin_forward)
     state.on_close(handle.remove)
+    # before FSDP's own pre-forward (prepend): raised there, FSDP has not started the step
+    flags = [(g, [fp.sharded_param.requires_grad for fp in g.fsdp_params]) for _, _, g in units]
+    check = model.register_forward_pre_hook(lambda *_: _check_frozen(flags, model),
+                                            prepend=True)
+    state.on_close(check.remove)
+    model._gradcomp_registered = True
+    state.on_close(lambda: setattr(model, "_gradcomp_registered", False))
     for _, mod, g in units:  # every parameter in every reduce-scatter: a fixed layout
         old = g.reduce_scatter_unused_params
         g.reduce_scatter_unused_params = True
@@ -340,6 +355,22 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
         from torch.utils.tensorboard import SummaryWriter
         state.attach(SummaryWriter(log_dir), details=log_details)
     return state
+
+
+def _check_frozen(flags, model) -> None:
+    """Each forward, before FSDP's: the parameters that take gradients are the ones the layout
+    was built for (a flag walk per step). Raised here, FSDP's step has not begun: close the
+    state and register again, and training goes on."""
+    for g, was in flags:
+        for fp, before in zip(g.fsdp_params, was):
+            if fp.sharded_param.requires_grad != before:
+                name = next((n for n, p in model.named_parameters()
+                             if p is fp.sharded_param), "?")
+                raise RuntimeError(
+                    f"gradcomp: parameter {name!r} was {'' if before else 'un'}frozen "
+                    f"(requires_grad={fp.sharded_param.requires_grad}) after gradcomp.register: "
+                    f"its layout of FSDP's reduce-scatter is fixed at registration; call "
+                    f"state.close(), then gradcomp.register(model, ...) again")
 
 
 def _refuse(name, config, scaler, hsdp, optimizer) -> None:
