@@ -381,7 +381,8 @@ class GradcompState:
             if pre is not None:
                 x = x * pre
             out = self.guard.run(x, ctx, lane.comm, lambda y: run(y, method),
-                                 hold=self.reuse_skipped and not self.config.delay)
+                                 hold=(self.reuse_skipped and not self.config.delay
+                                       and not self.rounds.active))
             if pre is not None:
                 out = out / pre
             if mom is not None:
