@@ -28,6 +28,9 @@ class ParamMemory:
         # over warm memory (a fresh clone of a bucket-sized buffer pays a page fault per
         # 4 KB on its first write: 26 against 9 ms for 11M elements)
         self._spares: dict[tuple[str, int], list[torch.Tensor]] = {}
+        # per-parameter slots no exchange writes (the Adam binding's, written by the
+        # optimizer's step): a snapshot neither copies nor restores them
+        self.unguarded: set[str] = set()
 
     def __getstate__(self):
         d = self.__dict__.copy()
@@ -38,6 +41,7 @@ class ParamMemory:
     def __setstate__(self, d):
         self.__dict__.update(d)
         self.__dict__.setdefault("_spares", {})
+        self.__dict__.setdefault("unguarded", set())
         self._lock = threading.RLock()
 
     def flat(self, slot: str, bucket: int, names: Sequence[str], numels: Sequence[int],
@@ -74,6 +78,11 @@ class ParamMemory:
             views = self._views.get(slot, {})
             return [views.get(n) for n in names]
 
+    def find(self, slot: str, name: str) -> torch.Tensor | None:
+        """The per-parameter tensor of ``slot`` for ``name``, None where there is none."""
+        with self._lock:
+            return self._tensors.get(slot, {}).get(name)
+
     def tensor(self, slot: str, name: str, init: Callable[[], torch.Tensor]) -> torch.Tensor:
         with self._lock:
             d = self._tensors.setdefault(slot, {})
@@ -90,7 +99,8 @@ class ParamMemory:
         parameter: on a GPU each is a launch)."""
         layout, names = tuple(names), set(names)
         with self._lock:
-            keys = [(s, n) for s, d in self._tensors.items() for n in d if n in names]
+            keys = [(s, n) for s, d in self._tensors.items() if s not in self.unguarded
+                    for n in d if n in names]
             # one multi-tensor copy for all of them (x * 1 is x, bit for bit)
             copies = torch._foreach_mul([self._tensors[s][n] for s, n in keys], 1.0) if keys else []
             snap = {"bucket": bucket, "layout": layout, "covered": set(),
@@ -227,6 +237,8 @@ class ParamMemory:
                     off += v.numel()
             dst, src = [], []
             for s, d in self._tensors.items():
+                if s in self.unguarded:
+                    continue
                 for n in [n for n in d if n in names]:
                     old = snap["tensors"].get((s, n))
                     if old is None:

@@ -36,14 +36,16 @@ def _opt(kind, net):
     return torch.optim.AdamW(groups, lr=1e-3, maximize=True)
 
 
-def _run(kind, steps, bind=True, net=None, opt=None, start=0, lr_at=None, closure=None):
+def _run(kind, steps, bind=True, net=None, opt=None, start=0, lr_at=None, closure=None,
+         store=None):
     """``closure``: None (gradients set, then step()), "kw" or "positional" (gradients set
     inside ``step(closure)``, as Lightning's automatic optimization does: after the
     optimizer's pre-hooks, the previous step's gradients still in place before it)."""
     net = net or small_net()
     opt = opt or _opt(kind, net)
     flag = [False]
-    binding = FrozenVariance(opt, lambda p: p.dim() >= 2, lambda: flag[0]) if bind else None
+    binding = (FrozenVariance(opt, lambda p: p.dim() >= 2, lambda: flag[0], store=store)
+               if bind else None)
     for step in range(start, steps):
         make = _grads(step)
 
@@ -76,7 +78,7 @@ def test_frozen_variance_is_adam_with_v_held(kind):
             for p in net.parameters()}
     want = {p: p.detach().clone() for p in net.parameters()}
     plain_net, plain_opt, _ = _run(kind, DENSE + COMPRESSED, bind=False, lr_at=lr_at)
-    _run(kind, DENSE + COMPRESSED, net=net, opt=opt, start=DENSE, lr_at=lr_at)
+    _, _, binding = _run(kind, DENSE + COMPRESSED, net=net, opt=opt, start=DENSE, lr_at=lr_at)
     for (name, p), q in zip(net.named_parameters(), plain_net.parameters()):
         if p.dim() < 2:
             assert torch.equal(p, q), name
@@ -102,7 +104,8 @@ def test_frozen_variance_is_adam_with_v_held(kind):
         assert torch.equal(opt.state[p][vkey], s[vkey]), "v moved after the switch"
         torch.testing.assert_close(opt.state[p]["exp_avg"].double(), m, rtol=1e-5, atol=1e-6)
         assert int(opt.state[p]["step"]) == DENSE + COMPRESSED
-        assert opt.state[p][FROZEN_KEY] == DENSE
+        assert binding.frozen_step(p) == DENSE
+        assert FROZEN_KEY not in opt.state[p]  # no key of ours in the optimizer's state
         assert not torch.equal(p, q)  # the frozen update is not the optimizer's own
 
 
@@ -124,12 +127,23 @@ def test_gradients_handed_back_after_step():
         assert p.grad is not None and torch.equal(p.grad, _grads(DENSE)(p))
 
 
-def test_resume_through_the_optimizers_checkpoint_is_bit_exact():
-    """The frozen step travels in the optimizer's own state (and loads with weights_only)."""
+@pytest.mark.parametrize("legacy", [False, True])
+def test_resume_is_bit_exact_with_the_frozen_step_in_the_bindings_store(legacy):
+    """The frozen step travels in the binding's store (the state's memory: gradcomp's
+    checkpoint), all loading with weights_only. ``legacy``: an optimizer checkpoint written before,
+    whose frozen step is in the optimizer's state: read from there, then removed."""
+    from gradcomp.memory import ParamMemory
     straight, _, _ = _run("adamw", DENSE + COMPRESSED)
     net, opt, binding = _run("adamw", DENSE + 1)
+    osd = opt.state_dict()
+    if legacy:
+        for i, p in enumerate(q for g in opt.param_groups for q in g["params"]):
+            if p.dim() >= 2:
+                osd["state"][i][FROZEN_KEY] = binding.frozen_step(p)
     buf = io.BytesIO()
-    torch.save({"model": net.state_dict(), "opt": opt.state_dict()}, buf)
+    torch.save({"model": net.state_dict(), "opt": osd,
+                "gradcomp": ParamMemory().state_dict() if legacy else binding.store.state_dict()},
+               buf)
     binding.close()
     buf.seek(0)
     ck = torch.load(buf, weights_only=True)
@@ -137,9 +151,12 @@ def test_resume_through_the_optimizers_checkpoint_is_bit_exact():
     net2.load_state_dict(ck["model"])
     opt2 = _opt("adamw", net2)
     opt2.load_state_dict(ck["opt"])
-    _run("adamw", DENSE + COMPRESSED, net=net2, opt=opt2, start=DENSE + 1)
+    store = ParamMemory()
+    store.load_state_dict(ck["gradcomp"])
+    _run("adamw", DENSE + COMPRESSED, net=net2, opt=opt2, start=DENSE + 1, store=store)
     for p, q in zip(straight.parameters(), net2.parameters()):
         assert torch.equal(p, q)
+        assert FROZEN_KEY not in opt2.state[q]
 
 
 def test_v_still_zero_at_the_switch_learns_on_as_adams_own():

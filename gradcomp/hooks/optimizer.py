@@ -27,11 +27,13 @@ momentum SGD. Here, per parameter the method compresses:
      optimizer runs untouched: v is learned from exact averaged gradients.
   2. At the parameter's first compressed step its Adam state is frozen: v stays as it is,
      with the bias correction of that step (``1 - beta2**k``, k its Adam step count then,
-     kept in the optimizer's own state as ``gradcomp_frozen_step``: it travels with the
-     optimizer's checkpoint). Elements whose v is still 0 then (no gradient reached them
-     during the warm-up: an embedding row of a token not yet seen, a dead unit) are not
-     frozen: their v goes on learning as Adam's own (v = beta2 v + (1 - beta2) g^2; where
-     they are is kept as ``gradcomp_v_gaps``), else their first step would be m / eps.
+     kept in the state's memory, slot ``adam_frozen_step``: it travels with gradcomp's
+     checkpoint, by parameter name, not in the optimizer's state, whose extra keys
+     torch.distributed.checkpoint drops or refuses). Elements whose v is still 0 then (no
+     gradient reached them during the warm-up: an embedding row of a token not yet seen, a
+     dead unit) are not frozen: their v goes on learning as Adam's own (v = beta2 v +
+     (1 - beta2) g^2; where they are: slot ``adam_v_gaps``), else their first step would be
+     m / eps.
   3. Every compressed step, from the optimizer's step pre-hook, with the group's current
      lr, betas, eps and weight decay (schedulers are followed):
         AdamW: w *= 1 - lr wd     (Adam: g += wd w)
@@ -93,8 +95,17 @@ HOLDS_PCT = 1.0
 _NEUTRAL = {"seed", "topology", "local_size", "min_numel", "exact", "adam", "delay",
             "dense_wire"}
 _warned: set = set()
-FROZEN_KEY = "gradcomp_frozen_step"  # in optimizer.state[p]: the Adam step v was frozen at
-GAPS_KEY = "gradcomp_v_gaps"  # in optimizer.state[p]: where v was 0 at the switch (learned on)
+# per parameter, in the state's memory (so in gradcomp's checkpoint, by parameter name): the
+# Adam step v froze at, and where v was still 0 then (learned on, as Adam's own)
+FROZEN_SLOT, GAPS_SLOT = "adam_frozen_step", "adam_v_gaps"
+# where gradcomp kept the frozen step until 2026-11-27: in optimizer.state[p] (read once,
+# then removed: torch.distributed.checkpoint's get/set_state_dict drop or refuse such keys)
+FROZEN_KEY = "gradcomp_frozen_step"
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP's optimizer state), a tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def held() -> list[str]:
@@ -324,8 +335,14 @@ class FrozenVariance:
     went compressed."""
 
     def __init__(self, optimizer, compressed, compressing, names: dict[int, str] | None = None,
-                 precondition: bool = False, momentum: bool = False):
+                 precondition: bool = False, momentum: bool = False, store=None):
+        from ..memory import ParamMemory
         self.optimizer = unwrap(optimizer)
+        # where the frozen steps and v's gaps are kept: the state's memory (checkpointed
+        # with it), or one of its own (a binding made by hand: its store.state_dict())
+        self.store = store if store is not None else ParamMemory()
+        self.store.unguarded |= {FROZEN_SLOT, GAPS_SLOT}
+        self._frozen: dict = {}  # the frozen steps as ints (a cache of the store's)
         self.momentum_mode = momentum
         self._compressing = compressing
         self._mine = {id(p) for g in self.optimizer.param_groups for p in g["params"]
@@ -337,16 +354,41 @@ class FrozenVariance:
         # dicts (a resumed job's beta1 schedule would otherwise be read from the old ones)
         self._by_name = {names[id(p)]: (p, i) for i, g in enumerate(self.optimizer.param_groups)
                          for p in g["params"] if id(p) in self._mine and id(p) in names}
+        # each parameter's key in the store: its name, else its place in the optimizer
+        self._key = {id(p): names.get(id(p), f"param {j}") for j, p in enumerate(
+            p for g in self.optimizer.param_groups for p in g["params"])}
         self._scales: dict = {}  # bucket layout -> its preconditioner (constant once frozen)
         self._moments: dict = {}  # bucket layout -> where its first moments go (momentum)
         self._hidden: list = []
         self.handles = step_hooks(self.optimizer, "adam", self._pre, self._post)
 
     def reset(self) -> None:
-        """Forget the cached preconditioners: a loaded checkpoint (gradcomp's or the
-        optimizer's) brings its own variance."""
+        """Forget the cached preconditioners and frozen steps: a loaded checkpoint
+        (gradcomp's or the optimizer's) brings its own."""
         self._scales.clear()
         self._moments.clear()
+        self._frozen.clear()
+
+    def frozen_step(self, p, state=None, v=None) -> int | None:
+        """The Adam step parameter p's v froze at, None before its switch. With its Adam
+        ``state`` and v: at the switch, record it (the optimizer's step count now, or the
+        one an older checkpoint kept in the optimizer's state) and where v is still 0."""
+        key = self._key[id(p)]
+        k = self._frozen.get(key)
+        if k is None:
+            t = self.store.find(FROZEN_SLOT, key)
+            if t is not None:
+                k = self._frozen[key] = int(t.item())
+        if state is not None:
+            legacy = state.pop(FROZEN_KEY, None)
+            if k is None:
+                k = self._frozen[key] = int(legacy if legacy is not None else state["step"])
+                self.store.tensor(FROZEN_SLOT, key,
+                                  lambda: torch.tensor([float(k)], dtype=torch.float64))
+                gaps = _local(v) == 0
+                if legacy is None and gaps.any():  # one host read per parameter, once
+                    self.store.tensor(GAPS_SLOT, key, lambda: gaps.to(torch.bfloat16))
+        return k
 
     def close(self) -> None:
         self._post()
@@ -399,13 +441,8 @@ class FrozenVariance:
         ms, vs = [s["exp_avg"] for s in states], [s[key] for s in states]
         torch._foreach_lerp_(ms, [g.to(m.dtype) for g, m in zip(grads, ms)], 1 - beta1)
         step_sizes, v_scales = [], []
-        for s, v in zip(states, vs):  # host scalars per parameter, not tensor work
-            frozen = s.get(FROZEN_KEY)
-            if frozen is None:  # this parameter's switch
-                frozen = s[FROZEN_KEY] = int(s["step"])
-                gaps = v == 0
-                if gaps.any():  # one host read per parameter, once
-                    s[GAPS_KEY] = gaps
+        for p, s, v in zip(params, states, vs):  # host scalars per parameter, not tensor work
+            frozen = self.frozen_step(p, s, v)
             s["step"] += 1
             t = int(s["step"])
             step_sizes.append(-lr / (1 - beta1 ** t))
@@ -414,10 +451,12 @@ class FrozenVariance:
         # saw, a unit that was dead through it), a frozen v would make the step m / eps: v
         # goes on learning there as Adam's own, v += (1 - beta2) (g^2 - v). A loop over the
         # few parameters that have such elements (embeddings), not over all of them.
-        for g, s, v in zip(grads, states, vs):
-            gaps = s.get(GAPS_KEY)
-            if gaps is not None:  # bool, or the parameter's dtype once the optimizer reloaded
-                v.addcmul_(gaps.to(v.dtype), g.to(v.dtype).square().sub_(v), value=1 - beta2)
+        for p, g, v in zip(params, grads, vs):
+            gaps = self.store.find(GAPS_SLOT, self._key[id(p)])
+            if gaps is not None:
+                v, g = _local(v), _local(g)
+                gaps = gaps.to(v.device, v.dtype).view_as(v)
+                v.addcmul_(gaps, g.to(v.dtype).square().sub_(v), value=1 - beta2)
         denom = torch._foreach_sqrt(vs)
         torch._foreach_mul_(denom, v_scales)
         torch._foreach_add_(denom, eps)
@@ -448,7 +487,8 @@ class FrozenVariance:
                 complete = False
                 continue
             beta2 = float(group["betas"][1])
-            k = st.get(FROZEN_KEY, int(st["step"]))
+            k = self.frozen_step(p)
+            k = int(st.get(FROZEN_KEY, st["step"])) if k is None else k
             v = st["max_exp_avg_sq" if group.get("amsgrad") else "exp_avg_sq"]
             v = v.detach().float().reshape(-1).cpu()
             d = (v / (1 - beta2 ** k)).sqrt_().add_(group["eps"]).reciprocal_()

@@ -641,7 +641,8 @@ class GradcompState:
             optimizer, lambda p: id(p) in names and self.compressor.compresses(names[id(p)],
                                                                                tuple(p.shape)),
             lambda: not self.warmup.dense(max(self._step, 0)), names,
-            precondition=mode == "precondition", momentum=mode == "momentum")
+            precondition=mode == "precondition", momentum=mode == "momentum",
+            store=self.memory)
 
     def dense_wire16(self) -> bool:
         """Whether the warm-up's dense steps go as bf16 (``dense_wire``; "auto": with
