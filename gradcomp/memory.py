@@ -83,6 +83,11 @@ class ParamMemory:
         with self._lock:
             return self._tensors.get(slot, {}).get(name)
 
+    def put(self, slot: str, name: str, t: torch.Tensor) -> None:
+        """Replace the per-parameter tensor of ``slot`` for ``name``."""
+        with self._lock:
+            self._tensors.setdefault(slot, {})[name] = t
+
     def tensor(self, slot: str, name: str, init: Callable[[], torch.Tensor]) -> torch.Tensor:
         with self._lock:
             d = self._tensors.setdefault(slot, {})

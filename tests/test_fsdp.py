@@ -346,8 +346,8 @@ def test_unsupported_settings_are_refused_on_every_rank(spawn):
 def _lifecycle(rank, world):
     """What a fine-tuning job does to a registered model: register twice (refused), unfreeze
     a layer (named at the next forward, before FSDP starts its step; close and register
-    again, and training goes on), and close a state of a grouped fully_shard([a, b]) (FSDP's
-    own reduce-scatter is back)."""
+    again, and training goes on; a whole unit frozen is not a change of layout), and close a
+    state of a grouped fully_shard([a, b]) (FSDP's own reduce-scatter is back)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     out = {}
@@ -372,6 +372,9 @@ def _lifecycle(rank, world):
     before = _local(net)
     _train(net, opt, rank, range(2, 4))
     out["goes_on"] = (state.step, not _same(before, _local(net)))
+    net[0].requires_grad_(False)  # a whole unit frozen: FSDP reduces nothing of it
+    _train(net, opt, rank, range(4, 5))
+    out["unit_frozen"] = state.step
     state.close()
     # grouped: two modules, one FSDP state and parameter group
     torch.manual_seed(0)
@@ -390,5 +393,5 @@ def test_register_twice_unfreeze_and_close_a_grouped_model(spawn):
     for out in spawn(_lifecycle, 2, timeout=240):
         assert "registered already" in out["twice"]
         assert "'5.frozen' was unfrozen" in out["unfrozen"]
-        assert out["goes_on"] == (2, True)
+        assert out["goes_on"] == (2, True) and out["unit_frozen"] == 3
         assert out["grouped"]

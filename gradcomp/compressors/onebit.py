@@ -64,14 +64,13 @@ def unpad(bits, scales, residual, chunk: int, where: torch.Tensor, npad: torch.T
     y - hi_kernel). Without this a parameter's last, partly filled chunk came back with its
     positive values shrunk by how full the chunk was (1/256 for one element), negative ones
     exact. A few small ops per bucket, no host read."""
-    pos = kernels.unpack_bits(bits.view(-1, chunk // 8)[where]).view(-1, chunk).bool()
+    pos = kernels.unpack_bits(bits.view(-1, chunk // 8)[where]).view(-1, chunk)
     npos = pos.sum(dim=1, dtype=torch.int32)  # >= npad: the padding's zeros are counted
-    old = scales[0, where]
+    old = scales[0].index_select(0, where)
     new = old * npos / (npos - npad).clamp_min(1)  # psum / real ones; 0 where psum is 0
-    scales[0, where] = new
-    if residual is not None:
-        rows = residual.view(-1, chunk)
-        rows[where] = rows[where] + torch.where(pos, (old - new).unsqueeze(1), 0.0)
+    scales[0].index_copy_(0, where, new)
+    if residual is not None:  # y - old + (old - new) at the non-negative ones
+        residual.view(-1, chunk).index_add_(0, where, pos * (old - new).unsqueeze(1))
 
 
 def decode_sum(msgs: torch.Tensor, chunk: int, out: torch.Tensor, alpha: float,

@@ -99,6 +99,10 @@ def check_checkpoint(sd, state) -> None:
                 raise _bad(f"memory slot {slot!r}", type(d).__name__, "a dict by parameter name")
             for name, t in d.items():
                 _check_tensor(f"memory slot {slot!r} of {name!r}", t)
+                if slot == "adam_frozen_step" and (t.numel() != 1 or float(t) != int(t)
+                                                   or not 1 <= int(t) <= _MAX_STEP):
+                    raise _bad(f"memory slot {slot!r} of {name!r}", t.tolist(),
+                               f"one integer in [1, {_MAX_STEP}] (the Adam step v froze at)")
     pending = sd.get("pending", [])
     if not isinstance(pending, list):
         raise _bad("pending", type(pending).__name__, "a list")

@@ -37,6 +37,8 @@ sharded on a dim other than 0, several FSDP parameter groups in one ``fully_shar
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -58,6 +60,9 @@ def is_fsdp(model) -> bool:
     except ImportError:  # pragma: no cover (torch without FSDP2)
         return False
     return isinstance(model, FSDPModule)
+
+
+_REGISTERED = weakref.WeakSet()  # the models a state is registered on, until its close()
 
 
 def _units(model):
@@ -281,7 +286,13 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
         if is_auto(method):
             raise ValueError("method='auto' under FSDP/HSDP: not supported (its probe times "
                              "DDP's exchange); name a method, e.g. 'terngrad' with AdamW")
-        if getattr(model, "_gradcomp_registered", False):
+        if log_dir is not None:  # a missing tensorboard refused before anything is attached
+            try:
+                from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+            except ImportError as exc:
+                raise ValueError(f"log_dir={log_dir!r} needs tensorboard ({exc}): pip install "
+                                 f"tensorboard, or log_dir=None") from None
+        if model in _REGISTERED:
             raise ValueError("this FSDP model is registered already: call state.close() on "
                              "its state first (one gradcomp state per model; closing an "
                              "older one puts FSDP's own collectives back)")
@@ -312,8 +323,6 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
     check = model.register_forward_pre_hook(lambda *_: _check_frozen(flags, model),
                                             prepend=True)
     state.on_close(check.remove)
-    model._gradcomp_registered = True
-    state.on_close(lambda: setattr(model, "_gradcomp_registered", False))
     for _, mod, g in units:  # every parameter in every reduce-scatter: a fixed layout
         old = g.reduce_scatter_unused_params
         g.reduce_scatter_unused_params = True
@@ -354,6 +363,8 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
     if log_dir is not None and (log_all_ranks or dist.get_rank(world) == 0):
         from torch.utils.tensorboard import SummaryWriter
         state.attach(SummaryWriter(log_dir), details=log_details)
+    _REGISTERED.add(model)  # last: a registration that raised leaves no mark
+    state.on_close(lambda: _REGISTERED.discard(model))
     return state
 
 
@@ -362,6 +373,9 @@ def _check_frozen(flags, model) -> None:
     was built for (a flag walk per step). Raised here, FSDP's step has not begun: close the
     state and register again, and training goes on."""
     for g, was in flags:
+        now = [fp.sharded_param.requires_grad for fp in g.fsdp_params]
+        if now == was or not any(now):  # a unit frozen whole: FSDP reduces nothing of it
+            continue
         for fp, before in zip(g.fsdp_params, was):
             if fp.sharded_param.requires_grad != before:
                 name = next((n for n, p in model.named_parameters()

@@ -89,7 +89,8 @@ class Guard:
         steps (a checkpoint loaded on one rank only) all raise at that exchange, the first
         after the load, instead of training on with memories that do not belong together.
 
-        ``hold``: a skipped step's index is taken again (DDP without delay): a finite
+        ``hold``: a GradScaler skips the step and its index is taken again (DDP without
+        delay or local steps): a finite
         bucket's exchange keeps what undoes it until :meth:`settle` decides the step, as
         another bucket of the same step may still hold inf/NaN."""
         names = [p.name for p in ctx.params]

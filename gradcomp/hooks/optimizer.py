@@ -452,10 +452,19 @@ class FrozenVariance:
         # goes on learning there as Adam's own, v += (1 - beta2) (g^2 - v). A loop over the
         # few parameters that have such elements (embeddings), not over all of them.
         for p, g, v in zip(params, grads, vs):
-            gaps = self.store.find(GAPS_SLOT, self._key[id(p)])
+            key = self._key[id(p)]
+            gaps = self.store.find(GAPS_SLOT, key)
             if gaps is not None:
                 v, g = _local(v), _local(g)
-                gaps = gaps.to(v.device, v.dtype).view_as(v)
+                if gaps.device != v.device or gaps.dtype != v.dtype:  # once (after a load)
+                    gaps = gaps.to(v.device, v.dtype)
+                    self.store.put(GAPS_SLOT, key, gaps)
+                if gaps.numel() != v.numel():
+                    raise ValueError(f"gradcomp: the Adam gaps of parameter {key!r} hold "
+                                     f"{gaps.numel()} elements, its v {v.numel()}: a "
+                                     f"checkpoint of another model; resume with the model "
+                                     f"it was saved with")
+                gaps = gaps.view_as(v)
                 v.addcmul_(gaps, g.to(v.dtype).square().sub_(v), value=1 - beta2)
         denom = torch._foreach_sqrt(vs)
         torch._foreach_mul_(denom, v_scales)

@@ -381,8 +381,8 @@ class GradcompState:
             if pre is not None:
                 x = x * pre
             out = self.guard.run(x, ctx, lane.comm, lambda y: run(y, method),
-                                 hold=(self.reuse_skipped and not self.config.delay
-                                       and not self.rounds.active))
+                                 hold=(self.scaler is not None and self.reuse_skipped
+                                       and not self.config.delay and not self.rounds.active))
             if pre is not None:
                 out = out / pre
             if mom is not None:
