@@ -45,6 +45,17 @@ def agree(group, ranks, build, discard):
     return result, mine
 
 
+def check_log_dir(log_dir) -> None:
+    """``log_dir=`` needs tensorboard (an optional extra): refused by name inside an adapter's
+    ``build()``, so every rank refuses together and nothing is attached."""
+    if log_dir is not None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+        except ImportError as exc:
+            raise ValueError(f"log_dir={log_dir!r} needs tensorboard ({exc}): pip install "
+                             f"tensorboard, or log_dir=None") from None
+
+
 def trainable(module) -> tuple[dict, dict]:
     """The parameters a state serves: {id(p): name} and {name: numel} of the module's
     trainable ones (a sharded parameter's global numel); non-float ones refused by name."""

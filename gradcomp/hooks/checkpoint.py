@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from .optimizer import FROZEN_SLOT
 from .topology import SEP, base_name
 
 # the layout of state_dict(); checkpoints without a "format" key (gradcomp <= 0.1) are format 1
@@ -99,7 +100,7 @@ def check_checkpoint(sd, state) -> None:
                 raise _bad(f"memory slot {slot!r}", type(d).__name__, "a dict by parameter name")
             for name, t in d.items():
                 _check_tensor(f"memory slot {slot!r} of {name!r}", t)
-                if slot == "adam_frozen_step" and (t.numel() != 1 or float(t) != int(t)
+                if slot == FROZEN_SLOT and (t.numel() != 1 or float(t) != int(t)
                                                    or not 1 <= int(t) <= _MAX_STEP):
                     raise _bad(f"memory slot {slot!r} of {name!r}", t.tolist(),
                                f"one integer in [1, {_MAX_STEP}] (the Adam step v froze at)")

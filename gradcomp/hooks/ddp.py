@@ -5,7 +5,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from . import optimizer as optimizer_binding
-from .agree import agree, discard, fingerprint, trainable
+from .agree import agree, check_log_dir, discard, fingerprint, trainable
 from .local_steps import check_local
 from .options import for_optimizer, is_auto, merge_options
 from .state import GradcompState, destroy_groups
@@ -67,12 +67,7 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
                                f"({model._comm_hooks[0][0].__qualname__}): DDP takes one per "
                                f"model; register gradcomp once (state.close() does not remove "
                                f"it), or wrap the module in a new DDP to change method")
-        if log_dir is not None:  # a missing tensorboard refused here, before anything is attached
-            try:
-                from torch.utils.tensorboard import SummaryWriter  # noqa: F401
-            except ImportError as exc:
-                raise ValueError(f"log_dir={log_dir!r} needs tensorboard ({exc}): pip install "
-                                 f"tensorboard, or log_dir=None") from None
+        check_log_dir(log_dir)  # before anything is attached
         state = _build_state(model, method, optimizer, group, options)
         if scaler is not None:
             if state.config.delay:

@@ -47,7 +47,7 @@ from . import optimizer as optimizer_binding
 from .options import for_optimizer, is_auto
 from .. import comm
 from ..comm import Rider
-from .agree import agree, discard, fingerprint, trainable
+from .agree import agree, check_log_dir, discard, fingerprint, trainable
 from .guard import check_steps, step_flag
 from .state import GradcompState
 from .topology import SEP
@@ -286,12 +286,7 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
         if is_auto(method):
             raise ValueError("method='auto' under FSDP/HSDP: not supported (its probe times "
                              "DDP's exchange); name a method, e.g. 'terngrad' with AdamW")
-        if log_dir is not None:  # a missing tensorboard refused before anything is attached
-            try:
-                from torch.utils.tensorboard import SummaryWriter  # noqa: F401
-            except ImportError as exc:
-                raise ValueError(f"log_dir={log_dir!r} needs tensorboard ({exc}): pip install "
-                                 f"tensorboard, or log_dir=None") from None
+        check_log_dir(log_dir)  # before anything is attached
         if model in _REGISTERED:
             raise ValueError("this FSDP model is registered already: call state.close() on "
                              "its state first (one gradcomp state per model; closing an "

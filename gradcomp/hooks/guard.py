@@ -90,9 +90,9 @@ class Guard:
         after the load, instead of training on with memories that do not belong together.
 
         ``hold``: a GradScaler skips the step and its index is taken again (DDP without
-        delay or local steps): a finite
-        bucket's exchange keeps what undoes it until :meth:`settle` decides the step, as
-        another bucket of the same step may still hold inf/NaN."""
+        delay or local steps): a finite bucket's exchange keeps what undoes it until
+        :meth:`settle` decides the step, as another bucket of the same step may still hold
+        inf/NaN."""
         names = [p.name for p in ctx.params]
         # the per-parameter tensors now; each flat slot as the exchange first asks for it to
         # write (ctx.memory); a slot it rewrites whole (ctx.memory_next) is not copied at all:

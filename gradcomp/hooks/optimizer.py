@@ -385,8 +385,8 @@ class FrozenVariance:
                 k = self._frozen[key] = int(legacy if legacy is not None else state["step"])
                 self.store.tensor(FROZEN_SLOT, key,
                                   lambda: torch.tensor([float(k)], dtype=torch.float64))
-                gaps = _local(v) == 0
-                if legacy is None and gaps.any():  # one host read per parameter, once
+                gaps = None if legacy is not None else _local(v) == 0
+                if gaps is not None and gaps.any():  # one host read per parameter, once
                     self.store.tensor(GAPS_SLOT, key, lambda: gaps.to(torch.bfloat16))
         return k
 
