@@ -568,8 +568,17 @@ class GradcompState:
         exchange of one bucket each way, the slowest rank's, and the choice), None where it
         did not run; ``method_probe``: what ``method="auto"`` measured (each candidate's
         seconds per exchange of the probe bucket, the choice, the predicted exchange seconds
-        per step), None where it did not run."""
+        per step), None where it did not run.
+
+        Over the run so far (every exchange recorded since this state was created: a
+        checkpoint does not carry them, so a resumed job counts from its resumption):
+        ``run_raw_bytes``, ``run_sent_bytes``, ``run_wire_bytes`` and ``run_ratio`` (raw /
+        sent: the dense warm-up's steps weigh in), and
+        ``compressing_since``: the first compressed step once the step in flight has
+        reached it (None before the switch, and for plain allreduce)."""
         t, raw = self.telemetry.record(self._step - self.config.delay)
+        run, run_raw = self.telemetry.totals()
+        switch = self.warmup.switch_step()
         W = self.world_size
         raw_wire = raw * 2 * (W - 1) / W
         return {
@@ -581,7 +590,10 @@ class GradcompState:
             "comm_s": t.comm_s, "codec_s": t.total_s - t.comm_s,
             "codec_cpu_s": t.total_cpu_s - t.comm_cpu_s,
             "compressing": bool(self.warmup.compressing(max(self._step, 0))),
-            "warmup_switch_step": self.warmup.switch_step(), "warmup_norm_change": self.warmup.ratio,
+            "warmup_switch_step": switch, "warmup_norm_change": self.warmup.ratio,
+            "run_raw_bytes": run_raw, "run_sent_bytes": run.sent, "run_wire_bytes": run.wire,
+            "run_ratio": run_raw / run.sent if run.sent else float("inf"),
+            "compressing_since": switch if switch is not None and self._step >= switch else None,
             "topology": "hierarchical" if self.local_size else "flat",
             "topology_probe": self.topology_probe, "method_probe": self.method_probe,
         }

@@ -24,13 +24,17 @@ def sq_norm(x, params, views) -> torch.Tensor:
 class Telemetry:
     """A component of the state: what each step cost (bytes, collectives, seconds) and what
     the method logged, written to a TensorBoard writer once a step's exchanges have all
-    finished. Thread-safe: the lanes record, the caller's thread reads."""
+    finished, and the same counters summed over the run (since this object was created: a
+    checkpoint does not carry them). Thread-safe: the lanes record, the caller's thread
+    reads."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._records: dict[int, list] = {}  # step -> [Traffic, raw bytes], summed over buckets
         self._logs: dict = {}  # step -> key -> (sum, count) of what methods logged
         self._written = -1     # the last step whose scalars went to the writer
+        self._run = [Traffic(), 0]  # every exchange's so far (a step run again included: its
+        # bytes did cross); host integers the lanes already hold, so no device sync
         self.writer = None
         self.details = False
 
@@ -85,6 +89,8 @@ class Telemetry:
             rec = self._records.setdefault(step, [Traffic(), 0])
             rec[0].merge(traffic)
             rec[1] += raw
+            self._run[0].merge(traffic)
+            self._run[1] += raw
             if keep is not None:
                 for old in [k for k in self._records if k < keep]:
                     del self._records[old]
@@ -99,6 +105,13 @@ class Telemetry:
         """(Traffic, raw bytes) of ``step``."""
         with self._lock:
             return self._records.get(step) or [Traffic(), 0]
+
+    def totals(self):
+        """(Traffic, raw bytes) summed over every exchange recorded so far."""
+        with self._lock:
+            t = Traffic()
+            t.merge(self._run[0])
+            return t, self._run[1]
 
     def mark_written(self, step: int) -> None:
         """Steps up to ``step`` are not written (a checkpoint was loaded at it)."""

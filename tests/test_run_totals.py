@@ -1,0 +1,65 @@
+"""stats()'s run totals: bytes handed over and the compression ratio summed over every step
+so far (the dense warm-up's included), and the step compression started at (None before
+it), beside the latest step's figures."""
+import pytest
+import torch
+
+from gradcomp.compressors import METHODS
+from gradcomp.compressors.base import ParamSlice
+from gradcomp.hooks.state import GradcompState
+
+N = 4096
+PARAMS = [ParamSlice("a", (1024,), 0, 1024), ParamSlice("b", (N - 1024,), 1024, N - 1024)]
+
+
+def _run(method, steps, **options):
+    """Each step's stats() after its exchange (one process: the collectives are no-ops)."""
+    state = GradcompState(method, METHODS[method].config(min_numel=0, **options))
+    assert state.stats()["compressing_since"] is None  # no step yet
+    seen = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        state.reduce(torch.randn(N, generator=g), PARAMS)
+        seen.append(state.stats())
+    state.close()
+    return seen
+
+
+def _check_totals(seen):
+    for i, s in enumerate(seen):
+        sent = sum(t["sent_bytes"] for t in seen[: i + 1])
+        raw = sum(t["raw_bytes"] for t in seen[: i + 1])
+        assert (s["run_sent_bytes"], s["run_raw_bytes"]) == (sent, raw), i
+        assert s["run_wire_bytes"] == pytest.approx(sum(t["wire_bytes"] for t in seen[: i + 1]))
+        assert s["run_ratio"] == pytest.approx(raw / sent), i
+
+
+@pytest.mark.parametrize("method", ["topk", "onebit"])
+def test_compressed_from_the_first_step(method):
+    seen = _run(method, 4, warmup="none")
+    _check_totals(seen)
+    assert [s["compressing_since"] for s in seen] == [0] * 4
+    assert seen[-1]["run_raw_bytes"] == 4 * 4 * N
+    # every step compressed alike: the run's ratio is the step's (> 8x here)
+    assert seen[-1]["run_ratio"] == pytest.approx(seen[-1]["ratio"]) and seen[-1]["ratio"] > 8
+
+
+@pytest.mark.parametrize("options, switch", [({"dense_steps": 3}, 3),
+                                             ({"warmup_window": 2}, 4)])  # steady: r ~ 0 at 4
+def test_across_the_switch(options, switch):
+    seen = _run("onebit", 8, **options)
+    _check_totals(seen)
+    assert [s["compressing_since"] for s in seen] == [None] * switch + [switch] * (8 - switch)
+    assert [s["compressing"] for s in seen] == [False] * switch + [True] * (8 - switch)
+    dense, last = seen[switch - 1], seen[-1]
+    assert dense["run_ratio"] < 1.0 + 1e-3  # fp32 dense steps (+ the flag and step check)
+    # the run's ratio lies between the dense steps' ~1 and the compressed step's own
+    assert 1.0 < last["run_ratio"] < last["ratio"]
+    assert last["run_sent_bytes"] == sum(s["sent_bytes"] for s in seen)
+
+
+def test_plain_allreduce_never_switches():
+    seen = _run("allreduce", 2)
+    _check_totals(seen)
+    assert [s["compressing_since"] for s in seen] == [None, None]
+    assert seen[-1]["run_ratio"] == 1.0
