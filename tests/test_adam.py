@@ -572,10 +572,57 @@ def test_a_method_measured_not_to_hold_with_adamw_warns_once_naming_one_that_did
     r0, r1 = spawn(_warnings, 2, timeout=90)
     first, again = r0["powersgd"]
     assert len(first) == 1 and "powersgd at its defaults with AdamW" in first[0]
-    assert "'terngrad'" in first[0] and "RESULTS.md section 8" in first[0]
+    assert "'terngrad'" in first[0] and "docs/adam.md" in first[0] and "RESULTS" not in first[0]
     assert again == []  # once per process
     assert r0["powersgd:rank=2"] == [[]] and r0["terngrad"] == [[]]  # not what was measured
     assert all(w == [] for ws in r1.values() for w in ws)  # rank 0 only
+
+
+def _adamw_warning(method, options, sharded, monkeypatch):
+    """warn_measured's messages for ``method`` with AdamW as register() builds its config
+    (one process; ``sharded``: what the FSDP adapter sets)."""
+    import warnings
+    from gradcomp.hooks import optimizer as binding
+    from gradcomp.hooks.options import for_optimizer
+    monkeypatch.setattr(binding, "_warned", set())
+    opt = torch.optim.AdamW([nn.Parameter(torch.zeros(4))], lr=1e-3)
+    state = gradcomp.GradcompState(*for_optimizer(method, options, opt))
+    state.sharded = sharded
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        binding.warn_measured(state, opt)
+    state.close()
+    return [str(w.message) for w in seen if "gradcomp:" in str(w.message)]
+
+
+@pytest.mark.parametrize("method, options, sharded, mode", [
+    ("onebit", {}, "FSDP", "freeze"),              # FSDP exchanges the gradient
+    ("onebit", {"delay": 1}, "", "freeze"),        # so does delay
+    ("onebit", {"adam": "freeze"}, "", "freeze"),
+    ("threshold", {}, "", "momentum"),             # DDP: the first moment
+])
+def test_the_adamw_warning_quotes_a_gap_and_a_held_list_of_one_exchange(
+        method, options, sharded, mode, monkeypatch):
+    """The gap quoted and the methods said to have held come from the same exchange's
+    measurements: onebit's 4.26% exchanging the gradient is not followed by onebit, which
+    held only exchanging the first moment, in the list of those that held."""
+    import re
+    from gradcomp.hooks.optimizer import HOLDS_PCT, adam_gap
+    (msg,) = _adamw_warning(method, options, sharded, monkeypatch)
+    gap = float(re.search(r"ended ([\d.]+)% above", msg).group(1))
+    said_mode, listed = re.search(r"held within [\d.]+% there(?: with adam='(\w+)')?: (.*?), "
+                                  r"e\.g\.", msg).groups()
+    names = re.findall(r"'(\w+)'", listed)
+    assert gap == pytest.approx(adam_gap(method, mode)) and gap > HOLDS_PCT
+    assert names and method not in names
+    assert f"(adam={mode!r})" in msg and said_mode == mode
+    assert all(adam_gap(m, mode) <= HOLDS_PCT for m in names)
+    assert names == (["terngrad"] if mode == "freeze" else ["onebit", "topk"])
+    assert "docs/adam.md" in msg and "RESULTS" not in msg
+
+
+def test_onebit_with_adamw_under_ddp_held_and_does_not_warn(monkeypatch):
+    assert _adamw_warning("onebit", {}, "", monkeypatch) == []
 
 
 def _exchange_units(rank, world):

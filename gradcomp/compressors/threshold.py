@@ -154,6 +154,8 @@ class Threshold(Compressor):
     name = "threshold"
     residual_slot = "residual"
     scalar_slots = ("tau",)
+    # (Compressor.measured) AdamW: "freeze" measured with the fp32 warm-up, 1 seed
+    measured = {"sgd_points": -2.4, "adamw_gap_pct": {"freeze": 14.0, "momentum": 5.35}}
     description = "threshold quantization (Strom 2015): elements above tau sent as sign + index"
 
     def exchange(self, x, ctx, big, dense):

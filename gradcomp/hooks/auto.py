@@ -2,10 +2,11 @@
 for this optimizer, chosen at registration by measurement.
 
 1. Candidates: ``allreduce`` (a fast link may need no compression), and the methods whose
-   defaults held where we measured them: with Adam/AdamW the GPT workload's (within
-   ``optimizer.HOLDS_PCT`` of allreduce's validation loss, bench/RESULTS.md section 8:
-   :func:`optimizer.held`); with any other optimizer the ResNet-18 / SGD workload's (within
-   ``SGD_HOLDS_POINTS`` top-1 points of allreduce at 12 epochs, RESULTS 4: ``SGD_POINTS``).
+   defaults held where we measured them (each method's ``Compressor.measured``): with
+   Adam/AdamW the GPT workload's (within ``optimizer.HOLDS_PCT`` of allreduce's validation
+   loss, bench/RESULTS.md section 8: :func:`optimizer.held`); with any other optimizer the
+   ResNet-18 / SGD workload's (within ``SGD_HOLDS_POINTS`` top-1 points of allreduce at 12
+   epochs, RESULTS 4: ``measured["sgd_points"]``).
 2. Every rank validates the options against every candidate, with the optimizer checks
    each would get (``auto`` takes the options every method shares: ``warmup``, ``delay``,
    ``seed``, ...), and the ranks agree before any probe runs (hooks/agree.py), so bad
@@ -32,10 +33,9 @@ from . import optimizer as optimizer_binding
 from .options import for_optimizer
 from .topology import PROBE_MAX_BYTES, probe_bucket, probe_config, time_exchanges
 
-# ResNet-18 / CIFAR-10 with momentum SGD under OneCycleLR, 12 epochs, mean of 3 seeds, every
-# method at its defaults: top-1 points against allreduce (bench/RESULTS.md section 4)
-SGD_POINTS = {"onebit": -0.4, "terngrad": -0.9, "powersgd": -1.2, "topk": -1.2,
-              "threshold": -2.4, "dgc": -5.4}
+# a method held with SGD where its ``Compressor.measured["sgd_points"]`` (top-1 points against
+# allreduce: ResNet-18 / CIFAR-10 with momentum SGD under OneCycleLR, 12 epochs, mean of 3
+# seeds, every method at its defaults; bench/RESULTS.md section 4) lost at most this many
 SGD_HOLDS_POINTS = 1.5
 # the options every method takes (the MethodConfig base): what method="auto" accepts
 SHARED = frozenset(MethodConfig.options())
@@ -48,8 +48,9 @@ def candidates(optimizer) -> list[str]:
     if optimizer is not None and optimizer_binding.is_adam(optimizer):
         held = optimizer_binding.held()
     else:
-        held = sorted(m for m, d in SGD_POINTS.items() if -d <= SGD_HOLDS_POINTS)
-    return ["allreduce", *(m for m in held if m in METHODS)]
+        points = {m: spec.compressor.measured.get("sgd_points") for m, spec in METHODS.items()}
+        held = sorted(m for m, d in points.items() if d is not None and -d <= SGD_HOLDS_POINTS)
+    return ["allreduce", *held]
 
 
 def configs(options: dict, optimizer) -> dict:

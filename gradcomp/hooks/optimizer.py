@@ -81,15 +81,13 @@ ADAM_TYPES = (torch.optim.Adam, torch.optim.AdamW)
 # the optimizer hyperparameters every rank must agree on (registration's fingerprint)
 _OPT_KEYS = ("lr", "momentum", "dampening", "nesterov", "betas", "eps", "weight_decay",
              "amsgrad", "maximize", "decoupled_weight_decay")
-# Measured with AdamW (bench/RESULTS.md section 8: the GPT, 2000 steps, mean of the seeds
-# there): validation loss above allreduce's, in percent, per method at its defaults and the
-# exchange "auto" runs it with (DDP: "momentum" or the method's own; FSDP/HSDP, delay:
-# "freeze"). register() warns once when a method runs at defaults whose gap is above
-# HOLDS_PCT, naming the methods that held.
-ADAM_GAP_PCT = {("onebit", "freeze"): 4.26, ("topk", "freeze"): 3.68, ("powersgd", "freeze"): 4.58,
-                ("threshold", "freeze"): 14.0, ("dgc", "freeze"): 18.8,
-                ("onebit", "momentum"): 0.15, ("topk", "momentum"): 0.54,
-                ("threshold", "momentum"): 5.35, ("dgc", "momentum"): 15.1}
+# Each method's measured gap with AdamW is its ``Compressor.measured["adamw_gap_pct"]``
+# (bench/RESULTS.md section 8: the GPT, 2000 steps, mean of the seeds there; validation loss
+# above allreduce's, in percent, per method at its defaults and per exchange: DDP runs
+# "momentum" or the method's own, FSDP/HSDP and delay "freeze"). register() warns once when
+# a method runs at defaults whose gap in the exchange it runs is above HOLDS_PCT, naming the
+# methods that held in that same exchange: the gap and the list come from one row each.
+ADAM_GAP_KEY = "adamw_gap_pct"
 HOLDS_PCT = 1.0
 # options that do not change what a method computes (a run with only these is "at defaults")
 _NEUTRAL = {"seed", "topology", "local_size", "min_numel", "exact", "adam", "delay",
@@ -108,36 +106,43 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def held() -> list[str]:
-    """The methods whose defaults held with AdamW (within HOLDS_PCT) where measured; TernGrad
-    (unbiased, measured below allreduce) first."""
-    good = [m for (m, mode), gap in ADAM_GAP_PCT.items()
-            if gap <= HOLDS_PCT and mode == METHODS[m].compressor.adam_exchange]
-    return ["terngrad"] + sorted(good)
+def adam_gap(method: str, mode: str) -> float | None:
+    """``method``'s measured gap with AdamW at its defaults exchanging ``mode`` ("freeze",
+    "momentum"), in percent above allreduce's validation loss; None: not measured."""
+    return METHODS[method].compressor.measured.get(ADAM_GAP_KEY, {}).get(mode)
+
+
+def held(mode: str | None = None) -> list[str]:
+    """The methods whose defaults held with AdamW (within HOLDS_PCT) where measured, the
+    smallest gap first: each exchanging ``mode``, or (None) the exchange ``adam="auto"`` runs
+    it with under DDP (``Compressor.adam_exchange``)."""
+    gaps = [(adam_gap(m, mode or spec.compressor.adam_exchange), m)
+            for m, spec in METHODS.items()]
+    return [m for gap, m in sorted(g for g in gaps if g[0] is not None) if gap <= HOLDS_PCT]
 
 
 def warn_measured(state, optimizer, stacklevel: int = 3) -> None:
     """Once per method and process: a method whose measured defaults did not hold with
     Adam/AdamW, run at those defaults with Adam/AdamW (``stacklevel``: the user's call)."""
-    method, config = state.method, state.config
+    method, config, mode = state.method, state.config, state.adam_mode()
     if method in _warned or not is_adam(optimizer) or config.adam == "off" \
             or config.local_steps > 1:
         return
-    gap = ADAM_GAP_PCT.get((method, state.adam_mode()))
+    gap = adam_gap(method, mode)
     if gap is None or gap <= HOLDS_PCT:
         return
     defaults = {**type(config)().to_dict(), **METHODS[method].compressor.adam_defaults}
     if any(v != defaults[k] for k, v in config.to_dict().items() if k not in _NEUTRAL):
         return  # the user chose other settings: not what was measured
     _warned.add(method)
-    ok = held()
+    ok = held(mode)
     import warnings
     warnings.warn(
         f"gradcomp: {method} at its defaults with {type(unwrap(optimizer)).__name__} "
-        f"(adam={state.adam_mode()!r}) ended {gap:.2f}% above allreduce's validation loss on "
-        f"our GPT workload (2000 steps, bench/RESULTS.md section 8); held within "
-        f"{HOLDS_PCT:g}% there: {', '.join(repr(m) for m in ok)}, e.g. "
-        f"gradcomp.register(model, {ok[0]!r}, optimizer=opt). docs/adam.md says more.",
+        f"(adam={mode!r}) ended {gap:.2f}% above allreduce's validation loss on our GPT "
+        f"workload (2000 steps); held within {HOLDS_PCT:g}% there with adam={mode!r}: "
+        f"{', '.join(repr(m) for m in ok)}, e.g. gradcomp.register(model, {ok[0]!r}, "
+        f"optimizer=opt). The measurements: docs/adam.md and docs/methods.md.",
         UserWarning, stacklevel=stacklevel)
 
 
