@@ -207,14 +207,19 @@ def cmd_ddp(args) -> int:
     # every method alike, and each method's ratio pairs it with its own round's noop
     jobs = [(w, r, m, k) for k in range(args.rounds) for w in worlds for r in rates
             for m in methods[k % len(methods):] + methods[:k % len(methods)]]
+    if args.rounds == 1 and "noop" in methods:
+        # compute-only once more after the others: how far the machine's speed moved during
+        # the run, which a ratio to compute-only must exceed to say anything (report.mark_noise)
+        jobs += [(w, r, "noop", AFTER) for w in worlds for r in rates]
     if link_note:
         print(link_note, file=sys.stderr)
-    rows, raw, failed = [], [], []
+    rows, raw, failed, after = [], [], [], {}
     scalars = report.Scalars(args.tensorboard)
     quiet = torchrun and int(os.environ["RANK"]) != 0
     for w, rate, m, k in _progress(
             jobs, lambda j: f"world {j[0]} link {_rate_name(j[1])} {j[2]}"
-            + (f" round {j[3] + 1}" if args.rounds > 1 else ""), disable=quiet):
+            + (" again" if j[3] == AFTER else f" round {j[3] + 1}" if args.rounds > 1 else ""),
+            disable=quiet):
         cfg = TrainConfig(method=m, model=args.model, data=data_dir, synthetic=args.synthetic,
                           epochs=0, max_steps=args.steps + args.warmup, batch=args.batch,
                           eval=False, seed=args.seed,
@@ -236,13 +241,19 @@ def cmd_ddp(args) -> int:
             # mismatch, bench/torch_powersgd_gloo.py) must not lose the runs around it: it
             # is recorded, the others go on, and the command exits 1 at the end (under
             # torchrun this process is a rank itself: no RankError reaches here)
-            failed.append({"method": m, "world": w, "link_bps": rate, "round": k,
+            failed.append({"method": m, "world": w, "link_bps": rate, "round": max(k, 0),
+                           **({"after": True} if k == AFTER else {}),
                            "error": _last_error_line(exc)})
             print(f"gradcomp-bench ddp: {m} (world {w}, {_rate_name(rate)}"
                   + (f", round {k + 1}" if args.rounds > 1 else "") + ") failed: "
                   + failed[-1]["error"], file=sys.stderr)
             continue
         row = bench.summarize(m, res, w, rate, args.warmup, args.model)
+        if k == AFTER:
+            after[(w, rate)] = row["step_s"]
+            raw.append({"method": m, "world": w, "link_bps": rate, "round": 0, "after": True,
+                        "step_times": res["step_times"]})
+            continue
         row["round"] = k
         rows.append(row)
         raw.append({"method": m, "world": w, "link_bps": rate, "round": k,
@@ -260,6 +271,12 @@ def cmd_ddp(args) -> int:
     if quiet:
         return 0
     rows = bench.combine_rounds(rows, methods)
+    for r in rows:
+        if r["method"] == "noop" and (r["world"], r["link_bps"]) in after:
+            r["step_after_s"] = after[(r["world"], r["link_bps"])]
+        for bw in (1e8, 1e9, 1e10):  # the step projected to other links (bench.project)
+            r[f"at_{_rate_name(bw)}_s"] = bench.project(r, bw)
+    report.mark_noise(rows)
     doc = _write_json(args, out_dir, "ddp", {"rows": rows, "raw": raw,
                                              **({"failed": failed} if failed else {})})
     print(ddp_table(rows))
@@ -271,6 +288,9 @@ def cmd_ddp(args) -> int:
                                               else "") for f in failed), file=sys.stderr)
         return 1
     return 0
+
+
+AFTER = -1  # the round of compute-only's closing run (``ddp`` with one round)
 
 
 def _delay_opts(method, args):
@@ -327,48 +347,43 @@ def _rate_name(rate):
     return "loopback" if rate is None else f"{rate / 1e6:g}mbit"
 
 
+NOISE_MARK = "*"
+
+
 def ddp_table(rows) -> str:
-    from . import bench, report
+    """The key columns, one row per method, within 100 characters for the default methods
+    (the rest of each row is in the JSON: the mean, the bound and the floor, the codec's
+    time, the step's split, the step projected to 100 Mbit/s, 1 and 10 Gbit/s
+    (``at_100mbit_s``, ``at_1000mbit_s``, ``at_10000mbit_s``), where it beats DDP); a world
+    and link shared by every row go in a line above it; a ratio to compute-only that says
+    nothing is marked and footnoted (``report.mark_noise``)."""
+    from . import report
     view = []
     for r in rows:
         v = dict(r)
         v["link"] = _rate_name(r["link_bps"])
         v["step_ms"] = r["step_s"] * 1e3
-        v["mean_ms"] = r["mean_s"] * 1e3
         v["spread"] = f"{r['p20_s'] * 1e3:.0f}-{r['p80_s'] * 1e3:.0f}"
-        v["wire_MB"] = r["wire_bytes"] / 1e6
-        v["bytes"] = "stats" if r["bytes_measured"] else "model"
-        v["bound_ms"] = r["bound_s"] * 1e3 if "bound_s" in r else None
-        v["floor_ms"] = r["floor_s"] * 1e3 if "floor_s" in r else None
+        x = r.get("x_compute")
+        v["x_compute"] = None if x is None else (
+            f"{x:.2f}" + (NOISE_MARK if r.get("within_noise") else " "))
+        xp = r.get("x_paced")  # drift cancels in it, but below 1 it is noise as well
+        v["x_paced"] = None if xp is None else f"{xp:.2f}" + (NOISE_MARK if xp < 1.0 else " ")
         v["x_range"] = (f"{r['x_compute_lo']:.2f}-{r['x_compute_hi']:.2f}"
                         if "x_compute_lo" in r else None)
-        v["codec_ms"] = r["codec_s"] * 1e3 if r.get("codec_s") is not None else None
-        v["comm_ms"] = r["comm_s"] * 1e3 if r.get("comm_s") is not None else None
-        v["codec_cpu_ms"] = r["codec_cpu_s"] * 1e3 if r.get("codec_cpu_s") is not None else None
-        for k in ("forward", "backward", "rest", "tail"):
-            v[f"{k}_ms"] = r[f"{k}_s"] * 1e3 if r.get(f"{k}_s") is not None else None
-        be = r.get("breakeven_bps")
-        v["breakeven"] = None if be is None else ("always" if be == float("inf") else
-                                                  "never" if be == 0 else _rate_name(be))
-        for bw in (1e8, 1e9, 1e10):
-            v[f"at{bw:g}"] = bench.project(r, bw) * 1e3
+        v["wire_MB"] = r["wire_bytes"] / 1e6
         view.append(v)
     cols = [("method", "method", ""), ("world", "W", "d"), ("link", "link", ""),
             ("step_ms", "step ms", ".0f"), ("spread", "p20-p80", ""),
-            ("x_compute", "x compute", ".2f"), ("x_range", "x rounds", ""),
-            ("x_paced", "x paced", ".2f"), ("x_sync", "x sync", ".2f"),
-            ("mean_ms", "mean ms", ".0f"),
-            ("x_compute_mean", "x compute (mean)", ".2f"), ("bound_ms", "bound ms", ".0f"),
-            ("x_bound", "x bound", ".2f"), ("floor_ms", "floor ms", ".0f"),
-            ("x_floor", "x floor", ".2f"), ("wire_MB", "wire MB", ".3f"), ("bytes", "from", ""),
-            ("ratio", "ratio", ".0f"), ("codec_ms", "codec ms", ".1f"),
-            ("codec_cpu_ms", "codec CPU ms", ".1f"),
-            ("forward_ms", "fwd ms", ".0f"), ("backward_ms", "bwd ms", ".0f"),
-            ("rest_ms", "opt ms", ".0f"), ("tail_ms", "tail ms", ".0f"),
-            ("comm_ms", "in collectives ms", ".1f"),
-            ("at1e+08", "@100M ms", ".0f"), ("at1e+09", "@1G ms", ".0f"),
-            ("at1e+10", "@10G ms", ".0f"), ("breakeven", "beats ddp below", "")]
-    return report.table(view, cols)
+            ("x_compute", "x compute", ""), ("x_range", "x rounds", ""),
+            ("x_paced", "x paced", ""), ("wire_MB", "wire MB", ".3f"),
+            ("ratio", "ratio", ".0f")]
+    title = ""
+    if len({(v["world"], v["link"]) for v in view}) == 1:
+        title = f"world {view[0]['world']}, link {view[0]['link']}\n"
+        cols = [c for c in cols if c[0] not in ("world", "link")]
+    note = report.noise_note(rows, NOISE_MARK, any((r.get("x_paced") or 1.0) < 1.0 for r in rows))
+    return title + report.table(view, report.visible(view, cols)) + ("\n" + note if note else "")
 
 
 # --------------------------------------------------------------------------- convergence

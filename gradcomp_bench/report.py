@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import textwrap
 
 
 def _cells(row: dict, cols) -> list[str]:
@@ -25,6 +26,62 @@ def table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
         if j == 0:
             out.append("  ".join("-" * w for w in widths))
     return "\n".join(out)
+
+
+def visible(rows: list[dict], cols: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    """The columns at least one row has a value in (a table of fixed columns stays narrow
+    where a run measured less)."""
+    return [c for c in cols if any(set(_cells(r, [c])) != {"-"} for r in rows)]
+
+
+def reference_drift(rows: list[dict]) -> dict:
+    """{(world, link_bps): how far the compute-only step (``noop``) moved during the run,
+    relative to its median}: between its run before the others and its run after them
+    (``step_after_s``), or across ``--rounds`` (the range of its rounds' steps); None where
+    it was measured once."""
+    out = {}
+    for r in rows:
+        if r["method"] != "noop":
+            continue
+        steps = [x["step_s"] for x in r.get("rounds") or []]
+        if r.get("step_after_s") is not None:
+            steps += [r["step_s"], r["step_after_s"]]
+        out[(r["world"], r["link_bps"])] = (
+            (max(steps) - min(steps)) / r["step_s"] if len(steps) > 1 and r["step_s"] else None)
+    return out
+
+
+def mark_noise(rows: list[dict]) -> None:
+    """Mark (``within_noise``) each row whose ratio to compute-only says nothing: below 1 (no
+    exchange makes a step faster than computing it; the machine's speed moved between the
+    two runs), or nearer 1 than compute-only's own step moved during the run
+    (:func:`reference_drift`, kept as ``reference_drift``)."""
+    drift = reference_drift(rows)
+    for r in rows:
+        d = drift.get((r["world"], r["link_bps"]))
+        if d is not None:
+            r["reference_drift"] = d
+        x = r.get("x_compute")
+        if r["method"] == "noop" or x is None:
+            continue
+        r["within_noise"] = x < 1.0 or (d is not None and abs(x - 1.0) <= d)
+
+
+def noise_note(rows: list[dict], mark: str = "*", more: bool = False) -> str | None:
+    """The footnote for the rows :func:`mark_noise` marked (None: none; ``more``: other
+    cells were marked too)."""
+    if not more and not any(r.get("within_noise") for r in rows):
+        return None
+    moved = sorted({(r["world"], r["link_bps"], r["reference_drift"]) for r in rows
+                    if r["method"] == "noop" and r.get("reference_drift") is not None},
+                   key=lambda t: (t[0], t[1] or 0))
+    where = ", ".join(f"{d:.0%} (W {w}, {'loopback' if b is None else f'{b / 1e6:g}mbit'})"
+                      for w, b, d in moved)
+    return textwrap.fill(
+        f"{mark} within noise: below compute-only (no exchange makes a step faster than "
+        f"computing it) or nearer to it than compute-only's own step moved during the run"
+        + (f" ({where})" if where else "") + ". Rerun on a quiet machine, or with more --rounds.",
+        width=100, subsequent_indent="  ")
 
 
 def doc_seed(doc: dict) -> int:

@@ -381,3 +381,83 @@ def test_a_run_that_fails_costs_its_row_not_the_others(tmp_path, monkeypatch, ca
     err = capsys.readouterr().err
     assert "allreduce (world 2, " in err and "round 2) failed: RuntimeError: collective" in err
     assert "1 of 6 runs failed" in err
+
+
+def _table_rows(x, worlds=(2,), rounds=False):
+    """Made-up finished ``ddp`` rows for the default methods: {method: x compute}."""
+    rows = []
+    for w in worlds:
+        for m, ratio in x.items():
+            r = {"method": m, "world": w, "link_bps": 1e8, "step_s": ratio, "mean_s": ratio,
+                 "p20_s": 0.9 * ratio, "p80_s": 1.1 * ratio, "wire_bytes": 3e6,
+                 "bytes_measured": True, "ratio": 17.0, "x_compute": ratio, "x_paced": ratio,
+                 "x_bound": 1.1, "x_floor": 1.05, "bound_s": 1.2, "floor_s": 1.1,
+                 "codec_s": 0.01, "codec_cpu_s": 0.01, "comm_s": 0.2, "forward_s": 0.1,
+                 "breakeven_bps": 1.2e9}
+            if rounds:
+                r.update(x_compute_lo=ratio - 0.01, x_compute_hi=ratio + 0.01,
+                         rounds=[{"step_s": ratio, "x_compute": ratio}] * 3)
+            rows.append(r)
+    return rows
+
+
+def test_ddp_table_fits_a_terminal_and_marks_ratios_within_noise():
+    """The key columns within 100 characters for the default methods (the rest stays in the
+    JSON); a row below compute-only, or nearer to it than compute-only's own step moved
+    between its two runs, is marked and footnoted, in the table and in its row."""
+    from gradcomp_bench import report
+    methods = cli.DEFAULT_METHODS.split(",")
+    x = {m: 1.3 for m in methods}
+    x.update({"noop": 1.0, "onebit": 0.62, "terngrad": 1.03})
+    for worlds, rounds in [((2,), False), ((2,), True), ((2, 4), True)]:
+        rows = _table_rows(x, worlds, rounds)
+        for r in rows:
+            if r["method"] == "noop" and not rounds:
+                r["step_after_s"] = 1.05  # compute-only moved 5% between before and after
+            elif r["method"] == "noop":
+                r["rounds"] = [{"step_s": s, "x_compute": 1.0} for s in (1.0, 0.97, 1.02)]
+        report.mark_noise(rows)
+        assert {r["method"] for r in rows if r.get("within_noise")} == {"onebit", "terngrad"}
+        assert all(r["reference_drift"] == pytest.approx(0.05) for r in rows)
+        lines = cli.ddp_table(rows).splitlines()
+        assert max(map(len, lines)) <= 100, worlds
+        assert ("x rounds" in lines[1 if len(worlds) == 1 else 0]) == rounds
+        marked = [ln.split()[0] for ln in lines if "*" in ln and not ln.startswith("*")]
+        assert sorted(set(marked)) == ["onebit", "terngrad"]
+        note = "\n".join(lines[lines.index(next(ln for ln in lines if ln.startswith("*"))):])
+        assert "within noise" in note and "5% (W 2, 100mbit)" in note
+        assert "@100M" not in lines[0] + lines[1] and "beats ddp" not in lines[0] + lines[1]
+    # measured once: only a ratio below 1 is flagged
+    rows = _table_rows({"noop": 1.0, "onebit": 0.9, "topk": 1.01})
+    report.mark_noise(rows)
+    assert [r.get("within_noise") for r in rows] == [None, True, False]
+    assert "*" not in cli.ddp_table(_table_rows({"noop": 1.0, "topk": 1.2}))
+    # a paced ratio below 1 is marked as well, with the footnote
+    rows = _table_rows({"noop": 1.0, "topk": 1.2})
+    rows[1]["x_paced"] = 0.98
+    lines = cli.ddp_table(rows).splitlines()
+    topk = next(ln for ln in lines if ln.startswith("topk"))
+    assert "0.98*" in topk and "1.20 " in topk and lines[5].startswith("* within noise")
+
+
+def test_ddp_one_round_runs_compute_only_again_after_the_others(tmp_path, monkeypatch, capsys):
+    """One round: noop runs again at the end; how far it moved (30% here, the machine slowing
+    10% per run) is what a ratio must exceed: allreduce's 1.21 is within it, ddp's 1.8 not."""
+    calls = []
+
+    def fake(world, cfg, link=None, per_node=1):
+        slow = 1 + 0.1 * len(calls)
+        calls.append(cfg.method)
+        return [{"step_times": [{"noop": 1.0, "allreduce": 1.1, "ddp": 1.5}[cfg.method] * slow] * 4}]
+
+    code, doc = _fake_ddp_rounds(monkeypatch, tmp_path, fake, 1)
+    assert code == 0 and calls == ["noop", "allreduce", "ddp", "noop"]
+    rows = {r["method"]: r for r in doc["rows"]}
+    assert list(rows) == ["noop", "allreduce", "ddp"]  # the closing run is no row of its own
+    assert rows["noop"]["step_after_s"] == pytest.approx(1.3)
+    assert rows["allreduce"]["reference_drift"] == pytest.approx(0.3)
+    assert (rows["allreduce"]["within_noise"], rows["ddp"]["within_noise"]) == (True, False)
+    assert [r.get("after", False) for r in doc["raw"]] == [False, False, False, True]
+    assert rows["ddp"]["at_100mbit_s"] > 0  # what left the table stays in the JSON
+    out = capsys.readouterr().out
+    assert "1.21*" in out and "1.80 " in out and "30% (W 2, loopback)" in out
