@@ -30,7 +30,7 @@ import torch
 
 from ..config import MethodConfig, check
 from ..kernels.chunks import chunk_plan
-from .base import Compressor, _positions, dense_values, register_method, zero_dense
+from .base import Compressor, dense_values, positions, register_method, zero_dense
 from .sparseloco import field
 
 BITS = (4, 8)
@@ -116,5 +116,6 @@ class DiLoCo(Compressor):
         out = x.zero_()
         plan.put(avg[:rows], out)
         if dense:
-            out.index_copy_(0, _positions(dense, out.device), dense_avg)
+            out.index_copy_(0, positions(tuple((p.offset, p.numel) for p in dense), out.device),
+                            dense_avg)
         return out
