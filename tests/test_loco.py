@@ -93,8 +93,9 @@ def test_sparseloco_error_feedback_keeps_what_was_not_sent_with_its_decay(decay)
         assert left[n].abs().sum() > 0
 
 
-def test_diloco_error_feedback_conserves_in_one_process():
-    seen, state = _run("diloco:chunk=16,bits=4", steps=4)
+@pytest.mark.parametrize("bits", [4, 1])
+def test_diloco_error_feedback_conserves_in_one_process(bits):
+    seen, state = _run(f"diloco:chunk=16,bits={bits}", steps=4)
     left = _residual(state, NAMES)
     for n in NAMES:
         sent = sum(s[n][1].double() for s in seen)
@@ -104,7 +105,7 @@ def test_diloco_error_feedback_conserves_in_one_process():
 
 
 @pytest.mark.parametrize("spec", ["sparseloco:chunk=64,k=8", "diloco:chunk=16,bits=4",
-                                  "diloco:chunk=32"])
+                                  "diloco:chunk=32", "diloco:chunk=64,bits=1"])
 def test_a_parameters_result_does_not_depend_on_its_bucket_neighbours(spec):
     """Each parameter's inputs fixed by name; three layouts give bit-identical outputs."""
     g = torch.Generator().manual_seed(3)
@@ -122,6 +123,13 @@ def test_a_parameters_result_does_not_depend_on_its_bucket_neighbours(spec):
         for s0, s1 in zip(outs[0], other):
             for n in NAMES:
                 assert torch.equal(s0[n], s1[n]), (spec, n)
+
+
+def test_diloco_one_bit_rows_are_signs_times_their_mean_magnitude():
+    seen, _ = _run("diloco:chunk=64,bits=1", steps=1)
+    for name, (x, out) in seen[0].items():
+        for r, o in zip(x.split(64), out.split(64)):
+            torch.testing.assert_close(o, r.sign() * r.abs().mean())
 
 
 def test_message_sizes_are_as_documented():
@@ -144,6 +152,7 @@ def test_message_sizes_are_as_documented():
                                         ("sparseloco:chunk=65536", "chunk=65536"),
                                         ("sparseloco:decay=0", "decay=0"),
                                         ("diloco:bits=2", "bits=2"),
+                                        ("diloco:chunk=12", "chunk=12"),
                                         ("diloco:chunk=7", "chunk=7")])
 def test_bad_options_are_named(spec, word):
     with pytest.raises(ValueError, match=word.replace("=", "=.?")):

@@ -31,14 +31,19 @@ import torch
 from ..config import MethodConfig, check
 from ..kernels.chunks import chunk_plan
 from .base import Compressor, dense_values, positions, register_method, zero_dense
-from .sparseloco import field
+from .sparseloco import field, pack_signs, unpack_signs
 
-BITS = (4, 8)
+BITS = (1, 4, 8)
 
 
-def quantize(m: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(m: torch.Tensor, bits: int, count=None) -> tuple[torch.Tensor, torch.Tensor]:
     """rows (R, c) -> (codes (R, c * bits / 8) uint8, scales (R,) fp32): round to nearest of
-    2^(bits-1) - 1 levels each side of 0 (4 bits: two codes per byte, low nibble first)."""
+    2^(bits-1) - 1 levels each side of 0 (4 bits: two codes per byte, low nibble first);
+    1 bit: the sign, the row's scale its mean magnitude over ``count`` (R,) real elements
+    (1-bit SGD's reconstruction, Seide et al. 2014)."""
+    if bits == 1:
+        scale = m.abs().sum(1) / count.clamp(min=1)
+        return pack_signs(m < 0), scale
     top = 2 ** (bits - 1) - 1
     scale = m.abs().amax(1) / top
     q = torch.round(m / scale.clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(1))
@@ -51,6 +56,8 @@ def quantize(m: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
     """The inverse of :func:`quantize`: (..., R, bytes), (..., R) -> (..., R, c) fp32."""
+    if bits == 1:
+        return unpack_signs(codes) * scale.unsqueeze(-1)
     if bits == 8:
         q = codes.view(torch.int8).float()
     else:
@@ -60,8 +67,10 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Ten
 
 @dataclass(frozen=True)
 class DiLoCoConfig(MethodConfig):
-    """bits: 8 (int8) or 4 per value. chunk: elements per row (one fp32 scale each), each
-    parameter cut from its own first element; even for 4 bits.
+    """bits: 8 (int8), 4, or 1 per value (1: the sign, each row's mean magnitude as its
+    scale; every rank's rows go by allgather and are averaged as they arrive, no second
+    rounding). chunk: elements per row (one fp32 scale each), each parameter cut from its own
+    first element; a multiple of 8.
     min_numel: 0 (every parameter quantized: a row's scale fits a small one too).
     The local-steps options default to the method's own settings: ``local_steps``,
     ``outer_lr`` and ``outer_momentum``."""
@@ -74,9 +83,9 @@ class DiLoCoConfig(MethodConfig):
     chunk: int = 256
 
     def validate(self):
-        check(self.bits in BITS, "bits", self.bits, "4 or 8")
-        check(2 <= self.chunk <= 2**20 and self.chunk % 2 == 0, "chunk", self.chunk,
-              "an even integer in [2, 2**20]")
+        check(self.bits in BITS, "bits", self.bits, "1, 4 or 8")
+        check(8 <= self.chunk <= 2**20 and self.chunk % 8 == 0, "chunk", self.chunk,
+              "a multiple of 8 in [8, 2**20]")
 
 
 @register_method
@@ -89,29 +98,22 @@ class DiLoCo(Compressor):
 
     def exchange(self, x, ctx, big, dense):
         cfg, comm = self.config, ctx.comm
-        W, bits = comm.world_size, cfg.bits
         y = self.add_residual(x, ctx)
         big = sorted(big, key=lambda p: p.offset)
         plan = chunk_plan(tuple((p.offset, p.numel) for p in big), x.numel(), cfg.chunk, x.device)
-        rows = plan.rows
-        share = -(-rows // W)
-        m = torch.cat([plan.rows_of(y), y.new_zeros(W * share - rows, cfg.chunk)])
-        codes, scale = quantize(m, bits)
+        rows, W = plan.rows, comm.world_size
+        share = -(-rows // W)  # the two-phase exchange's rows per rank
+        m = plan.rows_of(y)
+        if cfg.bits != 1:  # every rank's share whole
+            m = torch.cat([m, m.new_zeros(W * share - rows, cfg.chunk)])
+        codes, scale = quantize(m, cfg.bits, _counts(plan, m.shape[0]))
         if y is not x:
-            plan.put(m[:rows] - dequantize(codes[:rows], scale[:rows], bits), y)
+            plan.put(m[:rows] - dequantize(codes[:rows], scale[:rows], cfg.bits), y)
             zero_dense(y, dense)
-        nb = codes.shape[1]
-        msg = torch.cat([codes.view(W, share * nb), scale.view(torch.uint8).view(W, share * 4)], 1)
-        got = comm.all_to_all(msg)  # (W, ...): every rank's copy of my share
-        mine = dequantize(got[:, : share * nb].reshape(W, share, nb),
-                          field(got, share * nb, share * (nb + 4), torch.float32).view(W, share), bits)
-        total = mine[0].clone()
-        for r in mine[1:]:  # a loop over ranks, in rank order
-            total += r
-        c2, s2 = quantize(total.div_(W), bits)
-        every = comm.allgather(torch.cat([c2.reshape(-1), s2.view(torch.uint8)]))
-        avg = dequantize(every[:, : share * nb].reshape(W * share, nb),
-                         field(every, share * nb, share * (nb + 4), torch.float32), bits)
+        if cfg.bits == 1:
+            avg = _gathered(comm, codes, scale)
+        else:
+            avg = _two_phase(comm, codes, scale, cfg.bits, share)
         dense_avg = comm.allreduce(dense_values(x, dense)).div_(W) if dense else None
         out = x.zero_()
         plan.put(avg[:rows], out)
@@ -119,3 +121,46 @@ class DiLoCo(Compressor):
             out.index_copy_(0, positions(tuple((p.offset, p.numel) for p in dense), out.device),
                             dense_avg)
         return out
+
+
+def _counts(plan, n_rows: int) -> torch.Tensor:
+    """Each row's real elements (n_rows: the plan's rows and the padding rows after them)."""
+    c = plan.valid.sum(1).float()
+    return torch.cat([c, c.new_zeros(n_rows - c.numel())])
+
+
+def _row_bytes(codes, scale) -> torch.Tensor:
+    """Rows' scales, then their codes, as one flat message (the fp32 first: aligned)."""
+    return torch.cat([scale.view(torch.uint8), codes.reshape(-1)])
+
+
+def _rows_of(got, R: int, nb: int, bits: int) -> torch.Tensor:
+    """Decode messages of :func:`_row_bytes` (W, bytes) holding R rows each -> (W, R, c)."""
+    W = got.shape[0]
+    return dequantize(got[:, 4 * R :].reshape(W, R, nb),
+                      field(got, 0, 4 * R, torch.float32).view(W, R), bits)
+
+
+def _sum_ranks(rows: torch.Tensor) -> torch.Tensor:
+    """(W, ...) -> the sum over ranks in rank order (the same bits on every rank)."""
+    total = rows[0].clone()
+    for r in rows[1:]:  # a loop over ranks, not over parameters
+        total += r
+    return total
+
+
+def _gathered(comm, codes, scale) -> torch.Tensor:
+    """Every rank's rows by allgather, averaged as they arrive."""
+    got = comm.allgather(_row_bytes(codes, scale))
+    return _sum_ranks(_rows_of(got, codes.shape[0], codes.shape[1], 1)).div_(comm.world_size)
+
+
+def _two_phase(comm, codes, scale, bits: int, share: int) -> torch.Tensor:
+    """An all-to-all hands each rank every rank's copy of its ``share`` rows, which it
+    averages and rounds again; an allgather returns the shares."""
+    W, nb = comm.world_size, codes.shape[1]
+    msg = torch.cat([scale.view(torch.uint8).view(W, share * 4), codes.view(W, share * nb)], 1)
+    got = comm.all_to_all(msg)
+    c2, s2 = quantize(_sum_ranks(_rows_of(got, share, nb, bits)).div_(W), bits)
+    every = comm.allgather(_row_bytes(c2, s2))
+    return _rows_of(every, share, nb, bits).reshape(W * share, -1)
