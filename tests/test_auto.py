@@ -8,6 +8,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gradcomp
 from conftest import small_net, train_steps
 from gradcomp.hooks import auto
+from gradcomp.hooks import optimizer as optimizer_binding
 from gradcomp.hooks.optimizer import held
 from gradcomp.hooks.options import parse_spec
 
@@ -127,3 +128,17 @@ def test_auto_with_local_steps_probes_every_step_exchanges_and_trains(spawn):
     assert m0 == m1
     for a, b in zip(w0, w1):  # flush() at a round's end: every rank holds the global point
         torch.testing.assert_close(a, b)
+
+
+def test_a_local_steps_candidate_counts_its_seconds_per_step(monkeypatch):
+    """sparseloco exchanges once per round of local_steps: the probe's seconds per exchange
+    count divided by its local_steps (the same seconds per exchange: it wins)."""
+    monkeypatch.setattr(auto, "time_exchanges", lambda states, params, group, device: [1.0, 1.0])
+    cfgs = {m: gradcomp.build_config(m) for m in ("allreduce", "sparseloco")}
+    named = [("w", torch.nn.Parameter(torch.zeros(64, 64)))]
+    found = auto.probe(lambda n, c: None, cfgs, named, None, None)
+    H = cfgs["sparseloco"][1].local_steps
+    assert H > 1 and found["seconds"] == {"allreduce": 1.0, "sparseloco": 1.0 / H}
+    assert found["chosen"] == "sparseloco"
+    assert optimizer_binding.default_exchange("sparseloco") == "local"
+    assert optimizer_binding.default_exchange("onebit") == "momentum"

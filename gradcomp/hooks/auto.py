@@ -16,6 +16,9 @@ for this optimizer, chosen at registration by measurement.
    the real link, with a throwaway state compressing from the first step: one untimed
    exchange, then the median of ``topology.PROBE_REPEATS``, codec and link together.
    The seconds are all-reduced (MAX): every rank sees the slowest rank's and picks alike.
+   A local-steps method (``sparseloco``, ``diloco``: a candidate with Adam/AdamW where its
+   measured gap held) exchanges once per round: its seconds count divided by its
+   ``local_steps``.
 4. The fastest wins (ties: the earlier candidate, ``allreduce`` first). ``stats()`` and
    ``state.method_probe`` hold every candidate's seconds, the choice, and the predicted
    exchange seconds per step (the probe's, scaled to the model's bytes); it is logged on
@@ -78,7 +81,8 @@ def probe(make_state, configs: dict, named_params, group, bucket_bytes, device=N
     for name, config in configs.values():
         states.append(lambda name=name, cfg=probe_config(config): make_state(name, cfg))
     times = time_exchanges(states, params, group, device)
-    seconds = dict(zip(configs, times))
+    # a local-steps method exchanges once per round: its seconds per step
+    seconds = {c: t / cfg.local_steps for (c, (_, cfg)), t in zip(configs.items(), times)}
     chosen = pick(seconds)
     probe_elems = params[-1].offset + params[-1].numel
     total = sum(p.numel() for _, p in named_params)

@@ -88,6 +88,7 @@ _OPT_KEYS = ("lr", "momentum", "dampening", "nesterov", "betas", "eps", "weight_
 # a method runs at defaults whose gap in the exchange it runs is above HOLDS_PCT, naming the
 # methods that held in that same exchange: the gap and the list come from one row each.
 ADAM_GAP_KEY = "adamw_gap_pct"
+LOCAL = "local"  # the row of a local-steps method: inner AdamW steps, the pseudo-gradient sent
 HOLDS_PCT = 1.0
 # options that do not change what a method computes (a run with only these is "at defaults")
 _NEUTRAL = {"seed", "topology", "local_size", "min_numel", "exact", "adam", "delay",
@@ -112,12 +113,19 @@ def adam_gap(method: str, mode: str) -> float | None:
     return METHODS[method].compressor.measured.get(ADAM_GAP_KEY, {}).get(mode)
 
 
+def default_exchange(method: str) -> str:
+    """What ``method`` exchanges at its defaults with Adam/AdamW under DDP: "local" (the
+    pseudo-gradient of its own local steps: a method whose ``local_steps`` defaults above
+    1), else ``Compressor.adam_exchange``."""
+    spec = METHODS[method]
+    return LOCAL if spec.config().local_steps > 1 else spec.compressor.adam_exchange
+
+
 def held(mode: str | None = None) -> list[str]:
     """The methods whose defaults held with AdamW (within HOLDS_PCT) where measured, the
-    smallest gap first: each exchanging ``mode``, or (None) the exchange ``adam="auto"`` runs
-    it with under DDP (``Compressor.adam_exchange``)."""
-    gaps = [(adam_gap(m, mode or spec.compressor.adam_exchange), m)
-            for m, spec in METHODS.items()]
+    smallest gap first: each exchanging ``mode``, or (None) what it exchanges at its
+    defaults under DDP (:func:`default_exchange`)."""
+    gaps = [(adam_gap(m, mode or default_exchange(m)), m) for m in METHODS]
     return [m for gap, m in sorted(g for g in gaps if g[0] is not None) if gap <= HOLDS_PCT]
 
 
