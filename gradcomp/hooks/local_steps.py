@@ -150,27 +150,26 @@ class LocalSteps:
         """Whether an optimizer's steps run the rounds (``bind``)."""
         return bool(self._hooks)
 
-    def bind(self, module: torch.nn.Module, bucket_bytes: int | None, names, send) -> None:
-        """Lay the outer buckets out (every trainable parameter of ``names`` (id -> name), in
-        module order, cut at ``bucket_bytes`` of fp32). ``send(bucket, x, slices, tensors,
-        last, plain)`` queues one exchange and returns (its future, its step): the method's
-        (``plain`` False) or the plain average. The optimizer's steps then call
-        :meth:`inner_pre` and :meth:`inner_post` (hooks/optimizer.py installs them: ``hook``)."""
+    def bind(self, params, buffers, bucket_bytes: int | None, send) -> None:
+        """Lay the outer buckets out: ``params``, (name, tensor) pairs in module order (under
+        HSDP each rank's own rows of each parameter, named as its memory is), cut at
+        ``bucket_bytes`` of fp32; ``buffers``: (name, buffer) pairs averaged every round.
+        ``send(bucket, x, slices, tensors, last, plain)`` queues one exchange and returns
+        (its future, its step): the method's (``plain`` False) or the plain average. The
+        optimizer's steps then call :meth:`inner_pre` and :meth:`inner_post`
+        (hooks/optimizer.py installs them: ``hook``)."""
         cap = bucket_bytes or DEFAULT_BUCKET_BYTES
         buckets, cur, size = [], [], 0
-        for p in module.parameters():
-            if id(p) not in names:
-                continue
+        for name, p in params:
             if cur and size + 4 * p.numel() > cap:
                 buckets.append(cur)
                 cur, size = [], 0
-            cur.append((names[id(p)], p))
+            cur.append((name, p))
             size += 4 * p.numel()
         if cur:
             buckets.append(cur)
         self._outer_buckets = [(flat_slices(b), [p for _, p in b]) for b in buckets]
-        self._outer_buffers = [(n, b) for n, b in module.named_buffers()
-                               if b.dtype.is_floating_point]
+        self._outer_buffers = [(n, b) for n, b in buffers if b.dtype.is_floating_point]
         self._send = send
 
     def hook(self, handles: list) -> None:

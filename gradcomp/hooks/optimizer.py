@@ -288,16 +288,17 @@ def step_hooks(optimizer, key: str, pre, post) -> list:
     return handles
 
 
-def bind(state, optimizer, *, module=None, bucket_bytes=None, warn: bool = False,
+def bind(state, optimizer, *, module=None, bucket_bytes=None, pieces=None, warn: bool = False,
          stacklevel: int = 4) -> None:
     """Attach to the user's optimizer all that the state's settings need, once every rank
     agreed (the adapters call this last): with ``local_steps`` the rounds' step hooks
     (hooks/local_steps.py); else the SGD momentum a method applies itself (DGC), the Adam binding
-    (:class:`FrozenVariance`) and, with ``warn``, the measured-accuracy warning."""
+    (:class:`FrozenVariance`) and, with ``warn``, the measured-accuracy warning. ``pieces``:
+    what the rounds average under HSDP (``GradcompState.bind_local``)."""
     if optimizer is None:
         return
     if state.rounds.active:  # inner steps are the optimizer's own; the rounds end in its hooks
-        state.bind_local(module, bucket_bytes)
+        state.bind_local(module, bucket_bytes, pieces)
         # the steps that run (not a wrapper's skips)
         state.rounds.hook(step_hooks(optimizer, "local", state.rounds.inner_pre,
                                      state.rounds.inner_post))

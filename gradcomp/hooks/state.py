@@ -507,11 +507,16 @@ class GradcompState:
                       last)
         return fut, step
 
-    def bind_local(self, module: torch.nn.Module, bucket_bytes: int | None) -> None:
-        """``local_steps`` > 1: lay the outer buckets out (hooks/local_steps.py); the
-        optimizer's step hooks that end the rounds are installed by hooks/optimizer.py's
-        ``bind``, which calls this."""
-        self.rounds.bind(module, bucket_bytes, self.param_names, self._send_outer)
+    def bind_local(self, module: torch.nn.Module, bucket_bytes: int | None,
+                   pieces=None) -> None:
+        """``local_steps`` > 1: lay the outer buckets out (hooks/local_steps.py): every
+        trainable parameter of ``module`` in module order, or ``pieces`` ((name, tensor)
+        pairs: HSDP's rows of this rank); the optimizer's step hooks that end the rounds are
+        installed by hooks/optimizer.py's ``bind``, which calls this."""
+        if pieces is None:
+            names = self.param_names
+            pieces = [(names[id(p)], p) for p in module.parameters() if id(p) in names]
+        self.rounds.bind(pieces, module.named_buffers(), bucket_bytes, self._send_outer)
 
     def drain(self, before: int | None = None) -> None:
         """Wait until every queued exchange (of the steps before ``before``) has finished."""
