@@ -24,12 +24,17 @@ size; the reduce-scatter input holds rank 0's chunk of every parameter, then ran
   ``FSDPModule.set_all_reduce_hook``, in place, with error feedback per shard. Each rank's
   piece of a parameter is kept as ``name#s/S`` (shard s of S), as under DDP's hierarchical
   topology; the warm-up's statistics and its switch are the whole mesh's.
+  With ``local_steps=H`` (``sparseloco``, ``diloco``; INTELLECT-1's DiLoCo over FSDP2) the
+  inner steps keep the node's average (the hook returns at once: nothing crosses nodes) and
+  every H steps each rank's pieces go through the method as one outer bucket across their
+  replicas (hooks/local_steps.py): each rank keeps the global point of its own rows.
 
 Exchanges run synchronously in FSDP's reduce step (one lane), in FSDP's module order, which
 is the same on every rank: the collective order needs no tickets here. Every parameter goes
 through every step (``set_reduce_scatter_unused_params(True)``: a parameter without a
 gradient sends zeros, as DDP's ``find_unused_parameters``), so a bucket's layout never changes.
-Refused with a message: ``delay``, ``local_steps``, ``topology=hierarchical`` (HSDP is the
+Refused with a message: ``delay``, ``local_steps`` on a 1-D mesh, ``local_delay``,
+``topology=hierarchical`` (HSDP is the
 hierarchy), ``scaler`` (use bf16 mixed precision), ``adam='precondition'``/``'momentum'``
 (``'auto'`` runs ``'freeze'``: a rank holds only its shard of Adam's moments), ``dgc`` with
 weight decay on a 1-D mesh (it reads parameter values a rank does not hold), a parameter
@@ -186,6 +191,8 @@ class _Adapter:
                                "supported (the cross-node exchange averages); leave it unset")
         out = out.reshape(-1)
         lay.check(out.numel(), per_rank=True)
+        if self.state.rounds.active:  # an inner step: the node's average, nothing across nodes
+            return
         b = self.bucket()
         if not lay.piece:  # no rows of this unit here (nor on this shard's replicas): the
             step = self.state.begin(b)  # step still begins at bucket 0 on every rank, and
@@ -299,13 +306,13 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
         if hsdp:  # the memory holds this rank's pieces: their sizes are what a checkpoint holds
             numels.update({s.name: s.numel for lay in layouts for s in lay.piece})
         state = GradcompState(name, config, group=group, param_names=names, param_numels=numels)
-        built.append(layouts)
+        built.append((layouts, _outer_pieces(units, names, shard_index, W, config)))
         return state, {"method": name, **config.to_dict(), "mesh": list(mesh.mesh.shape),
                        **fingerprint(model, optimizer, scaler)}
 
     built: list = []  # build()'s layouts (agree returns the state alone)
     state, _ = agree(world, everyone, build, lambda st: discard(st, made))
-    layouts = built[-1]
+    layouts, pieces = built[-1]
     state.owned_groups = made
     adapter = _Adapter(state, hsdp)
     # no GradScaler here: a step with inf/NaN is not run again under the same index (under
@@ -354,13 +361,34 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
             mod.set_custom_reduce_scatter(_reduce_scatter(adapter, lay))
             state.on_close(lambda g=g, old=old: setattr(g, "_reduce_scatter_comm", old))
     state.sharded = "HSDP" if hsdp else "FSDP"
-    optimizer_binding.bind(state, optimizer, warn=dist.get_rank(world) == 0, stacklevel=5)
+    optimizer_binding.bind(state, optimizer, module=model, bucket_bytes=_ONE_OUTER_BUCKET,
+                           pieces=pieces, warn=dist.get_rank(world) == 0, stacklevel=5)
     if log_dir is not None and (log_all_ranks or dist.get_rank(world) == 0):
         from torch.utils.tensorboard import SummaryWriter
         state.attach(SummaryWriter(log_dir), details=log_details)
     _REGISTERED.add(model)  # last: a registration that raised leaves no mark
     state.on_close(lambda: _REGISTERED.discard(model))
     return state
+
+
+# under HSDP the rounds send one outer bucket of every piece a rank holds: the same number
+# of exchanges on every rank of the mesh, whose inf/NaN flag goes round all of them
+_ONE_OUTER_BUCKET = 2**62
+
+
+def _outer_pieces(units, names, me: int, W: int, config):
+    """HSDP with ``local_steps`` > 1: (name, local tensor) of each row block this rank holds,
+    named as the memory keeps it (``name#me/W``); ValueError where it holds none."""
+    if config.local_steps == 1:
+        return None
+    pieces = [(f"{names[id(fp.sharded_param)]}{SEP}{me}/{W}", fp.sharded_param.to_local())
+              for _, _, g in units for fp in g.fsdp_params
+              if fp.sharded_param.requires_grad and fp.sharded_size.numel()]
+    if not pieces:
+        raise ValueError(f"local_steps={config.local_steps} under HSDP: shard {me} of {W} holds "
+                         f"no rows of any parameter (more ranks per node than rows); allowed "
+                         f"fewer ranks per node, or local_steps=1")
+    return pieces
 
 
 def _check_frozen(flags, model) -> None:
@@ -388,9 +416,14 @@ def _refuse(name, config, scaler, hsdp, optimizer) -> None:
     if config.delay:
         raise ValueError(f"delay={config.delay} under {kind}: FSDP reduces each gradient into "
                          f"the optimizer's shard in the same backward; allowed delay=0")
-    if config.local_steps > 1:
-        raise ValueError(f"local_steps={config.local_steps} under {kind}: allowed 1 (local steps "
-                         f"run under DDP)")
+    if config.local_steps > 1 and not hsdp:
+        raise ValueError(f"local_steps={config.local_steps} under FSDP (a 1-D mesh): a rank holds "
+                         f"only its shard, whose gradient needs every rank's each step; allowed "
+                         f"1, or HSDP (a 2-D mesh: local steps across the replicas, the node's "
+                         f"reduce-scatter every step)")
+    if config.local_delay:
+        raise ValueError(f"local_delay={config.local_delay} under {kind}: allowed 0 (the outer "
+                         f"exchange runs at the round's end)")
     if config.topology == "hierarchical":
         raise ValueError(f"topology='hierarchical' under {kind}: allowed 'flat' or 'auto'; for "
                          f"dense traffic inside a node and compressed across nodes shard with a "
