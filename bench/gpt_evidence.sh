@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The transformer / AdamW evidence of bench/RESULTS.md section 8: the GPT (0.8M parameters) on
+# The transformer / AdamW evidence of bench/RESULTS.md, "Accuracy with AdamW": the GPT (0.8M parameters) on
 # the pycode corpus, AdamW, 2000 steps, 2 gloo ranks, every method at its defaults beside
 # allreduce, torch's PowerSGD hook and the ablation adam=off. One JSON per seed and method
 # group in bench/results/gpt/; the table: gradcomp-bench seeds bench/results/gpt/*.json

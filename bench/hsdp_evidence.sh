@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The transformer / AdamW recipe of bench/RESULTS.md section 8 under HSDP (section 9): the GPT
+# The transformer / AdamW recipe of bench/RESULTS.md, "Accuracy with AdamW", under HSDP ("FSDP2 and HSDP"): the GPT
 # (0.8M parameters), AdamW, 2000 steps, 4 gloo ranks as 2 nodes x 2 (fully_shard on a 2-D
-# mesh), 8 windows per rank (the same 32 per step as section 8's 2 ranks x 16). One JSON per
+# mesh), 8 windows per rank (the same 32 per step as the DDP recipe's 2 ranks x 16). One JSON per
 # seed and method in bench/results/hsdp/; table: gradcomp-bench seeds bench/results/hsdp/*.json
 # Usage: bash bench/hsdp_evidence.sh SEED [METHODS]   (about 15 minutes per method on 2 cores)
 set -euo pipefail

@@ -1,6 +1,6 @@
 """How much does CPU work on a side thread slow backward on this machine, per ms of its CPU time?
 
-The 100 Mbit/s rig (bench/RESULTS.md 1o) found backward slower, during the exchanges of the
+The 100 Mbit/s rig (bench/RESULTS.md, "Speed on a slow link") found backward slower, during the exchanges of the
 first buckets, by more than the codec's CPU time. This separates the codec from the question:
 2 ranks train ResNet-18 (DDP's defaults, one thread per rank, loopback, no gradient
 communication) with a comm hook that hands each bucket to a side thread, which burns a given

@@ -1,5 +1,5 @@
 """Long runs: does a registered method hold its memory, threads and open files flat over
-20,000 optimizer steps? (issue 33, item 6)
+20,000 optimizer steps?
 
 Each setting trains the tests' small MLP (``tests/conftest.py``'s ``small_net``: 20-64-48-10,
 4954 parameters) on fixed random batches (16 per rank, 16 x 20 each, cycled) under DDP with
@@ -21,7 +21,7 @@ Writes ``bench/results/longrun/<setting>.json`` (every rank's samples) and
 ``bench/results/longrun/longrun.png`` (rank 0). Evidence (2 CPU cores, gloo, 2026-11-25):
 threads and open files constant from step 250 to 20,000 in every setting and on every rank;
 RSS +0.15 to +0.36 MiB from step 1,000 to 20,000 (plain DDP: +0.02). bench/RESULTS.md,
-section 10.
+"Long runs".
 """
 from __future__ import annotations
 

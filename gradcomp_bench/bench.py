@@ -135,7 +135,7 @@ def finish(rows: list[dict]) -> None:
             if r.get("forward_s") and noop.get("forward_s") and not r.get("delayed"):
                 # paced by the forward, which no synchronous exchange touches: the step in
                 # forwards against compute-only's (the machine's speed, which drifts by up to
-                # 20% within minutes on a shared host, cancels; bench/RESULTS.md 1o)
+                # 20% within minutes on a shared host, cancels; bench/RESULTS.md, "Speed on a slow link")
                 r["x_paced"] = _in_forwards(r) / _in_forwards(noop)
             sync = next((o for o in same if o["method"] == "sync"), None)
             if sync and "x_paced" in r and sync.get("forward_s"):

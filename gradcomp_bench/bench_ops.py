@@ -9,7 +9,7 @@ each Triton launch counts 1 and the aten ops around them count as kernel ops. Th
 kernel ops also include its cache blocking (:mod:`gradcomp.kernels.cpu` runs each step over
 blocks of 2^18 elements), which grows with the bucket's size, not its tensor count. Layouts: DDP's 25 MB
 buckets of ResNet-18 and of GPT-2 small's parameter shapes, and 1M elements cut into 16 or
-160 tensors (the issue's check that the count does not grow with the tensor count). A warm
+160 tensors (to check that the count does not grow with the tensor count). A warm
 step runs first, so memory creation is not counted.
 """
 from __future__ import annotations

@@ -698,6 +698,27 @@ def cmd_seeds(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from . import results_report
+    try:
+        text = results_report.build(args.spec)
+    except (OSError, ValueError, KeyError) as exc:
+        raise UsageError(f"{args.spec}: {type(exc).__name__}: {exc}") from None
+    out = Path(args.out)
+    if args.check:
+        same = out.is_file() and out.read_text() == text
+        print(f"{out}: " + ("up to date" if same else "differs from what the rows and the spec "
+                            "give; run gradcomp-bench report"))
+        return 0 if same else 1
+    out.write_text(text)
+    size = len(text.encode())
+    print(f"{out}: {size} bytes")
+    if size > results_report.LIMIT_BYTES:
+        print(f"gradcomp-bench: warning: {out} is over {results_report.LIMIT_BYTES} bytes",
+              file=sys.stderr)
+    return 0
+
+
 # --------------------------------------------------------------------------- main
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gradcomp-bench", description=__doc__.split("\n\n")[0])
@@ -804,6 +825,12 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--plot", default=None, metavar="DIR",
                    help="language-model runs: the val-loss and val-loss-vs-bytes figures of "
                         "all the files together, into DIR")
+    rp = sub.add_parser("report", help="bench/RESULTS.md from bench/results/**/*.json and the "
+                                        "spec of its sections, bench/report.toml")
+    rp.add_argument("--spec", default="bench/report.toml")
+    rp.add_argument("--out", default="bench/RESULTS.md")
+    rp.add_argument("--check", action="store_true",
+                    help="write nothing; exit 1 if --out differs from what the rows give")
     pl = sub.add_parser("plan", help="cost model: projected step time per method for 8-1024 "
                                       "ranks and 100 Mbit/s-400 Gbit/s; --check against the "
                                       "rig's measurements")
@@ -812,7 +839,8 @@ def parser() -> argparse.ArgumentParser:
                          "bench/results/ddp_*.json and latency_*.json)")
     pl.add_argument("--model", default="resnet18")
     pl.add_argument("--device", choices=("h100", "cpu"), default="h100",
-                    help="whose codec cost per element (bench/RESULTS.md sections 5, 1f)")
+                    help="whose codec cost per element (bench/RESULTS.md: Kernels on a GPU, "
+                         "Speed on a slow link)")
     pl.add_argument("--compute-ms", type=float, default=12.0,
                     help="the step without communication (default: ResNet-18, batch 32, on "
                          "an H100: 12 ms)")
@@ -828,7 +856,8 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
         return {"ddp": cmd_ddp, "convergence": cmd_convergence, "kernels": cmd_kernels,
-                "overlap": cmd_overlap, "seeds": cmd_seeds, "plan": cmd_plan}[args.cmd](args)
+                "overlap": cmd_overlap, "seeds": cmd_seeds, "plan": cmd_plan,
+                "report": cmd_report}[args.cmd](args)
     except UsageError as exc:
         print(f"gradcomp-bench: error: {exc}", file=sys.stderr)
         return 2

@@ -123,7 +123,7 @@ def layout(model="gpt2_small"):
         params.append(ParamSlice(name, tuple(t.shape), off, t.numel()))
         off += t.numel()
     lay = _Layout(params, [], off, DEV)
-    # the gathers TernGrad ran on the GPU before (session 46): an int32 position per element
+    # the gathers TernGrad ran on the GPU before: an int32 position per element
     starts = lay.starts.tolist()
     take = torch.cat([torch.arange(p.offset, p.offset + m, device=DEV) if m == p.numel else
                       torch.cat([torch.arange(p.offset, p.offset + p.numel, device=DEV),

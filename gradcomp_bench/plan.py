@@ -10,7 +10,7 @@ The model (per rank, per step; every term measured or computed, two overlap fact
 * ``codec``: the method's CPU/GPU time compressing and decompressing one step's gradients.
   ALPHA of it adds to the step: on the CPU rig the ranks' backward already keeps the cores
   busy, so the codec's time adds, and a little more (the codec's thread slows backward by
-  cache and memory traffic: RESULTS 1o, ``bench/interference.py``).
+  cache and memory traffic: ``bench/interference.py``).
 * ``comm``: the link. DDP starts a bucket's exchange during backward, so BETA * compute of
   it hides behind compute (``exposed = max(0, comm - BETA * compute)``); with ``delay=1`` a
   step's exchange has the whole next step (``max(0, comm - compute)``); with ``local_steps=H``
@@ -44,13 +44,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # ALPHA: the share of the codec's time that adds to the step (above 1: the codec's thread
-# also slows backward on the shared cores, RESULTS 1o); BETA: the share of the compute time
-# behind which DDP's in-backward exchanges hide. :func:`fit` on CALIBRATION's rows (grid of
-# 0.05, least mean relative error; tests/test_plan.py checks these are its answer);
+# also slows backward on the shared cores: bench/interference.py); BETA: the share of the
+# compute time behind which DDP's in-backward exchanges hide. :func:`fit` on CALIBRATION's
+# rows (grid of 0.05, least mean relative error; tests/test_plan.py checks these are its answer);
 # GPU_ALPHA: on a GPU the codec runs on the same device as backward (not measured apart: all
 # of it counted)
 ALPHA, BETA, GPU_ALPHA = 1.05, 0.15, 1.0
-# RESULTS 1o: every method in 3 paired rounds, the forward recorded (the pace), current code
+# the first run of bench/RESULTS.md's "ResNet-18 on 100 Mbit/s, 2 ranks": every method in 3
+# paired rounds, the forward recorded (the pace)
 CALIBRATION = "bench/results/ddp_resnet18_100mbit_s49_rounds.json"
 
 # collectives per bucket exchange (gradcomp/compressors/*: the ctx.comm calls)
@@ -159,10 +160,10 @@ def paced_compute(row: dict, noop: dict, overlapped: bool) -> float:
     """The compute-only step at the pace the host ran ``row``'s steps: the noop row's step
     times the row's forward over the noop row's forward, where the rig recorded both.
 
-    This host's speed drifts by up to 20% within one run (RESULTS 1o), and a synchronous
-    method's forward has no exchange in it, so its forward is the clock (the bench's ``x
-    paced`` column). Not where an exchange overlaps the next steps (``delay=1``,
-    ``local_delay=1``): there the forward shares the cores with the exchange."""
+    This host's speed drifts by up to 20% within one run (bench/RESULTS.md, "Speed on a slow
+    link"), and a synchronous method's forward has no exchange in it, so its forward is the
+    clock (the bench's ``x paced`` column). Not where an exchange overlaps the next steps
+    (``delay=1``, ``local_delay=1``): there the forward shares the cores with the exchange."""
     fwd, noop_fwd = row.get("forward_s"), noop.get("forward_s")
     if overlapped or not fwd or not noop_fwd:
         return noop["step_s"]
