@@ -17,7 +17,7 @@ Margins from three seeds (validation loss, nats per character; seeds 0 / 1 / 2):
 The test takes seeds 0 and 1 and asks, on their mean, onebit within 0.03 of allreduce, the
 ablation at least 0.01 above onebit, and terngrad within 0.02 of allreduce. (At 300 steps
 on this model the two exchanges are within noise of each other; the 2000-step GPT separates
-them: bench/RESULTS.md section 8.)
+them: bench/RESULTS.md, "Accuracy with AdamW".)
 """
 import pytest
 

@@ -219,7 +219,7 @@ def test_dgc_segment_norms_by_views_the_gpus_path_equals_the_segment_sums():
 
 # Methods whose exchange is segmented (a fixed op count per bucket), with their launch
 # budget: the codec issue's 60; threshold's adaptive tau, sign codes and per-sender decode
-# take ~90 (bench/RESULTS.md section 7); onebit's correction of partly padded chunks
+# take ~90 (bench/RESULTS.md, "Ops per bucket exchange"); onebit's correction of partly padded chunks
 # (compressors/onebit.py, unpad: ~12 launches per phase, whatever the tensor count) 64.
 SEGMENTED = {"topk": 60, "dgc": 60, "onebit": 64, "threshold": 95}
 

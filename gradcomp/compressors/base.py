@@ -124,16 +124,16 @@ class Compressor(ABC):
     scalar_slots: tuple = ()
     # with Adam/AdamW and adam="auto" (hooks/optimizer.py): what the method exchanges once
     # Adam's second moment is frozen, "momentum" (Adam's first moment, 1-bit Adam's way) or
-    # "freeze" (the gradient), as measured on the GPT workload (bench/RESULTS.md section 8)
+    # "freeze" (the gradient), as measured on the GPT workload (bench/RESULTS.md, "Accuracy with AdamW")
     adam_exchange: str = "momentum"
     # with Adam/AdamW: option defaults of their own where the measurements asked for them
     # (hooks/options.py's for_optimizer; the user's options win)
     adam_defaults: dict = {}
     # what the method's defaults measured against allreduce, each figure with its source:
     # "sgd_points", top-1 points on CIFAR-10 with momentum SGD (narrow ResNet-18, OneCycleLR,
-    # 12 epochs, mean of 3 seeds; bench/RESULTS.md section 4), and "adamw_gap_pct", {adam
+    # 12 epochs, mean of 3 seeds; bench/RESULTS.md, "Accuracy with SGD"), and "adamw_gap_pct", {adam
     # exchange: validation loss above allreduce's, in percent} on the GPT with AdamW (2000
-    # steps, mean of the seeds there; bench/RESULTS.md section 8). hooks/auto.py's candidates
+    # steps, mean of the seeds there; bench/RESULTS.md, "Accuracy with AdamW"). hooks/auto.py's candidates
     # and hooks/optimizer.py's warning read them; a method not measured has none
     measured: dict = {}
 

@@ -116,7 +116,7 @@ def segment_norms(x: torch.Tensor, lengths: torch.Tensor, sizes: tuple,
     """The L2 norm of each segment of x (consecutive runs of ``lengths``; ``sizes`` the same
     as ints). On the CPU a segment reduction of x * x; on a GPU (``by_views`` None) one
     multi-tensor norm over the segments' views: torch's CUDA segment_reduce sums a segment
-    in one thread (bench/RESULTS.md 5, "The GPU again")."""
+    in one thread (bench/RESULTS.md, "Kernels on a GPU")."""
     if by_views is None:
         by_views = x.device.type != "cpu"
     if by_views:

@@ -7,7 +7,7 @@ ones go dense):
      rounding error is about as large as y itself (clipped at 2.5 sigma, E|s q - y|^2 =
      s |y|_1 - |y|^2 ~ |y|^2 for Gaussian-like y), so error feedback does not contract:
      the residual grows like a random walk and its noise goes out with every later
-     message. Measured (bench/RESULTS.md, section 4): ResNet-18's first epoch diverges with
+     message. Measured (bench/RESULTS.md, "Accuracy with SGD"): ResNet-18's first epoch diverges with
      it (training loss 3.79 against 2.29 without), and 10 epochs of the small model end
      4.8 points lower with it when every tensor is compressed. The message is unbiased
      without it.
@@ -92,7 +92,7 @@ def _stats_by_norms(y: torch.Tensor, lengths: torch.Tensor, clip: float, seg: to
                     sizes: list[int]) -> torch.Tensor:
     """:func:`layer_stats` on a GPU, by multi-tensor norms over y's segments (views) in place
     of segment reductions: torch's CUDA ``segment_reduce`` took 8-10 ms per reduction over
-    GPT-2 small's 163M elements on an H100, ``_foreach_norm`` 0.5 (bench/RESULTS.md 5).
+    GPT-2 small's 163M elements on an H100, ``_foreach_norm`` 0.5 (bench/RESULTS.md, "Kernels on a GPU").
 
     * max |y| is each segment's inf-norm (exact), and max |clip(y)| = min(max |y|, bound);
     * a segment's sum of squares is the 1-norm of y * y; its sum is 2 * (1-norm of
@@ -250,7 +250,7 @@ class _Layout:
     multiple of 4; to_padded, to_x: the moves between x's layout and the padded one, as
     runs (one ``torch.cat`` of views each, on every device: on an H100 0.63 ms for GPT-2
     small's 163M elements against 0.82 for a gather by an int32 position per element, which
-    also cost 12 bytes per element of tables; bench/RESULTS.md 5). Cached per layout."""
+    also cost 12 bytes per element of tables; bench/RESULTS.md, "Kernels on a GPU"). Cached per layout."""
 
     def __init__(self, params, dense, n, device):
         lengths, starts, at = [], [], 0

@@ -127,7 +127,7 @@ class TopK(Compressor):
     name = "topk"
     # with Adam/AdamW: half the SGD default's elements. On the GPT (2000 steps, seed 0, the
     # first moment exchanged) ratio 0.025 ended +0.8% from allreduce against 0.05's +1.0%,
-    # and only it sends 8x fewer bytes over the run (bench/RESULTS.md section 8)
+    # and only it sends 8x fewer bytes over the run (bench/RESULTS.md, "Accuracy with AdamW")
     adam_defaults = {"ratio": 0.025}
     # (Compressor.measured) AdamW: "freeze" measured at ratio 0.05 with the fp32 warm-up
     measured = {"sgd_points": -1.2, "adamw_gap_pct": {"freeze": 3.68, "momentum": 0.54}}

@@ -4,9 +4,9 @@ for this optimizer, chosen at registration by measurement.
 1. Candidates: ``allreduce`` (a fast link may need no compression), and the methods whose
    defaults held where we measured them (each method's ``Compressor.measured``): with
    Adam/AdamW the GPT workload's (within ``optimizer.HOLDS_PCT`` of allreduce's validation
-   loss, bench/RESULTS.md section 8: :func:`optimizer.held`); with any other optimizer the
+   loss, bench/RESULTS.md, "Accuracy with AdamW": :func:`optimizer.held`); with any other optimizer the
    ResNet-18 / SGD workload's (within ``SGD_HOLDS_POINTS`` top-1 points of allreduce at 12
-   epochs, RESULTS 4: ``measured["sgd_points"]``).
+   epochs, RESULTS, "Accuracy with SGD": ``measured["sgd_points"]``).
 2. Every rank validates the options against every candidate, with the optimizer checks
    each would get (``auto`` takes the options every method shares: ``warmup``, ``delay``,
    ``seed``, ...), and the ranks agree before any probe runs (hooks/agree.py), so bad
@@ -38,7 +38,7 @@ from .topology import PROBE_MAX_BYTES, probe_bucket, probe_config, time_exchange
 
 # a method held with SGD where its ``Compressor.measured["sgd_points"]`` (top-1 points against
 # allreduce: ResNet-18 / CIFAR-10 with momentum SGD under OneCycleLR, 12 epochs, mean of 3
-# seeds, every method at its defaults; bench/RESULTS.md section 4) lost at most this many
+# seeds, every method at its defaults; bench/RESULTS.md, "Accuracy with SGD") lost at most this many
 SGD_HOLDS_POINTS = 1.5
 # the options every method takes (the MethodConfig base): what method="auto" accepts
 SHARED = frozenset(MethodConfig.options())

@@ -82,7 +82,7 @@ ADAM_TYPES = (torch.optim.Adam, torch.optim.AdamW)
 _OPT_KEYS = ("lr", "momentum", "dampening", "nesterov", "betas", "eps", "weight_decay",
              "amsgrad", "maximize", "decoupled_weight_decay")
 # Each method's measured gap with AdamW is its ``Compressor.measured["adamw_gap_pct"]``
-# (bench/RESULTS.md section 8: the GPT, 2000 steps, mean of the seeds there; validation loss
+# (bench/RESULTS.md, "Accuracy with AdamW": the GPT, 2000 steps, mean of the seeds there; validation loss
 # above allreduce's, in percent, per method at its defaults and per exchange: DDP runs
 # "momentum" or the method's own, FSDP/HSDP and delay "freeze"). register() warns once when
 # a method runs at defaults whose gap in the exchange it runs is above HOLDS_PCT, naming the
