@@ -133,18 +133,22 @@ def test_diloco_one_bit_rows_are_signs_times_their_mean_magnitude():
 
 
 def test_message_sizes_are_as_documented():
-    shapes = [("w", (300, 100)), ("b", (40,))]  # 30000 elements: 8 rows of 4096, one short
+    shapes = [("w", (300, 100)), ("b", (40,))]  # 30000 elements: rows of the chunk, one short
     params = lay_out(shapes)
     n = sum(p.numel for p in params)
     flag = 12  # the inf/NaN guard's flag beside each exchange: 3 fp32 (hooks/guard.py)
-    st = gradcomp.GradcompState(*gradcomp.build_config("sparseloco", warmup="none"))
+    name, cfg = gradcomp.build_config("sparseloco", warmup="none")
+    st = gradcomp.GradcompState(name, cfg)
     st.reduce(torch.randn(n), params)
-    rows = -(-30000 // 4096)
-    assert st.stats()["sent_bytes"] == rows * (2 * 64 + 64 // 8 + 4 * 4) + 4 * 40 + flag
-    st = gradcomp.GradcompState(*gradcomp.build_config("diloco", warmup="none"))
+    rows, k = -(-30000 // cfg.chunk), cfg.k
+    # per row: int16 indices, one sign bit each, an fp32 mean per group; the bias dense
+    assert st.stats()["sent_bytes"] == rows * (2 * k + k // 8 + 4 * cfg.levels) + 4 * 40 + flag
+    name, cfg = gradcomp.build_config("diloco", warmup="none")
+    st = gradcomp.GradcompState(name, cfg)
     st.reduce(torch.randn(n), params)
-    rows = -(-30000 // 256) + 1  # the bias is a row of its own (min_numel=0)
-    assert st.stats()["sent_bytes"] == 2 * rows * (256 + 4) + flag
+    rows = -(-30000 // cfg.chunk) + 1  # the bias is a row of its own (min_numel=0)
+    # two phases (all-to-all, allgather), each the rows' codes and an fp32 scale per row
+    assert st.stats()["sent_bytes"] == 2 * rows * (cfg.chunk * cfg.bits // 8 + 4) + flag
 
 
 @pytest.mark.parametrize("spec, word", [("sparseloco:k=12", "k=12"),

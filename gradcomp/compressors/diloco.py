@@ -76,10 +76,10 @@ class DiLoCoConfig(MethodConfig):
     ``outer_lr`` and ``outer_momentum``."""
 
     min_numel: int = 0
-    local_steps: int = 16
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    bits: int = 8
+    local_steps: int = 4
+    outer_lr: float = 1.5
+    outer_momentum: float = 0.0
+    bits: int = 4
     chunk: int = 256
 
     def validate(self):

@@ -67,13 +67,13 @@ class SparseLoCoConfig(MethodConfig):
     The local-steps options default to the method's own settings: ``local_steps``,
     ``outer_lr`` and ``outer_momentum`` (the error feedback is the momentum)."""
 
-    local_steps: int = 16
-    outer_lr: float = 1.0
+    local_steps: int = 4
+    outer_lr: float = 1.5
     outer_momentum: float = 0.0
     chunk: int = 4096
-    k: int = 64
+    k: int = 128
     levels: int = 4
-    decay: float = 0.95
+    decay: float = 1.0
 
     def validate(self):
         check(1 <= self.chunk <= MAX_CHUNK, "chunk", self.chunk, f"an integer in [1, {MAX_CHUNK}]")
