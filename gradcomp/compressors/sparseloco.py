@@ -5,8 +5,8 @@ Efficient LLM Pre-training with SparseLoCo", 2025, arXiv:2508.15706).
 Every rank takes ``local_steps`` (H) optimizer steps on its own gradients; at the end of the
 round its pseudo-gradient D (where the round started less where it ended,
 hooks/local_steps.py) comes here, per parameter, in fp32:
-  1. y = decay * e + D: error feedback whose decay plays the part of DiLoCo's outer momentum
-     (the paper's observation: with it no outer momentum is needed, ``outer_momentum=0``).
+  1. y = decay * e + D: error feedback (in the paper its decay plays the part of DiLoCo's
+     outer momentum, and no outer momentum is needed: ``outer_momentum=0``).
   2. Each parameter is cut into rows of ``chunk`` elements from its own first element; each
      row keeps its ``k`` largest |y| (torch.topk, largest first).
   3. The kept values are quantized: the row's k values in rank order form ``levels`` groups
@@ -20,7 +20,7 @@ hooks/local_steps.py) comes here, per parameter, in fp32:
 The outer step (``outer_lr``, hooks/local_steps.py) applies the average.
 
 Bytes per row and rank: 2k (indices) + k/8 (signs) + 4 * levels (group means): with the
-defaults, 152 bytes for 4096 fp32 elements (16 KiB), 108x fewer bytes per round than a dense
+defaults, 288 bytes for 4096 fp32 elements (16 KiB), 57x fewer bytes per round than a dense
 fp32 exchange of the round, times H against a per-step allreduce.
 """
 from __future__ import annotations
@@ -60,12 +60,15 @@ def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class SparseLoCoConfig(MethodConfig):
     """chunk: elements per row (each parameter cut from its own first element), at most
-    32768. k: values kept per row, a multiple of 8 and at most ``chunk`` (64 of 4096: 1.6%,
-    the paper's density range of 1-3%). levels: magnitude groups per row (each sent as one
-    fp32 mean; a value costs one bit, its sign, whatever the number), dividing k.
-    decay: the error feedback's decay, in (0, 1] (the paper's beta).
-    The local-steps options default to the method's own settings: ``local_steps``,
-    ``outer_lr`` and ``outer_momentum`` (the error feedback is the momentum)."""
+    32768. k: values kept per row, a multiple of 8 and at most ``chunk`` (128 of 4096: 3.1%,
+    the top of the paper's 1-3%). levels: magnitude groups per row (each sent as one fp32
+    mean; a value costs one bit, its sign, whatever the number), dividing k.
+    decay: the error feedback's decay, in (0, 1] (the paper's beta, 0.95 there; 1 here: with
+    a few steps per round a value waits tens of rounds for its turn, and a decay throws most
+    of it away: measured on the GPT, docs/delay-and-local-steps.md).
+    The local-steps options default to the method's own settings: ``local_steps`` 4,
+    ``outer_lr`` 1.5 (about the square root of the replicas: each rank's Adam takes shorter
+    steps in noisy coordinates than DDP's), no ``outer_momentum``."""
 
     local_steps: int = 4
     outer_lr: float = 1.5
