@@ -133,8 +133,12 @@ def test_values_past_what_they_cost_are_refused(spec, options, match):
 
 
 def _one_rank_loads(rank, world, spec, fsdp):
-    """Rank 0 rolls back to its step-3 checkpoint alone; then (if nothing raised) both do."""
+    """Rank 0 rolls back to its step-3 checkpoint alone, while the others train on: its load
+    waits for them, raises, and changes nothing; then training goes on on every rank."""
+    from gradcomp.hooks import checkpoint
+    from gradcomp.hooks.checkpoint import tensor_digest
     from conftest import small_net, train_steps
+    checkpoint.LOAD_TIMEOUT_S = 3.0  # (the load group is made at registration, with it)
     if fsdp:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -152,27 +156,92 @@ def _one_rank_loads(rank, world, spec, fsdp):
     train_steps(model, opt, rank, range(3))
     sd = state.state_dict()
     train_steps(model, opt, rank, range(3, 5))
-    out = []
-    for who in ((0,), (0, 1)):
-        if rank in who:
-            state.load_state_dict(sd)
+    before = state.state_dict()
+    error = None
+    if rank == 0:
         try:
-            train_steps(model, opt, rank, range(5, 6))
-            out.append(None)
+            state.load_state_dict(sd)
         except RuntimeError as exc:
-            out.append(str(exc))
-            break
-    return out
+            error = str(exc)
+    after = state.state_dict()
+    unchanged = tensor_digest(after) == tensor_digest(before) and after["step"] == 5
+    train_steps(model, opt, rank, range(5, 7))  # every rank goes on, at the same step
+    return error, unchanged, state.step
 
 
 @pytest.mark.parametrize("spec,fsdp,world", [("onebit", False, 2), ("topk", True, 2),
                                              ("terngrad", True, 4)], ids=["ddp", "fsdp2", "hsdp2x2"])
-def test_a_checkpoint_loaded_on_one_rank_only_makes_every_rank_raise(spec, fsdp, world, spawn):
-    """The step check rides with every exchange's inf/NaN flag (under HSDP over the whole
-    mesh): a rank rolled back alone makes every rank raise at the next exchange, naming the
-    steps."""
-    for r in spawn(_one_rank_loads, world, args=(spec, fsdp), timeout=120, pg_timeout=30):
-        assert len(r) == 1 and "different steps" in r[0] and "step 3 to 5" in r[0], r
+def test_a_checkpoint_loaded_on_one_rank_only_raises_there_and_changes_nothing(spec, fsdp, world,
+                                                                               spawn):
+    """A load is collective: the ranks agree over a process group of its own (no exchange
+    uses it, so the rank waiting there cannot meet another's exchange as one collective).
+    A rank that loads alone raises at the load once the others have not joined in
+    LOAD_TIMEOUT_S, its state unchanged, and every rank trains on."""
+    out = spawn(_one_rank_loads, world, args=(spec, fsdp), timeout=150, pg_timeout=30)
+    error, unchanged, step = out[0]
+    assert error and "gradcomp's load_state_dict is collective" in error, error
+    assert "LOAD_TIMEOUT_S" in error, error
+    assert all(u for _, u, _ in out), out
+    assert [s for _, _, s in out] == [7] * world and all(e is None for e, _, _ in out[1:])
+
+
+def _bad_arguments(rank, world):
+    """Registrations with something wrong on one rank (or both): every rank raises, none
+    waits for the others; returns each rank's (exception type, message) per case."""
+    from conftest import small_net
+    long_spec = "topk:" + "ratio=0.1," * 1000
+    cases = {
+        "optimizer object on rank 1": ("dgc", lambda o: {"optimizer": object() if rank else o}),
+        "optimiser": ("dgc", lambda o: {"optimiser": o}),
+        "scaler object on rank 1": ("topk", lambda o: {"scaler": object() if rank else None}),
+        "lanes a string on rank 0": ("topk", lambda o: {"lanes": "4" if rank == 0 else 4}),
+        "log_details a string on rank 1": ("topk", lambda o: {"log_details": "yes" if rank else
+                                                              False}),
+        "a plain module on rank 1": ("topk", lambda o: {}),
+        "a repeated option in a long spec": (long_spec, lambda o: {}),
+        "log_dir not writable on rank 0": ("topk", lambda o: {
+            "log_dir": "/proc/gradcomp-runs" if rank == 0 else None}),
+    }
+    out = {}
+    for label, (spec, kw) in cases.items():
+        model = DDP(small_net())  # (collective: every rank wraps its model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        target = model.module if label == "a plain module on rank 1" and rank == 1 else model
+        try:
+            gradcomp.register(target, spec, **kw(opt)).close()
+            out[label] = None
+        except Exception as exc:  # noqa: BLE001
+            out[label] = (type(exc).__name__, str(exc))
+    return out
+
+
+def test_bad_arguments_on_one_rank_are_refused_on_every_rank_without_a_hang(spawn):
+    """Every argument of gradcomp.register, objects included, is checked inside the ranks'
+    first agreement: a rank given something wrong raises its own error, the others a
+    ValueError naming it (an invalid optimizer on one rank left the others waiting); a
+    misspelled keyword is named with the nearest valid one; messages stay short."""
+    r0, r1 = spawn(_bad_arguments, 2, timeout=180)
+
+    def both(label, own_rank, kind, *words):
+        own, other = (r0, r1) if own_rank == 0 else (r1, r0)
+        assert own[label] and own[label][0] == kind, (label, own[label])
+        assert other[label] and other[label][0] == "ValueError", (label, other[label])
+        assert f"refused on rank(s) {own_rank}, so on every rank" in other[label][1]
+        for w in words:
+            assert w in own[label][1] and w in other[label][1], (label, w, own, other)
+    both("optimizer object on rank 1", 1, "TypeError", "optimizer=<object object",
+         "allowed a torch.optim.Optimizer")
+    both("scaler object on rank 1", 1, "TypeError", "allowed a torch.amp.GradScaler")
+    both("lanes a string on rank 0", 0, "ValueError", "invalid lanes='4'")
+    both("log_details a string on rank 1", 1, "TypeError", "log_details='yes'")
+    both("a plain module on rank 1", 1, "TypeError", "needs a torch.nn.parallel")
+    both("log_dir not writable on rank 0", 0, "ValueError", "log_dir='/proc/gradcomp-runs'")
+    for r in (r0, r1):
+        kind, msg = r["optimiser"]
+        assert kind == "TypeError" and "unknown keyword 'optimiser'" in msg, msg
+        assert "did you mean 'optimizer'?" in msg, msg
+        kind, msg = r["a repeated option in a long spec"]
+        assert "option 'ratio' given twice" in msg and len(msg) < 600, (len(msg), msg[:200])
 
 
 def _disagree(rank, world, case):

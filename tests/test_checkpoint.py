@@ -181,3 +181,187 @@ def _rollback(rank, world, spec):
 def test_loading_into_a_running_state_equals_a_fresh_resume(spec, spawn):
     for diffs in spawn(_rollback, 2, args=(spec,), timeout=120):
         assert max(diffs) == 0, f"{spec}: max diff {max(diffs):.3g}"
+
+
+def _net128():  # PowerSGD groups its two 128-column matrices in one batch
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 128), nn.ReLU(),
+                         nn.Linear(128, 10))
+
+
+def _steps128(model, opt, rank, steps):
+    for step in steps:
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x, y = torch.randn(8, 128, generator=g), torch.randint(0, 10, (8,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def _same(a, b) -> bool:
+    """Equal checkpoints, tensors bit for bit, every other value too."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return (isinstance(b, (list, tuple)) and len(a) == len(b)
+                and all(_same(x, y) for x, y in zip(a, b)))
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a, b))
+    return a == b
+
+
+PSGD = "powersgd:rank=2,warmup=none"  # compressing from the first step
+
+
+def _refused_loads(rank, world, sweep):
+    """Refused loads, then training: the run must equal one that never tried them."""
+    import copy
+    import random
+
+    def job():
+        model = DDP(_net128(), bucket_cap_mb=0.01)
+        opt = torch.optim.SGD(model.parameters(), **SGD)
+        return model, opt, gradcomp.register(model, PSGD, optimizer=opt, min_numel=0)
+
+    model, opt, state = job()
+    _steps128(model, opt, rank, range(6))
+    ref = [p.detach().clone() for p in model.parameters()]
+    state.close()
+    model, opt, state = job()
+    _steps128(model, opt, rank, range(2))
+    earlier = state.state_dict()
+    _steps128(model, opt, rank, range(2, 3))
+    good = state.state_dict()
+    assert good["memory"]["tensors"]["q"]["0.weight"].shape == (128, 2)
+
+    def edit(fn):
+        sd = copy.deepcopy(good)
+        sd.pop("digest")
+        fn(sd)
+        return sd
+
+    def other_q(sd):  # another model's factor (64 columns), then a damaged warm-up entry:
+        sd["memory"]["tensors"]["q"]["0.weight"] = torch.zeros(64, 2)  # checked last, the
+        sd["warmup"]["entries"] = [(2, 5, torch.zeros(1))]  # load used to replace Q first
+
+    cases = {
+        "another model's Q": (edit(other_q), "holds a torch.float32 tensor of shape (64, 2)"),
+        "a warm-up entry": (edit(lambda sd: sd["warmup"].update(entries=[(2, 5, torch.zeros(1))])),
+                            "a warmup entry"),
+        "Q in float64": (edit(lambda sd: sd["memory"]["tensors"]["q"].update(
+            {"2.weight": sd["memory"]["tensors"]["q"]["2.weight"].double()})), "torch.float64"),
+        "a config value a tensor": (edit(lambda sd: sd["config"].update(rank=torch.ones(2))),
+                                    "config option 'rank'"),
+        "rank 1 damaged": (edit(lambda sd: sd.update(step=-1)) if rank == 1 else good,
+                           "step is -1" if rank == 1 else "refused on rank(s) 1, so on every rank"),
+        "other steps": (earlier if rank == 1 else good, "step: rank 0: 3, rank 1: 2"),
+    }
+    rng = random.Random(sweep)
+    paths = []
+
+    def walk(d, pre=()):
+        for k, v in (d.items() if isinstance(d, dict) else enumerate(d)):
+            paths.append(pre + (k,))
+            if isinstance(v, (dict, list)):
+                walk(v, pre + (k,))
+    walk({k: v for k, v in good.items() if k != "digest"})
+    values = [None, -1, 2.5, "x", [], {}, torch.zeros(3), torch.zeros(64, 2), torch.ones(2, 2)]
+    for i in range(sweep):  # the same garbles on every rank (one seed)
+        sd = copy.deepcopy(good)
+        sd.pop("digest")
+        for _ in range(rng.randint(1, 2)):
+            *where, key = rng.choice(paths)
+            d = sd
+            for k in where:
+                d = d[k] if isinstance(d, (dict, list)) and (
+                    k in d if isinstance(d, dict) else k < len(d)) else None
+            if isinstance(d, (dict, list)) and not isinstance(d, tuple):
+                try:
+                    d[key] = copy.deepcopy(rng.choice(values))
+                except (IndexError, TypeError):
+                    pass
+        cases[f"garbled {i}"] = (sd, None)
+    out = {}
+    for label, (sd, match) in cases.items():
+        try:
+            state.load_state_dict(sd)
+            out[label] = "loaded" if match else "ok"
+            state.load_state_dict(good)  # (what a garble changed, if it loaded: put back)
+        except (TypeError, ValueError) as exc:
+            out[label] = "ok" if match is None or match in str(exc) else f"message: {exc}"
+        if not _same(state.state_dict(), good):
+            out[label] += " / state changed"
+    _steps128(model, opt, rank, range(3, 6))  # training goes on as if nothing happened
+    out["equal"] = all(torch.equal(a, p) for a, p in zip(ref, model.parameters()))
+    return out
+
+
+def test_a_refused_load_leaves_the_state_as_it_was_on_every_rank(spawn):
+    """Each load of a damaged or foreign checkpoint is refused, by name, on every rank at the
+    load itself (a rank whose own checkpoint was fine refuses with the others), and leaves
+    the state as it was: training then equals a run that never tried them, bit for bit. A
+    seeded sweep of garbled checkpoints is each refused with a TypeError/ValueError (state
+    unchanged) or loads whole."""
+    for out in spawn(_refused_loads, 2, args=(40,), timeout=240):
+        bad = {k: v for k, v in out.items() if v not in ("ok", True)}
+        assert not bad, bad
+
+
+def _dcp_itself(rank, world, spec, path):
+    """torch.distributed.checkpoint with the state itself as a Stateful: save after K steps,
+    load into a state that ran a step of its own, go on; returns the largest difference to
+    the uninterrupted run."""
+    import copy
+    import torch.distributed.checkpoint as dcp
+    net, model, opt, state = _job(spec)
+    _steps(model, opt, rank, range(2 * K))
+    ref = [p.detach().clone() for p in net.parameters()]
+    state.close()
+    net, model, opt, state = _job(spec)
+    _steps(model, opt, rank, range(K))
+    dcp.save({"gradcomp": state}, checkpoint_id=path)
+    saved = copy.deepcopy({"model": net.state_dict(), "opt": opt.state_dict()})
+    state.close()
+    net, model, opt, state = _job(spec)
+    _steps(model, opt, rank, range(7, 8))
+    net.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    dcp.load({"gradcomp": state}, checkpoint_id=path)
+    _steps(model, opt, rank, range(K, 2 * K))
+    return max(float((a - p).abs().max()) for a, p in zip(ref, net.parameters()))
+
+
+def test_dcp_takes_the_state_itself_as_a_stateful(tmp_path, spawn):
+    """``dcp.save({"gradcomp": state})``: DCP keeps one rank's copy of equal keys and loads
+    only keys a fresh state already holds; the state hands it what ``stateful()`` does, so
+    each rank resumes its own memory, bit for bit."""
+    for diff in spawn(_dcp_itself, 2, args=("powersgd:rank=1,warmup=none", str(tmp_path)),
+                      timeout=180):
+        assert diff == 0, diff
+
+
+def _exchange_error(rank, world):
+    net, model, opt, state = _job("topk:ratio=0.05,warmup=none")
+    _steps(model, opt, rank, range(2))
+    if rank == 1:
+        state.resume_at(state.step + 3)  # as if this rank's state had been built anew
+    out = []
+    for step in (2, 3):
+        try:
+            _steps(model, opt, rank, range(step, step + 1))
+            out.append(None)
+        except Exception as exc:  # noqa: BLE001
+            out.append((type(exc).__name__, str(exc)))
+    return out
+
+
+def test_an_error_inside_an_exchange_reaches_the_user_as_itself(spawn):
+    """The step check fails inside the exchange (on a lane): DDP reads the hook's future from
+    C++, and the error reaches backward's caller as gradcomp raised it (its type, its
+    message), not as "Unable to cast ... to Tensor"; the next step names the earlier one."""
+    for first, second in spawn(_exchange_error, 2, timeout=120):
+        assert first[0] == "RuntimeError" and first[1].startswith(
+            "gradcomp: the ranks are at different steps of this state (from step 2 to 5"), first
+        assert second[0] == "RuntimeError" and second[1].startswith(
+            "gradcomp: an earlier exchange failed: gradcomp: the ranks are at different"), second

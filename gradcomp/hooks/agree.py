@@ -4,56 +4,102 @@ leave the others waiting in a collective. Shared by the DDP and FSDP adapters.""
 from __future__ import annotations
 
 import hashlib
+import os
 
 from .. import comm
 from . import optimizer as optimizer_binding
+from .options import MAX_QUOTED, clip, quote
 from .state import destroy_groups
 
 
-def agree(group, ranks, build, discard):
+REGISTER = ("gradcomp.register", "ranks registered different gradcomp methods or options, or "
+            "invalid ones", "ranks registered different gradcomp methods, options, models or "
+            "optimizers (every rank must register the same ones)",
+            "a rank did not call it, or left the job")
+
+
+def agree(group, ranks, build, discard, what=REGISTER):
     """Run ``build() -> (result, mine)`` (``mine``: a dict of what must be equal on every
     rank) on this rank, gather every rank's ``mine`` over ``group``, and raise on every rank
-    if any rank's build raised TypeError/ValueError or any key differs; ``discard(result)``
-    undoes a refused build. Returns (result, mine)."""
+    if any rank's build raised or any key differs; ``discard(result)`` undoes a refused
+    build. Returns (result, mine). A rank whose build raised raises its own error; the others
+    a ValueError quoting it. ``what``: (the call, why every rank refuses, what differing
+    values mean, what a failed agreement means), for the messages."""
+    call, why, differ_means, lost = what
     error, result = None, None
     try:
         result, mine = build()
-    except (TypeError, ValueError) as exc:
-        error, mine = exc, {"error": f"{type(exc).__name__}: {exc}"}
-    everyone = comm.all_gather_object(mine, group)
+    except Exception as exc:  # noqa: BLE001  (any kind: the rank must still join the others)
+        error, mine = exc, {"error": clip(f"{type(exc).__name__}: {exc}")}
+    try:
+        everyone = comm.all_gather_object(mine, group)
+    except RuntimeError as exc:  # the group's timeout, or a rank gone
+        discard(result)
+        raise RuntimeError(f"{call} is collective (every rank of its group calls it), and the "
+                           f"ranks' agreement failed: {lost} ({clip(str(exc), 200)})") from None
     if any("error" in d for d in everyone):
         discard(result)
     if error is not None:
+        if type(error) in (TypeError, ValueError) and len(str(error)) > 2 * MAX_QUOTED:
+            raise type(error)(clip(str(error), 2 * MAX_QUOTED)) from None
         raise error
     failed = [(r, d["error"]) for r, d in zip(ranks, everyone) if "error" in d]
     if failed:
-        raise ValueError(f"gradcomp.register refused on rank(s) {', '.join(str(r) for r, _ in failed)}"
-                         f", so on every rank (ranks registered different gradcomp methods or "
-                         f"options, or invalid ones): "
-                         + "; ".join(f"rank {r}: {e}" for r, e in failed))
+        raise ValueError(f"{call} refused on rank(s) {_ranks([r for r, _ in failed])}, so on "
+                         f"every rank ({why}): {_grouped(failed)}")
     differ = [k for k in mine if any(d.get(k) != mine[k] for d in everyone)]
     if differ:
         discard(result)
 
         def show(v):
-            return v if isinstance(v, str) else repr(v)
-        detail = "; ".join(f"{k}: " + ", ".join(f"rank {r}: {show(d.get(k))}"
-                                                 for r, d in zip(ranks, everyone))
+            return clip(v if isinstance(v, str) else repr(v), 300)
+        detail = "; ".join(f"{k}: " + _grouped([(r, show(d.get(k))) for r, d in
+                                                zip(ranks, everyone)], sep=", ")
                            for k in differ[:4])
-        raise ValueError(f"ranks registered different gradcomp methods, options, models or "
-                         f"optimizers (every rank must register the same ones): {detail}")
+        raise ValueError(f"{differ_means}: {detail}")
     return result, mine
 
 
-def check_log_dir(log_dir) -> None:
-    """``log_dir=`` needs tensorboard (an optional extra): refused by name inside an adapter's
-    ``build()``, so every rank refuses together and nothing is attached."""
-    if log_dir is not None:
+def _ranks(ranks: list, limit: int = 16) -> str:
+    shown = ", ".join(str(r) for r in ranks[:limit])
+    return shown + (f" and {len(ranks) - limit} more" if len(ranks) > limit else "")
+
+
+def _grouped(pairs: list, limit: int = 3, sep: str = "; ") -> str:
+    """Each distinct text of (rank, text) pairs once, with the ranks that gave it (at most
+    ``limit`` texts): bounded whatever the number of ranks."""
+    by_text: dict[str, list] = {}
+    for r, e in pairs:
+        by_text.setdefault(e, []).append(r)
+    parts = [f"rank {_ranks(rs)}: {e}" for e, rs in list(by_text.items())[:limit]]
+    if len(by_text) > limit:
+        parts.append(f"and {len(by_text) - limit} other(s)")
+    return sep.join(parts)
+
+
+def check_log_dir(log_dir, writes: bool = True) -> None:
+    """``log_dir=`` needs tensorboard (an optional extra) and, on a rank that ``writes``, a
+    directory it can write: refused by name inside an adapter's ``build()``, so every rank
+    refuses together and nothing is attached."""
+    if log_dir is None:
+        return
+    if not isinstance(log_dir, (str, os.PathLike)):
+        raise TypeError(f"log_dir={quote(log_dir)}: allowed a directory path (str or "
+                        f"os.PathLike) or None")
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+    except ImportError as exc:
+        raise ValueError(f"log_dir={quote(log_dir)} needs tensorboard ({exc}): pip install "
+                         f"tensorboard, or log_dir=None") from None
+    if writes:
         try:
-            from torch.utils.tensorboard import SummaryWriter  # noqa: F401
-        except ImportError as exc:
-            raise ValueError(f"log_dir={log_dir!r} needs tensorboard ({exc}): pip install "
-                             f"tensorboard, or log_dir=None") from None
+            os.makedirs(log_dir, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"log_dir={quote(log_dir)}: cannot create it ({exc.strerror}); "
+                             f"allowed a directory this rank can write, or log_dir=None") from None
+        if not os.access(log_dir, os.W_OK | os.X_OK):
+            raise ValueError(f"log_dir={quote(log_dir)}: not writable by this rank; allowed a "
+                             f"directory this rank can write, or log_dir=None")
 
 
 def trainable(module) -> tuple[dict, dict]:
@@ -69,6 +115,24 @@ def trainable(module) -> tuple[dict, dict]:
         names[id(p)] = pname
         numels[pname] = p.numel()
     return names, numels
+
+
+def load_group(members: list, made: list):
+    """A process group of ``members`` for the loads' agreement (hooks/checkpoint.py), created
+    with every other group of a registration (collective) and used by nothing else: a rank
+    that loads while the others train waits here, not inside an exchange's collective (on
+    a group the exchanges share, the two would meet as one collective: gloo aborts the
+    process on such a size mismatch). gloo where it is built (a timeout raises there: NCCL's
+    watchdog would end the process), with ``checkpoint.LOAD_TIMEOUT_S``."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from .checkpoint import LOAD_TIMEOUT_S
+    g = dist.new_group(ranks=members, backend="gloo" if dist.is_gloo_available() else None,
+                       timeout=datetime.timedelta(seconds=LOAD_TIMEOUT_S))
+    made.append(g)
+    return g
 
 
 def discard(state, groups) -> None:

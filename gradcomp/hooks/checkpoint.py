@@ -1,23 +1,42 @@
 """Checkpoints: ``state_dict()`` holds everything a bit-exact resume needs (memory by
 parameter name, the step counter, exchanges still owed); ``load_state_dict()`` refuses a
-checkpoint of another method, options, world size or model with a message naming it."""
+checkpoint of another method, options, world size or model with a message naming it.
+
+A load is collective, as registration is (hooks/agree.py): every rank checks the checkpoint
+it was given, all of it, before anything changes; then the ranks compare their verdicts and
+the steps they load, and every rank loads or every rank raises, at the load itself."""
 from __future__ import annotations
 
 import hashlib
+import inspect
 import io
 import math
+import re
 
 import torch
 import torch.distributed as dist
 
 from .. import comm
 from .optimizer import FROZEN_SLOT
+from .options import quote
 from .topology import SEP, base_name
 
 # the layout of state_dict(); checkpoints without a "format" key (gradcomp <= 0.1) are format 1
 # and load the same way
 FORMAT = 2
 _MAX_STEP = 2**53
+# how long a load's agreement waits for every rank to call it (a rank that loads while the
+# others train raises after it, its state unchanged); as long as an exchange's turn waits
+LOAD_TIMEOUT_S = 600.0
+LOAD = ("gradcomp's load_state_dict",
+        "every rank checks the checkpoint it was given, and a load is every rank's or none",
+        "ranks loaded checkpoints of different steps (every rank loads its own state_dict() "
+        "written at the same step)",
+        "not every rank called it within gradcomp.hooks.checkpoint.LOAD_TIMEOUT_S seconds "
+        "(this rank's state is unchanged; a rank that did not load trains on as before), or "
+        "an earlier load's agreement failed so (loads into this state fail from then on: "
+        "close() it and register anew)")
+EXCHANGES = ("gradient", "momentum", "precondition")
 
 
 def tensor_digest(sd: dict) -> str:
@@ -42,8 +61,7 @@ def tensor_digest(sd: dict) -> str:
 
 
 def _bad(what: str, value, allowed: str) -> ValueError:
-    text = repr(value)
-    return ValueError(f"gradcomp checkpoint: {what} is {text[:80]}; allowed {allowed}")
+    return ValueError(f"gradcomp checkpoint: {what} is {quote(value)}; allowed {allowed}")
 
 
 def _check_int(what, v, low=0, high=_MAX_STEP):
@@ -63,13 +81,29 @@ def _check_tensor(what, t, numel=None):
         raise _bad(what, "a tensor holding inf/NaN", "finite values")
 
 
+def _check_plain(what, v):
+    """A value of the saved config: None, a bool, a number or a string (compared as such)."""
+    if not isinstance(v, (type(None), bool, int, float, str)):
+        raise _bad(what, type(v).__name__, "None, a bool, a number or a string")
+
+
+def _check_names(what, d) -> None:
+    if not isinstance(d, dict):
+        raise _bad(what, type(d).__name__, "a dict by parameter name")
+    for name in d:
+        if not isinstance(name, str):
+            raise _bad(f"a key of {what}", name, "a parameter name (a string)")
+
+
 def check_checkpoint(sd, state) -> None:
-    """Every check of a load, before anything is changed: raises naming the first problem."""
+    """Every check of a load, before anything is changed: raises naming the first problem.
+    Everything a load hands to the state's components is checked here (types, sizes,
+    shapes, ranges), so that a checkpoint that passes loads whole."""
     if not isinstance(sd, dict):
         raise TypeError(f"gradcomp checkpoint: expected the dict of state_dict(), got "
                         f"{type(sd).__name__}")
     fmt = sd.get("format", 1)
-    if fmt not in (1, FORMAT):
+    if type(fmt) is not int or fmt not in (1, FORMAT):
         raise _bad("format", fmt, f"1 or {FORMAT} (this gradcomp writes {FORMAT})")
     missing = [k for k in ("method", "config", "world_size", "step", "memory") if k not in sd]
     if missing:
@@ -79,15 +113,27 @@ def check_checkpoint(sd, state) -> None:
         raise ValueError("gradcomp checkpoint: its tensors do not match the digest saved with "
                          "them: the file was changed or damaged after it was written, or mixed "
                          "with another rank's (torch.distributed.checkpoint keeps one rank's "
-                         "copy of equal keys: save state.stateful(), not the state itself)")
+                         "copy of equal keys: save state.stateful(), or the state itself, "
+                         "which hands DCP the same)")
+    if not isinstance(sd["method"], str):
+        raise _bad("method", sd["method"], "a method's name")
     if not isinstance(sd["config"], dict):
         raise _bad("config", sd["config"], "a dict of options")
+    for k, v in sd["config"].items():
+        if not isinstance(k, str):
+            raise _bad("a config key", k, "an option's name")
+        _check_plain(f"config option {k!r}", v)
+    for key in ("world_size", "rank", "ranks_per_node"):
+        if key in sd:
+            _check_int(key, sd[key], 0, 2**31)
     rank = _rank(state)
     if "rank" in sd and sd["rank"] != rank:
         raise ValueError(f"gradcomp checkpoint was written by rank {sd['rank']!r}; this is rank "
                          f"{rank}: each rank's residuals are its own, so every rank saves and "
                          f"loads its own state_dict() (e.g. a file per rank, or "
                          f"torch.distributed.checkpoint)")
+    if sd.get("exchanges") is not None and sd["exchanges"] not in EXCHANGES:
+        raise _bad("exchanges", sd["exchanges"], f"None or one of {', '.join(EXCHANGES)}")
     _check_int("step", sd["step"])
     mem = sd["memory"]
     if not isinstance(mem, dict) or not isinstance(mem.get("flat"), dict) \
@@ -96,47 +142,111 @@ def check_checkpoint(sd, state) -> None:
     known = set(state.param_names.values())
     for part in ("flat", "tensors"):
         for slot, d in mem[part].items():
-            if not isinstance(d, dict):
-                raise _bad(f"memory slot {slot!r}", type(d).__name__, "a dict by parameter name")
+            if not isinstance(slot, str):
+                raise _bad("a memory slot", slot, "a slot's name (a string)")
+            _check_names(f"memory slot {slot!r}", d)
             for name, t in d.items():
                 _check_tensor(f"memory slot {slot!r} of {name!r}", t)
                 if slot == FROZEN_SLOT and (t.numel() != 1 or float(t) != int(t)
                                                    or not 1 <= int(t) <= _MAX_STEP):
                     raise _bad(f"memory slot {slot!r} of {name!r}", t.tolist(),
                                f"one integer in [1, {_MAX_STEP}] (the Adam step v froze at)")
+    for slot, d in mem["tensors"].items():
+        for name, t in d.items():  # what the state holds already: the same shape and dtype
+            mine = state.memory.find(slot, name)
+            if mine is not None and (mine.shape != t.shape or mine.dtype != t.dtype):
+                raise ValueError(f"checkpoint slot {slot!r} holds a {t.dtype} tensor of shape "
+                                 f"{tuple(t.shape)} for parameter {name!r}; this state's is "
+                                 f"{mine.dtype} of shape {tuple(mine.shape)}: a checkpoint of "
+                                 f"another model (other shapes) or options")
+    _check_pending(sd, state, known)
+    _check_warmup(sd.get("warmup"))
+    if state.rounds.active:
+        _check_local(sd.get("local"), state)
+    _check_compatible(state, sd)
+
+
+def _check_pending(sd, state, known) -> None:
+    """Delayed exchanges still owed: those of the ``delay`` steps before the checkpoint's."""
     pending = sd.get("pending", [])
     if not isinstance(pending, list):
         raise _bad("pending", type(pending).__name__, "a list")
+    step, D = sd["step"], state.config.delay
     for i, p in enumerate(pending):
         if not isinstance(p, dict) or not isinstance(p.get("corrections"), dict):
             raise _bad(f"pending[{i}]", p, "a dict with 'step' and 'corrections'")
-        _check_int(f"pending[{i}] step", p.get("step"))
+        _check_int(f"pending[{i}] step", p.get("step"), max(step - D, 0), max(step - 1, 0))
+        _check_names(f"pending[{i}] corrections", p["corrections"])
         for name, c in p["corrections"].items():
             if known and base_name(name) not in known:
                 raise ValueError(f"gradcomp checkpoint: pending[{i}] holds a correction for "
                                  f"parameter {name!r}, which this model lacks")
             want = state.param_numels.get(name) if not state.local_size else None
             _check_tensor(f"pending[{i}] correction of {name!r}", c, want)
-    wu = sd.get("warmup")
-    if wu is not None:
-        if not isinstance(wu, dict) or not all(k in wu for k in ("entries", "next", "prev",
-                                                                 "ratio", "switch")):
-            raise _bad("warmup", wu, "a dict with entries, next, prev, ratio, switch")
-        _check_int("warmup next", wu["next"])
-        if wu["switch"] is not None:
-            _check_int("warmup switch", wu["switch"])
-        for key in ("prev", "ratio"):
-            v = wu[key]
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
-                                  or not math.isfinite(v) or v < 0):
-                raise _bad(f"warmup {key}", v, "None or a finite number >= 0")
-        if not isinstance(wu["entries"], list):
-            raise _bad("warmup entries", wu["entries"], "a list")
-        for e in wu["entries"]:
-            if not (isinstance(e, (list, tuple)) and len(e) == 3
-                    and isinstance(e[2], torch.Tensor)):
-                raise _bad("a warmup entry", e, "(step, parameter names, squared norms)")
-    _check_compatible(state, sd)
+
+
+def _check_warmup(wu) -> None:
+    """The adaptive warm-up's window (hooks/warmup.py): its steps' per-parameter norms."""
+    if wu is None:
+        return
+    if not isinstance(wu, dict) or not all(k in wu for k in ("entries", "next", "prev",
+                                                             "ratio", "switch")):
+        raise _bad("warmup", wu, "a dict with entries, next, prev, ratio, switch")
+    _check_int("warmup next", wu["next"])
+    if wu["switch"] is not None:
+        _check_int("warmup switch", wu["switch"])
+    for key in ("prev", "ratio"):  # (a ratio is inf where the previous norm was 0)
+        v = wu[key]
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                              or math.isnan(v) or v < 0 or (key == "prev" and math.isinf(v))):
+            raise _bad(f"warmup {key}", v, "None or a number >= 0")
+    if not isinstance(wu["entries"], list):
+        raise _bad("warmup entries", wu["entries"], "a list")
+    for e in wu["entries"]:
+        if not (isinstance(e, (list, tuple)) and len(e) == 3
+                and isinstance(e[0], int) and not isinstance(e[0], bool) and 0 <= e[0] <= _MAX_STEP
+                and isinstance(e[1], (list, tuple)) and all(isinstance(n, str) for n in e[1])
+                and isinstance(e[2], torch.Tensor) and e[2].dtype.is_floating_point
+                and e[2].dim() == 1 and e[2].numel() == len(e[1])):
+            raise _bad("a warmup entry", e, "(step, parameter names, their squared norms: a "
+                                            "1-D float tensor, one per name)")
+
+
+def _check_local(loc, state) -> None:
+    """local_steps' rounds (hooks/local_steps.py): per parameter, the round's start, anchor
+    and outer momentum, and the outer exchange in flight."""
+    if loc is None:
+        raise ValueError("checkpoint has no local_steps state (saved with local_steps=1)")
+    if not isinstance(loc, dict):
+        raise _bad("local", type(loc).__name__, "a dict (local_steps' rounds)")
+    _check_int("local inner_steps", loc.get("inner_steps"))
+    numels = state.param_numels
+    # what the rounds lay out: every trainable parameter, under HSDP this rank's rows of each
+    names = [n for n in numels if SEP in n] or list(state.param_names.values())
+
+    def named(what, d):
+        if d is None:
+            return
+        _check_names(what, d)
+        lacking = [n for n in names if n not in d]
+        if lacking:
+            raise ValueError(f"checkpoint's local_steps state lacks parameters "
+                             f"{', '.join(lacking[:5])}")
+        for n, t in d.items():
+            _check_tensor(f"{what} of {n!r}", t, numels.get(n))
+    for key in ("start", "anchor", "momentum"):
+        named(f"local {key}", loc.get(key))
+    rnd = loc.get("round")
+    if rnd is not None:
+        if not isinstance(rnd, dict) or not all(k in rnd for k in (
+                "step", "averages", "buffers_average", "buffers_sent")):
+            raise _bad("local round", rnd, "None or a dict with step, averages, "
+                                           "buffers_average, buffers_sent")
+        _check_int("local round step", rnd["step"])
+        named("local round averages", rnd["averages"])
+        for key in ("buffers_average", "buffers_sent"):
+            if rnd[key] is not None:
+                _check_tensor(f"local round {key}", rnd[key])
 
 
 def state_dict(state) -> dict:
@@ -146,7 +256,20 @@ def state_dict(state) -> dict:
     rounds' state (local_steps.py) and the adaptive warm-up's (warmup.py). ``format`` names
     this layout; ``rank`` the rank that wrote it (each rank's memory is its own: a
     checkpoint loads into the rank that wrote it); ``digest`` a SHA-256 of every tensor,
-    checked on load."""
+    checked on load.
+
+    Called by ``torch.distributed.checkpoint`` (``dcp.save({"gradcomp": state})``, which
+    takes the state as a Stateful) it returns what ``state.stateful()`` returns: DCP keeps
+    one rank's copy of equal keys, and loads only the keys the loading state already holds
+    (a fresh state has no memory yet), so each rank's dict goes in whole under a key of its
+    rank; :func:`load_state_dict` takes either form."""
+    if _under_dcp():
+        return DistributedCheckpoint(state).state_dict()
+    return plain_state_dict(state)
+
+
+def plain_state_dict(state) -> dict:
+    """:func:`state_dict`'s dict, whoever calls it."""
     state.drain()  # the exchanges in flight write the memory: first let them finish
     state.guard.settle()  # ... and a skipped step's leave no trace in it
     sd = {"format": FORMAT, "method": state.method, "config": state.config.to_dict(),
@@ -160,15 +283,79 @@ def state_dict(state) -> dict:
     return sd
 
 
+def _under_dcp() -> bool:
+    """Whether torch.distributed.checkpoint's save or load is among the callers."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            if frame.f_globals.get("__name__", "").startswith("torch.distributed.checkpoint."):
+                return True
+            frame = frame.f_back
+        return False
+    finally:
+        del frame
+
+
 def load_state_dict(state, sd: dict) -> None:
-    """Load a checkpoint of :func:`state_dict`: all of it, or (ValueError/TypeError naming
-    what is wrong) nothing: every part is checked before the state is touched. Exchanges
-    still in flight are waited for first, so loading into a state that has run steps is a
-    fresh-process resume."""
-    check_checkpoint(sd, state)
-    state.drain()
-    state.guard.settle()  # the copies it holds are of the memory being replaced
+    """Load a checkpoint of :func:`state_dict` (either form) on every rank: all of it, or
+    (ValueError/TypeError naming what is wrong) nothing: every part is checked before the
+    state is touched. Collective: every rank of the state's group calls it (:func:`load`)."""
+    load(state, lambda: sd)
+
+
+def load(state, read) -> None:
+    """The one load: every rank reads its checkpoint (``read()``: the dict, or raises naming
+    why there is none) and checks all of it against its state; the ranks then compare their
+    verdicts and steps over the state's load group (hooks/agree.py) and every rank loads, or
+    every rank raises (a rank refused: its error; the others: a ValueError quoting it). The
+    exchanges still in flight are waited for first, so loading into a state that has run
+    steps is a fresh-process resume. A rank alone in a load (the others train on) raises
+    after ``LOAD_TIMEOUT_S``, its state unchanged."""
+    from .agree import agree
+
+    def build():
+        state.drain()
+        state.guard.settle()  # the copies it holds are of the memory being replaced
+        if state.failed is not None:
+            raise RuntimeError(f"gradcomp: an exchange of this state failed "
+                               f"({quote(str(state.failed), 300)}): its ranks may have stopped "
+                               f"at different points of it; close() the state, register anew "
+                               f"and load into the new state")
+        sd = _own(read(), state)
+        check_checkpoint(sd, state)
+        return sd, {"step": sd["step"]}
+
+    group = state.load_group if state.load_group is not None else (
+        state.stats_group if state.stats_group is not None else state.group)
+    if group is None or not dist.is_initialized():
+        sd = build()[0]
+    else:
+        sd = agree(group, dist.get_process_group_ranks(group), build, lambda _: None,
+                   what=LOAD)[0]
     restore(state, sd)
+
+
+_RANK_KEY = re.compile(r"rank\d+")
+
+
+def _own(sd, state):
+    """This rank's dict of a checkpoint: ``sd`` itself, or from ``stateful()``'s form (each
+    rank's ``state_dict()`` as bytes under ``rankN``) the bytes of this rank's, read."""
+    if not (isinstance(sd, dict) and sd and "memory" not in sd
+            and all(isinstance(k, str) and _RANK_KEY.fullmatch(k) for k in sd)):
+        return sd
+    key = f"rank{_rank(state)}"
+    blob = sd.get(key)
+    if not isinstance(blob, (bytes, bytearray)):
+        raise ValueError(f"gradcomp: the distributed checkpoint holds no gradcomp state for "
+                         f"{key} (found {quote(sorted(sd)[:4])}): save and load with the same "
+                         f"ranks")
+    try:
+        return torch.load(io.BytesIO(blob), weights_only=True)
+    except Exception as exc:  # noqa: BLE001  (whatever unpickling raised: a damaged entry)
+        raise ValueError(f"gradcomp: the distributed checkpoint's entry for {key} does not "
+                         f"read back ({type(exc).__name__}: {quote(str(exc), 200)}): the "
+                         f"file was damaged") from None
 
 
 def restore(state, sd: dict) -> None:
@@ -193,15 +380,19 @@ def _check_compatible(state, sd: dict) -> None:
     for k in ("topology", "local_size", "adam"):  # adam: as it runs, in _check_adam
         saved.pop(k), mine.pop(k)
     if saved["warmup"] == "auto":
-        saved["warmup"] = "none" if saved["local_steps"] > 1 else "adaptive"
+        local = saved["local_steps"]
+        saved["warmup"] = "none" if isinstance(local, int) and local > 1 else "adaptive"
     mine["warmup"] = config.warmup_rule
     if sd.get("method") != state.method or saved != mine:
         auto = ""
         if state.method_probe is not None and sd.get("method") != state.method:
             auto = (f"; method='auto' chose {state.method!r} in this job: to resume, register "
-                    f"the method the checkpoint's job ran, {sd.get('method')!r}")
-        raise ValueError(f"checkpoint is for method {sd.get('method')!r} with {sd.get('config')}; "
-                         f"this state runs {state.method!r} with {config.to_dict()}{auto}")
+                    f"the method the checkpoint's job ran, {quote(sd.get('method'))}")
+        differ = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
+        raise ValueError(f"checkpoint is for method {quote(sd.get('method'))} with "
+                         f"{quote(sd.get('config'), 600)}; this state runs {state.method!r} "
+                         f"with {config.to_dict()}{auto}"
+                         + (f" (options that differ: {', '.join(differ)})" if differ else ""))
     _check_adam(state, sd)
     if sd.get("world_size") != state.world_size:
         raise ValueError(f"checkpoint was saved with world size {sd.get('world_size')}; "
@@ -292,17 +483,18 @@ class DistributedCheckpoint:
 
     def state_dict(self) -> dict:
         buf = io.BytesIO()
-        torch.save(self.state.state_dict(), buf)
+        torch.save(plain_state_dict(self.state), buf)
         return {self._key(): buf.getvalue()}
 
     def load_state_dict(self, sd: dict) -> None:
-        key = self._key()
-        blob = sd.get(key) if isinstance(sd, dict) else None
-        if not isinstance(blob, (bytes, bytearray)):
-            raise ValueError(f"gradcomp: the distributed checkpoint holds no gradcomp state for "
-                             f"{key} (found {sorted(sd)[:4] if isinstance(sd, dict) else sd!r}): "
-                             f"save and load with state.stateful() and the same ranks")
-        self.state.load_state_dict(torch.load(io.BytesIO(blob), weights_only=True))
+        def read():
+            if not isinstance(sd, dict) or self._key() not in sd:
+                raise ValueError(f"gradcomp: the distributed checkpoint holds no gradcomp "
+                                 f"state for {self._key()} (found "
+                                 f"{quote(sorted(sd)[:4] if isinstance(sd, dict) else sd)}): "
+                                 f"save and load with state.stateful() and the same ranks")
+            return sd
+        load(self.state, read)
 
 
 ALL_RANKS_FORMAT = "gradcomp-all-ranks-1"
@@ -319,7 +511,7 @@ class AllRanksCheckpoint:
 
     def state_dict(self) -> dict:
         buf = io.BytesIO()
-        torch.save(self.state.state_dict(), buf)
+        torch.save(plain_state_dict(self.state), buf)
         world, rank = dist.get_world_size(), dist.get_rank()
         gathered = comm.gather_object(buf.getvalue())  # the default group: the caller's
         if rank != 0:
@@ -331,19 +523,22 @@ class AllRanksCheckpoint:
 
     def load_state_dict(self, sd: dict) -> None:
         world, rank = dist.get_world_size(), dist.get_rank()
-        if not isinstance(sd, dict) or sd.get("format") != ALL_RANKS_FORMAT:
-            found = sd.get("format") if isinstance(sd, dict) else type(sd).__name__
-            raise ValueError(f"gradcomp: not a checkpoint of state.all_ranks() (format "
-                             f"{found!r}, expected {ALL_RANKS_FORMAT!r}); a single rank's "
-                             f"state_dict() loads with state.load_state_dict()")
-        ranks = sd.get("ranks")
-        if sd.get("world_size") != world or not isinstance(ranks, list) or len(ranks) != world:
-            raise ValueError(f"gradcomp: the checkpoint holds the states of "
-                             f"{sd.get('world_size')!r} ranks; this job has {world}: residuals "
-                             f"do not transfer between world sizes")
-        mine = ranks[rank]
-        if mine is None:
-            raise ValueError(f"gradcomp: the checkpoint holds no state for rank {rank}: it was "
-                             f"written by rank {next((i for i, r in enumerate(ranks) if r is not None), '?')}"
-                             f" alone; load the file that global rank 0 wrote")
-        self.state.load_state_dict(mine)
+
+        def read():  # (inside the load's agreement: a rank refused here refuses every rank)
+            if not isinstance(sd, dict) or sd.get("format") != ALL_RANKS_FORMAT:
+                found = sd.get("format") if isinstance(sd, dict) else type(sd).__name__
+                raise ValueError(f"gradcomp: not a checkpoint of state.all_ranks() (format "
+                                 f"{quote(found)}, expected {ALL_RANKS_FORMAT!r}); a single "
+                                 f"rank's state_dict() loads with state.load_state_dict()")
+            ranks = sd.get("ranks")
+            if sd.get("world_size") != world or not isinstance(ranks, list) or len(ranks) != world:
+                raise ValueError(f"gradcomp: the checkpoint holds the states of "
+                                 f"{quote(sd.get('world_size'))} ranks; this job has {world}: "
+                                 f"residuals do not transfer between world sizes")
+            if ranks[rank] is None:
+                writer = next((i for i, r in enumerate(ranks) if r is not None), "?")
+                raise ValueError(f"gradcomp: the checkpoint holds no state for rank {rank}: it "
+                                 f"was written by rank {writer} alone; load the file that "
+                                 f"global rank 0 wrote")
+            return ranks[rank]
+        load(self.state, read)

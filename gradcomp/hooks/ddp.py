@@ -5,7 +5,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from . import optimizer as optimizer_binding
-from .agree import agree, check_log_dir, discard, fingerprint, trainable
+from .agree import agree, check_log_dir, discard, fingerprint, load_group, trainable
 from .local_steps import check_local
 from .options import for_optimizer, is_auto, merge_options
 from .state import GradcompState, destroy_groups
@@ -16,7 +16,58 @@ MAX_LANES = 32
 
 def hook(state: GradcompState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: queue the bucket's exchange, return its future at once."""
-    return state.submit(bucket.index(), bucket.buffer(), bucket.parameters(), bucket.is_last())
+    buf = bucket.buffer()
+    fut = state.submit(bucket.index(), buf, bucket.parameters(), bucket.is_last())
+    return fut.then(lambda f: _result(f, buf))
+
+
+def _result(fut, buf):
+    """The exchange's average, or where the exchange raised, ``buf`` as a tensor that raises
+    that error at DDP's first use of it. DDP reads a hook's future from C++: an exception set
+    on a Python future reaches the user as "Unable to cast <message> to Tensor", one raised
+    in a callback as a RuntimeError with a traceback in its text; raised from an operation on
+    the result it goes through backward as itself (its type and message)."""
+    try:
+        return fut.value()
+    except Exception as exc:  # noqa: BLE001  (the exchange's own error, handed on as it is)
+        out = buf.as_subclass(_Failed)
+        out.error = exc
+        return out
+
+
+class _Failed(torch.Tensor):
+    """A bucket whose exchange failed: every operation on it raises the exchange's error."""
+
+    error: BaseException
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        for a in (*args, *(kwargs or {}).values()):
+            if isinstance(a, _Failed):
+                raise a.error
+        return NotImplemented
+
+
+def check_group(model: DistributedDataParallel, process_group) -> list:
+    """The ranks of the DDP model's process group; ``process_group=``, if given, must hold
+    the same ranks (DDP averages over its own group's ranks, so the exchange must too)."""
+    try:
+        ranks = dist.get_process_group_ranks(model.process_group)
+    except (KeyError, ValueError, RuntimeError) as exc:
+        raise RuntimeError(f"gradcomp.register: the model's process group is not a live group "
+                           f"of this job ({type(exc).__name__}); wrap the model in DDP after "
+                           f"init_process_group() and register it in the same job") from None
+    if process_group is not None:
+        try:
+            given = dist.get_process_group_ranks(process_group)
+        except (KeyError, ValueError, RuntimeError, TypeError, AttributeError):
+            given = None  # not a group this rank is in
+        if given != ranks:
+            raise ValueError(f"process_group= holds ranks {given if given is not None else 'without this rank'}"
+                             f", the DDP model's group {ranks}: DDP averages over its own "
+                             f"group's ranks, so the exchange must too; allowed a group of "
+                             f"the same ranks, or None (the model's)")
+    return ranks
 
 
 def register(model: DistributedDataParallel, method: str, *, optimizer=None, scaler=None,
@@ -24,22 +75,7 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
              log_details=False, **options) -> GradcompState:
     """``gradcomp.register`` for a DDP model (hooks/register.py checked the model and the
     process group): the state, its process groups and the hook, then the optimizer."""
-    try:
-        ranks = dist.get_process_group_ranks(model.process_group)
-    except (KeyError, ValueError, RuntimeError) as exc:
-        raise RuntimeError(f"gradcomp.register: the model's process group is not a live group "
-                           f"of this job ({type(exc).__name__}); wrap the model in DDP after "
-                           f"init_process_group() and register it in the same job") from None
-    if process_group is not None:  # checked before any collective: every rank refuses alike
-        try:
-            given = dist.get_process_group_ranks(process_group)
-        except (KeyError, ValueError, RuntimeError):
-            given = None  # not a group this rank is in
-        if given != ranks:
-            raise ValueError(f"process_group= holds ranks {given if given is not None else 'without this rank'}"
-                             f", the DDP model's group {ranks}: DDP averages over its own "
-                             f"group's ranks, so the exchange must too; allowed a group of "
-                             f"the same ranks, or None (the model's)")
+    ranks = check_group(model, process_group)  # (register checked it on every rank first)
     pg = process_group if process_group is not None else model.process_group
     # A group of our own: DDP issues collectives of its own on its group (unused-parameter
     # maps, bucket rebuilds) that must not interleave with our exchanges.
@@ -67,7 +103,8 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
                                f"({model._comm_hooks[0][0].__qualname__}): DDP takes one per "
                                f"model; register gradcomp once (state.close() does not remove "
                                f"it), or wrap the module in a new DDP to change method")
-        check_log_dir(log_dir)  # before anything is attached
+        # before anything is attached
+        check_log_dir(log_dir, log_all_ranks or dist.get_rank(group) == 0)
         state = _build_state(model, method, optimizer, group, options)
         if scaler is not None:
             if state.config.delay:
@@ -88,6 +125,7 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
     local = mine["ranks per node"]
     # every rank agreed on `lanes`: each creates the same groups in the same order
     state.owned_groups = made
+    state.load_group = load_group(ranks, made)
     me = ranks.index(dist.get_rank())
 
     def node_pair():  # this rank's node group and its group across nodes (collective)

@@ -52,7 +52,7 @@ from . import optimizer as optimizer_binding
 from .options import for_optimizer, is_auto
 from .. import comm
 from ..comm import Rider
-from .agree import agree, check_log_dir, discard, fingerprint, trainable
+from .agree import agree, check_log_dir, discard, fingerprint, load_group, trainable
 from .guard import check_steps, step_flag
 from .state import GradcompState
 from .topology import SEP
@@ -245,9 +245,9 @@ def _reduce_scatter(adapter, lay):
     return GradcompReduceScatter()
 
 
-def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
-             log_dir=None, log_all_ranks=False, log_details=False, **options) -> GradcompState:
-    """``gradcomp.register`` for a ``fully_shard``-ed model (see the module doc)."""
+def check_model(model):
+    """(units, mesh info, HSDP?, every rank of the mesh) of a ``fully_shard``-ed model;
+    ValueError naming what the adapter does not take."""
     units = _units(model)
     if not units:
         raise ValueError("the model is an FSDPModule with no parameters to shard")
@@ -256,7 +256,6 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
     if not isinstance(info, FSDPMeshInfo):
         raise ValueError(f"gradcomp needs a sharded model (fully_shard with a 1-D or 2-D mesh), "
                          f"got mesh {type(info).__name__}")
-    hsdp = isinstance(info, HSDPMeshInfo)
     mesh = info.mesh
     for mname, _, g in units:
         if g.mesh_info.mesh != mesh:
@@ -268,6 +267,14 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
                          f" of a world of {dist.get_world_size()}: allowed a mesh over every "
                          f"rank (FSDP or HSDP alone; not combined with tensor or pipeline "
                          f"parallelism)")
+    return units, info, isinstance(info, HSDPMeshInfo), everyone
+
+
+def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
+             log_dir=None, log_all_ranks=False, log_details=False, **options) -> GradcompState:
+    """``gradcomp.register`` for a ``fully_shard``-ed model (see the module doc)."""
+    units, info, hsdp, everyone = check_model(model)  # (register checked it on every rank)
+    mesh = info.mesh
     backend = dist.get_backend(info.shard_process_group)
     made = []
 
@@ -293,7 +300,8 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
         if is_auto(method):
             raise ValueError("method='auto' under FSDP/HSDP: not supported (its probe times "
                              "DDP's exchange); name a method, e.g. 'terngrad' with AdamW")
-        check_log_dir(log_dir)  # before anything is attached
+        # before anything is attached
+        check_log_dir(log_dir, log_all_ranks or dist.get_rank(world) == 0)
         if model in _REGISTERED:
             raise ValueError("this FSDP model is registered already: call state.close() on "
                              "its state first (one gradcomp state per model; closing an "
@@ -314,6 +322,7 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
     state, _ = agree(world, everyone, build, lambda st: discard(st, made))
     layouts, pieces = built[-1]
     state.owned_groups = made
+    state.load_group = load_group(everyone, made)
     adapter = _Adapter(state, hsdp)
     # no GradScaler here: a step with inf/NaN is not run again under the same index (under
     # HSDP only the affected shard's replicas would know of it)

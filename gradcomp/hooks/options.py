@@ -2,10 +2,27 @@
 (``"powersgd:rank=2"``) and keyword options, checked against the method's config schema
 (gradcomp/config.py) the same way for every entry point (``register``, ``gradcomp.State``,
 the integrations, the benchmark's CLI)."""
+import difflib
+
 from ..compressors import METHODS
 from ..config import MethodConfig
 
 AUTO = "auto"  # register(model, "auto"): the fastest method that holds (hooks/auto.py)
+# characters of a user's value quoted in a message: a message stays short whatever it was
+# given (a 10 KB spec string is quoted cut, not whole)
+MAX_QUOTED = 400
+
+
+def clip(text, limit: int = MAX_QUOTED) -> str:
+    """``text`` (a string, or any value: its repr) cut to ``limit`` characters, the cut
+    marked."""
+    text = text if isinstance(text, str) else repr(text)
+    return text if len(text) <= limit else f"{text[: limit - 25]}... ({len(text)} characters)"
+
+
+def quote(value, limit: int = 80) -> str:
+    """A user's value as a message quotes it: its repr, cut to ``limit`` characters."""
+    return clip(repr(value), limit)
 
 
 def is_auto(spec) -> bool:
@@ -20,22 +37,23 @@ def parse_spec(spec: str, auto: bool = False) -> tuple[str, dict]:
     allowed = ", ".join(sorted(METHODS) + ([AUTO] if auto else []))
     if not isinstance(spec, str):
         raise TypeError(f"method must be a name or spec string such as 'onebit' or "
-                        f"'powersgd:rank=4', got {spec!r}: allowed {allowed}")
+                        f"'powersgd:rank=4', got {quote(spec)}: allowed {allowed}")
     name, _, rest = spec.strip().partition(":")
     name = name.strip()
     if name not in METHODS and not (auto and name == AUTO):
-        raise ValueError(f"unknown method {name!r}: allowed {allowed}")
+        raise ValueError(f"unknown method {quote(name)}: allowed {allowed}")
     cfg = MethodConfig if name == AUTO else METHODS[name].config
     opts = {}
     for item in filter(None, (s.strip() for s in rest.split(","))):
         key, eq, value = item.partition("=")
         if not eq:
-            raise ValueError(f"bad option {item!r} in {spec!r}: expected key=value")
+            raise ValueError(f"bad option {quote(item)} in {quote(spec)}: expected key=value")
         key = key.strip()
         if key not in cfg.options():
-            raise ValueError(f"unknown option {key!r} for {name}: allowed {', '.join(cfg.options())}")
+            raise ValueError(f"unknown option {quote(key)} for {name}: allowed "
+                             f"{', '.join(cfg.options())}{_nearest(key, cfg.options())}")
         if key in opts:
-            raise ValueError(f"option {key!r} given twice in {spec!r}: give each option once")
+            raise ValueError(f"option {key!r} given twice in {quote(spec)}: give each option once")
         opts[key] = cfg.parse_value(key, value.strip())
     return name, opts
 
@@ -43,10 +61,37 @@ def parse_spec(spec: str, auto: bool = False) -> tuple[str, dict]:
 def merge_options(method: str, options: dict, auto: bool = False) -> tuple[str, dict]:
     """(name, the spec's options + ``options``); an option given in both is an error."""
     name, opts = parse_spec(method, auto)
+    check_keywords(name, options)
     clash = sorted(set(opts) & set(options))
     if clash:
-        raise ValueError(f"option(s) {', '.join(clash)} given both in {method!r} and as arguments")
+        raise ValueError(f"option(s) {', '.join(clash)} given both in {quote(method)} and as "
+                         f"arguments")
     return name, {**opts, **options}
+
+
+def check_keywords(name: str, options: dict, own: tuple = (), call: str = "") -> None:
+    """Refuse a keyword that is neither one of ``call``'s own (``own``) nor an option of method
+    ``name``, naming it and the nearest valid one (a misspelled ``optimiser=`` would otherwise
+    be read as a missing ``optimizer=``): TypeError, as Python's for a call's keyword, where
+    ``call`` is given; else ValueError, as for an option."""
+    known = (MethodConfig if name == AUTO else METHODS[name].config).options()
+    unknown = [k for k in options if k not in known]
+    if not unknown:
+        return
+    near = _nearest(unknown[0], [*own, *known])
+    if call:
+        raise TypeError(f"{call} got an unknown keyword {quote(unknown[0])}{near} (allowed: "
+                        f"{call}'s own: {', '.join(own)}; {name}'s options: {', '.join(known)})")
+    raise ValueError(f"unknown option(s) {clip(', '.join(map(str, unknown)), 200)}: "
+                     f"allowed {', '.join(sorted(known))}{near}")
+
+
+def _nearest(key, allowed) -> str:
+    """' (did you mean 'x'?)' for the nearest of ``allowed`` to ``key`` (difflib), or ''."""
+    if not isinstance(key, str):
+        return ""
+    near = difflib.get_close_matches(key, list(allowed), n=1)
+    return f" (did you mean {near[0]!r}?)" if near else ""
 
 
 def for_optimizer(method: str, options: dict, optimizer):

@@ -1,10 +1,18 @@
 """``gradcomp.register``: the one line, for a DDP model (hooks/ddp.py) or a model sharded
 with FSDP2's ``fully_shard`` (hooks/fsdp.py)."""
+import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from . import ddp, fsdp
+from . import optimizer as optimizer_binding
+from .agree import agree
+from .options import check_keywords, merge_options, quote
 from .state import GradcompState
+
+# register()'s own keywords (every other keyword is an option of the method)
+OWN = ("optimizer", "scaler", "lanes", "process_group", "log_dir", "log_all_ranks",
+       "log_details")
 
 
 def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
@@ -34,19 +42,74 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
         state = gradcomp.register(model, "dgc", ratio=0.001, optimizer=opt)
     """
     sharded = fsdp.is_fsdp(model)
-    if not sharded and not isinstance(model, DistributedDataParallel):
-        raise TypeError(f"register() needs a torch.nn.parallel.DistributedDataParallel model or "
-                        f"a model sharded with torch.distributed.fsdp.fully_shard, "
-                        f"got {type(model).__name__}")
+
+    def check_model():
+        if not sharded and not isinstance(model, DistributedDataParallel):
+            raise TypeError(f"register() needs a torch.nn.parallel.DistributedDataParallel "
+                            f"model or a model sharded with torch.distributed.fsdp.fully_shard,"
+                            f" got {type(model).__name__}")
+
     if not dist.is_available() or not dist.is_initialized():
+        check_model()
         raise RuntimeError("gradcomp.register needs torch.distributed initialized (it is not, or "
                            "destroy_process_group() was called): call "
                            "torch.distributed.init_process_group() first, on every rank")
+
+    def check():  # every argument, on every rank, before anything else is collective
+        check_model()
+        check_arguments(method, options, optimizer, scaler, lanes, log_all_ranks, log_details)
+        if sharded:
+            if process_group is not None:
+                raise ValueError("process_group= with an FSDP model: allowed None (the groups "
+                                 "come from the model's device mesh)")
+            fsdp.check_model(model)
+        else:
+            ddp.check_group(model, process_group)
+        return None, {}
+
+    # A rank given something wrong still joins the others and every rank raises: the first
+    # collective of a registration is this agreement (over the DDP model's group, or every
+    # rank), not one a refused rank would leave the others waiting in.
+    group, ranks = _first_group(model, sharded, process_group)
+    agree(group, ranks, check, lambda _: None)
     common = dict(optimizer=optimizer, scaler=scaler, lanes=lanes, log_dir=log_dir,
                   log_all_ranks=log_all_ranks, log_details=log_details, **options)
     if sharded:
-        if process_group is not None:
-            raise ValueError("process_group= with an FSDP model: allowed None (the groups "
-                             "come from the model's device mesh)")
         return fsdp.register(model, method, **common)
     return ddp.register(model, method, process_group=process_group, **common)
+
+
+def check_arguments(method, options: dict, optimizer, scaler, lanes, log_all_ranks,
+                    log_details) -> None:
+    """register()'s arguments, each refused by name (TypeError/ValueError): the method's spec,
+    keywords that are neither register's nor the method's (with the nearest valid one), and
+    objects of the wrong kind."""
+    name = merge_options(method, {}, auto=True)[0]
+    check_keywords(name, options, OWN, "gradcomp.register")
+    merge_options(method, options, auto=True)
+    if optimizer is not None and not isinstance(optimizer_binding.unwrap(optimizer),
+                                                torch.optim.Optimizer):
+        raise TypeError(f"optimizer={quote(optimizer)} ({type(optimizer).__name__}): allowed a "
+                        f"torch.optim.Optimizer (or a framework's wrapper of one, such as "
+                        f"Lightning's or Accelerate's), or None")
+    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+        raise TypeError(f"scaler={quote(scaler)} ({type(scaler).__name__}): allowed a "
+                        f"torch.amp.GradScaler, or None")
+    if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= ddp.MAX_LANES:
+        raise ValueError(f"invalid lanes={quote(lanes)}: allowed an integer in "
+                         f"[1, {ddp.MAX_LANES}] (each lane is a process group and a thread)")
+    for key, v in (("log_all_ranks", log_all_ranks), ("log_details", log_details)):
+        if not isinstance(v, bool):
+            raise TypeError(f"{key}={quote(v)}: allowed True or False")
+
+
+def _first_group(model, sharded, process_group):
+    """(group, its ranks) of registration's first agreement: the DDP model's group, else the
+    process_group= given, else every rank's."""
+    for g in (None if sharded else getattr(model, "process_group", None), process_group):
+        if isinstance(g, dist.ProcessGroup):
+            try:
+                return g, dist.get_process_group_ranks(g)
+            except (KeyError, ValueError, RuntimeError):
+                pass  # not a live group of this rank: every rank's, below
+    return dist.group.WORLD, list(range(dist.get_world_size()))

@@ -179,6 +179,7 @@ class GradcompState:
         self.group = group
         self.stats_group = None  # the warm-up's statistics, where not ``group`` (HSDP: the mesh)
         self.owned_groups = owned  # process groups created for this state: destroyed at close()
+        self.load_group = None  # the loads' agreement, where an adapter made one (agree.py)
         self._detach: list = []  # undo an adapter's hooks at close() (on_close)
         self._lane_groups = list(lane_groups)  # more process groups: more buckets in flight
         self._step = -1                 # index of the step in flight
@@ -212,13 +213,14 @@ class GradcompState:
         self.drain()
         d = self.__dict__.copy()
         for k in ("group", "stats_group", "_lane_groups", "_lanes", "_seq", "_error",
-                  "param_names", "scaler", "adam", "owned_groups", "_detach"):
+                  "param_names", "scaler", "adam", "owned_groups", "_detach", "load_group"):
             d.pop(k, None)
         return d
 
     def __setstate__(self, d):
         self.__dict__.update(d)
         self.group, self.stats_group, self.param_names, self.scaler = None, None, {}, None
+        self.load_group = None
         self._lane_groups, self._detach, self.owned_groups, self.adam = [], [], [], None
         self._setup_runtime()  # (the hierarchy unpickles flat: hooks/topology.py)
 
@@ -610,8 +612,15 @@ class GradcompState:
 
     def load_state_dict(self, sd: dict) -> None:
         """Load a checkpoint of :meth:`state_dict`: all of it, or (ValueError/TypeError naming
-        what is wrong) nothing (hooks/checkpoint.py)."""
+        what is wrong) nothing (hooks/checkpoint.py). Collective: call it on every rank, each
+        with its own checkpoint; every rank loads or every rank raises."""
         checkpoint.load_state_dict(self, sd)
+
+    @property
+    def failed(self) -> BaseException | None:
+        """The error an exchange of this state raised (every later one fails with it), None
+        while none has."""
+        return self._error
 
     def stateful(self) -> "checkpoint.DistributedCheckpoint":
         """This state for ``torch.distributed.checkpoint`` (a ``Stateful``)::
