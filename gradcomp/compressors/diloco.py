@@ -72,16 +72,21 @@ class DiLoCoConfig(MethodConfig):
     rounding). chunk: elements per row (one fp32 scale each), each parameter cut from its own
     first element; a multiple of 8.
     min_numel: 0 (every parameter quantized: a row's scale fits a small one too).
-    The local-steps options default to the method's own settings: ``local_steps`` 4,
+    bits=8 (int8, as INTELLECT-1): on 2 ranks with AdamW the parameters after two rounds
+    differ from plain averaging's by 2% of their move at 8 bits, 12% at 4 (whatever the
+    chunk: 4 bits' 15 levels, not the outliers), 40% at 1; a 300-step tiny GPT lost 0.13-0.23
+    nats at 4 bits. chunk=1024: the fp32 scale costs 0.03 bits per value.
+    The local-steps options default to the method's own settings: ``local_steps`` 5 (the
+    fewest at which int8 rows save 16x against a dense exchange every step),
     ``outer_lr`` 1.5 without ``outer_momentum`` (measured on the GPT against DiLoCo's 0.7 and
     0.9, tuned for hundreds of steps per round: docs/delay-and-local-steps.md)."""
 
     min_numel: int = 0
-    local_steps: int = 4
+    local_steps: int = 5
     outer_lr: float = 1.5
     outer_momentum: float = 0.0
-    bits: int = 4
-    chunk: int = 256
+    bits: int = 8
+    chunk: int = 1024
 
     def validate(self):
         check(self.bits in BITS, "bits", self.bits, "1, 4 or 8")
