@@ -53,7 +53,8 @@ def _register_auto(rank, world, adam):
            else torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
     state = gradcomp.register(model, "auto:warmup=none" if not adam else "auto", optimizer=opt,
                               min_numel=0)
-    train_steps(model, opt, rank, range(3))
+    H = state.config.local_steps  # a local-steps method: whole rounds, the ranks then agree
+    train_steps(model, opt, rank, range(3 if H == 1 else 2 * H))
     probe = state.stats()["method_probe"]
     out = (state.method, probe, [p.detach().clone() for p in net.parameters()],
            auto.candidates(opt))
@@ -142,3 +143,14 @@ def test_a_local_steps_candidate_counts_its_seconds_per_step(monkeypatch):
     assert found["chosen"] == "sparseloco"
     assert optimizer_binding.default_exchange("sparseloco") == "local"
     assert optimizer_binding.default_exchange("onebit") == "momentum"
+
+
+def test_with_a_scaler_no_local_steps_candidate(monkeypatch):
+    """A GradScaler is refused with local steps: auto leaves such methods out with one."""
+    from gradcomp.compressors import METHODS
+    monkeypatch.setattr(METHODS["sparseloco"].compressor, "measured",
+                        {"adamw_gap_pct": {"local": 0.5}})
+    adamw = torch.optim.AdamW(nn.Linear(2, 2).parameters())
+    assert "sparseloco" in auto.candidates(adamw)
+    assert "sparseloco" not in auto.candidates(adamw, scaler=object())
+    assert set(auto.configs({}, adamw, object())) == set(auto.candidates(adamw, object()))

@@ -46,17 +46,19 @@ SHARED = frozenset(MethodConfig.options())
 log = logging.getLogger("gradcomp")
 
 
-def candidates(optimizer) -> list[str]:
-    """``allreduce`` and the methods whose defaults held for ``optimizer``'s kind."""
+def candidates(optimizer, scaler=None) -> list[str]:
+    """``allreduce`` and the methods whose defaults held for ``optimizer``'s kind (with a
+    GradScaler, not those whose defaults take local steps: refused with one)."""
     if optimizer is not None and optimizer_binding.is_adam(optimizer):
-        held = optimizer_binding.held()
+        held = [m for m in optimizer_binding.held() if scaler is None
+                or optimizer_binding.default_exchange(m) != optimizer_binding.LOCAL]
     else:
         points = {m: spec.compressor.measured.get("sgd_points") for m, spec in METHODS.items()}
         held = sorted(m for m, d in points.items() if d is not None and -d <= SGD_HOLDS_POINTS)
     return ["allreduce", *held]
 
 
-def configs(options: dict, optimizer) -> dict:
+def configs(options: dict, optimizer, scaler=None) -> dict:
     """{candidate: (name, config)} at its defaults for ``optimizer`` with ``options``;
     ValueError naming an option that not every method takes."""
     extra = sorted(set(options) - SHARED)
@@ -64,7 +66,7 @@ def configs(options: dict, optimizer) -> dict:
         raise ValueError(f"method='auto' with option(s) {', '.join(extra)}: they belong to "
                          f"one method; allowed with auto: {', '.join(sorted(SHARED))} (or name "
                          f"the method)")
-    return {c: for_optimizer(c, options, optimizer) for c in candidates(optimizer)}
+    return {c: for_optimizer(c, options, optimizer) for c in candidates(optimizer, scaler)}
 
 
 def pick(seconds: dict) -> str:

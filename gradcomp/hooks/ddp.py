@@ -91,7 +91,7 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
     method_probe = None
     if is_auto(method):  # the fastest method that holds, measured on this link
         method, options, method_probe = _choose_method(model, method, optimizer, group, ranks,
-                                                       options, made)
+                                                       options, made, scaler)
 
     def build():
         if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= MAX_LANES:
@@ -185,7 +185,7 @@ def _probe_topology(model, state, group, pair, local) -> int:
     return chosen
 
 
-def _choose_method(model, spec, optimizer, group, ranks, options, made):
+def _choose_method(model, spec, optimizer, group, ranks, options, made, scaler=None):
     """method="auto" (hooks/auto.py): every rank validates the options against every
     candidate and the ranks agree, then each candidate's exchange is timed on ``group``.
     Returns (the chosen method, the options, what the probe measured)."""
@@ -193,7 +193,7 @@ def _choose_method(model, spec, optimizer, group, ranks, options, made):
 
     def build():
         opts = merge_options(spec, options, auto=True)[1]
-        cfgs = auto.configs(opts, optimizer)
+        cfgs = auto.configs(opts, optimizer, scaler)
         for name, config in cfgs.values():  # whichever wins, registration then succeeds
             optimizer_binding.check_method(name, config, optimizer)
         _check_compiled_autograd(model)
