@@ -723,3 +723,18 @@ def test_adams_warm_up_goes_bf16_by_default_at_half_the_bytes(spawn):
         # each rank's value rounded once (relative 2**-9), the average once: an average of
         # values that nearly cancel is off by up to 2**-8 of the inputs' size
         assert (a - b).abs().max() <= 2 ** -7 * b.abs().max()
+
+
+def test_a_local_steps_method_that_did_not_hold_warns_naming_one_that_did(monkeypatch):
+    """diloco at its defaults (local steps) with AdamW: the gap of its local-steps row, and the
+    local-steps methods that held (sparseloco, measured or not, given here)."""
+    from gradcomp.compressors import METHODS
+    from gradcomp.hooks.optimizer import LOCAL, adam_gap
+    monkeypatch.setattr(METHODS["sparseloco"].compressor, "measured",
+                        {"adamw_gap_pct": {LOCAL: 0.5}})
+    (msg,) = _adamw_warning("diloco", {}, "", monkeypatch)
+    assert f"ended {adam_gap('diloco', LOCAL):.2f}% above" in msg
+    assert "(local steps)" in msg and "there with local steps: 'sparseloco'" in msg
+    assert "adam=" not in msg
+    # the same method with other settings is not what was measured: no warning
+    assert _adamw_warning("diloco", {"local_steps": 2}, "", monkeypatch) == []
