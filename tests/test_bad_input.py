@@ -238,7 +238,7 @@ def test_bad_arguments_on_one_rank_are_refused_on_every_rank_without_a_hang(spaw
     both("log_dir not writable on rank 0", 0, "ValueError", "log_dir='/proc/gradcomp-runs'")
     for r in (r0, r1):
         kind, msg = r["optimiser"]
-        assert kind == "TypeError" and "unknown keyword 'optimiser'" in msg, msg
+        assert kind == "ValueError" and "unknown keyword 'optimiser'" in msg, msg
         assert "did you mean 'optimizer'?" in msg, msg
         kind, msg = r["a repeated option in a long spec"]
         assert "option 'ratio' given twice" in msg and len(msg) < 600, (len(msg), msg[:200])

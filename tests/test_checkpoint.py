@@ -266,7 +266,8 @@ def _refused_loads(rank, world, sweep):
             if isinstance(v, (dict, list)):
                 walk(v, pre + (k,))
     walk({k: v for k, v in good.items() if k != "digest"})
-    values = [None, -1, 2.5, "x", [], {}, torch.zeros(3), torch.zeros(64, 2), torch.ones(2, 2)]
+    values = [None, -1, 2.5, "x", [], {}, torch.zeros(3), torch.zeros(64, 2), torch.ones(2, 2),
+              torch.zeros(3).to_sparse(), torch.empty(3, device="meta")]
     for i in range(sweep):  # the same garbles on every rank (one seed)
         sd = copy.deepcopy(good)
         sd.pop("digest")

@@ -72,6 +72,9 @@ def _check_int(what, v, low=0, high=_MAX_STEP):
 def _check_tensor(what, t, numel=None):
     if not isinstance(t, torch.Tensor):
         raise _bad(what, type(t).__name__, "a tensor")
+    if t.layout != torch.strided or t.is_meta or type(t) is not torch.Tensor:
+        raise _bad(what, f"a {type(t).__name__} ({t.layout}, {t.device})",
+                   "a dense torch.Tensor holding values")
     if not t.dtype.is_floating_point:
         raise _bad(f"{what}'s dtype", t.dtype, "a floating-point dtype")
     if numel is not None and t.numel() != numel:
@@ -109,7 +112,13 @@ def check_checkpoint(sd, state) -> None:
     if missing:
         raise ValueError(f"gradcomp checkpoint: missing key(s) {', '.join(missing)}: not a "
                          f"checkpoint of GradcompState.state_dict(), or a partial one")
-    if "digest" in sd and sd["digest"] != tensor_digest(sd):
+    try:
+        digest = tensor_digest(sd) if "digest" in sd else None
+    except Exception as exc:  # noqa: BLE001  (a tensor whose bytes cannot be read)
+        raise ValueError(f"gradcomp checkpoint: its tensors cannot be read back to check its "
+                         f"digest ({type(exc).__name__}: {quote(str(exc), 200)}): the file "
+                         f"was changed or damaged") from None
+    if "digest" in sd and sd["digest"] != digest:
         raise ValueError("gradcomp checkpoint: its tensors do not match the digest saved with "
                          "them: the file was changed or damaged after it was written, or mixed "
                          "with another rank's (torch.distributed.checkpoint keeps one rank's "
@@ -206,7 +215,8 @@ def _check_warmup(wu) -> None:
         if not (isinstance(e, (list, tuple)) and len(e) == 3
                 and isinstance(e[0], int) and not isinstance(e[0], bool) and 0 <= e[0] <= _MAX_STEP
                 and isinstance(e[1], (list, tuple)) and all(isinstance(n, str) for n in e[1])
-                and isinstance(e[2], torch.Tensor) and e[2].dtype.is_floating_point
+                and type(e[2]) is torch.Tensor and e[2].layout == torch.strided
+                and not e[2].is_meta and e[2].dtype.is_floating_point
                 and e[2].dim() == 1 and e[2].numel() == len(e[1])):
             raise _bad("a warmup entry", e, "(step, parameter names, their squared norms: a "
                                             "1-D float tensor, one per name)")

@@ -72,16 +72,15 @@ def merge_options(method: str, options: dict, auto: bool = False) -> tuple[str, 
 def check_keywords(name: str, options: dict, own: tuple = (), call: str = "") -> None:
     """Refuse a keyword that is neither one of ``call``'s own (``own``) nor an option of method
     ``name``, naming it and the nearest valid one (a misspelled ``optimiser=`` would otherwise
-    be read as a missing ``optimizer=``): TypeError, as Python's for a call's keyword, where
-    ``call`` is given; else ValueError, as for an option."""
+    be read as a missing ``optimizer=``). ValueError, as for every option refused."""
     known = (MethodConfig if name == AUTO else METHODS[name].config).options()
     unknown = [k for k in options if k not in known]
     if not unknown:
         return
     near = _nearest(unknown[0], [*own, *known])
     if call:
-        raise TypeError(f"{call} got an unknown keyword {quote(unknown[0])}{near} (allowed: "
-                        f"{call}'s own: {', '.join(own)}; {name}'s options: {', '.join(known)})")
+        raise ValueError(f"{call} got an unknown keyword {quote(unknown[0])}{near} (allowed: "
+                         f"{call}'s own: {', '.join(own)}; {name}'s options: {', '.join(known)})")
     raise ValueError(f"unknown option(s) {clip(', '.join(map(str, unknown)), 200)}: "
                      f"allowed {', '.join(sorted(known))}{near}")
 
