@@ -22,14 +22,19 @@ def hook(state: GradcompState, bucket: dist.GradBucket) -> torch.futures.Future[
 
 
 def _result(fut, buf):
-    """The exchange's average, or where the exchange raised, ``buf`` as a tensor that raises
-    that error at DDP's first use of it. DDP reads a hook's future from C++: an exception set
-    on a Python future reaches the user as "Unable to cast <message> to Tensor", one raised
-    in a callback as a RuntimeError with a traceback in its text; raised from an operation on
-    the result it goes through backward as itself (its type and message)."""
+    """The exchange's average, or where the exchange raised, its error for DDP to raise. DDP
+    reads a hook's future from C++: an exception set on a Python future reaches the user as
+    "Unable to cast <message> to Tensor". On the CPU ``buf`` comes back as a tensor that
+    raises the error at DDP's first use of it: backward then raises it as itself (its type
+    and message). On a GPU DDP reads the result on an autograd device thread, where a Python
+    error raised there is lost (a SystemError, and a stale error on that thread): raised
+    here, in the future's callback, it reaches the user as a RuntimeError that quotes it
+    ("Got the following error when running the callback: <type>: <message>")."""
     try:
         return fut.value()
     except Exception as exc:  # noqa: BLE001  (the exchange's own error, handed on as it is)
+        if buf.device.type != "cpu":
+            raise
         out = buf.as_subclass(_Failed)
         out.error = exc
         return out
