@@ -14,10 +14,13 @@ MAX_QUOTED = 400
 
 
 def clip(text, limit: int = MAX_QUOTED) -> str:
-    """``text`` (a string, or any value: its repr) cut to ``limit`` characters, the cut
-    marked."""
+    """``text`` (a string, or any value: its repr) cut to about ``limit`` characters: its
+    beginning and its end (where a message says what is allowed), the cut marked."""
     text = text if isinstance(text, str) else repr(text)
-    return text if len(text) <= limit else f"{text[: limit - 25]}... ({len(text)} characters)"
+    if len(text) <= limit:
+        return text
+    tail = limit // 3
+    return f"{text[: limit - tail - 30]} ...({len(text)} characters)... {text[-tail:]}"
 
 
 def quote(value, limit: int = 80) -> str:
@@ -54,7 +57,7 @@ def parse_spec(spec: str, auto: bool = False) -> tuple[str, dict]:
                              f"{', '.join(cfg.options())}{_nearest(key, cfg.options())}")
         if key in opts:
             raise ValueError(f"option {key!r} given twice in {quote(spec)}: give each option once")
-        opts[key] = cfg.parse_value(key, value.strip())
+        opts[key] = _bounded(cfg.parse_value, key, value.strip())
     return name, opts
 
 
@@ -85,6 +88,17 @@ def check_keywords(name: str, options: dict, own: tuple = (), call: str = "") ->
                      f"allowed {', '.join(sorted(known))}{near}")
 
 
+def _bounded(fn, *args):
+    """``fn(*args)``, its TypeError/ValueError (a config's check quotes the value it was
+    given) cut to a bounded length."""
+    try:
+        return fn(*args)
+    except (TypeError, ValueError) as exc:
+        if len(str(exc)) <= 2 * MAX_QUOTED:
+            raise
+        raise type(exc)(clip(str(exc), 2 * MAX_QUOTED)) from None
+
+
 def _nearest(key, allowed) -> str:
     """' (did you mean 'x'?)' for the nearest of ``allowed`` to ``key`` (difflib), or ''."""
     if not isinstance(key, str):
@@ -105,13 +119,13 @@ def for_optimizer(method: str, options: dict, optimizer):
         opts = {**comp.adam_defaults, **opts}
     if comp.reads_momentum:
         opts = momentum_options(opts, optimizer)
-    return name, METHODS[name].config.from_dict(opts)
+    return name, _bounded(METHODS[name].config.from_dict, opts)
 
 
 def build_config(method: str, **options):
     """The validated config of ``method`` (a name or spec string) with ``options``."""
     name, opts = merge_options(method, options)
-    return name, METHODS[name].config.from_dict(opts)
+    return name, _bounded(METHODS[name].config.from_dict, opts)
 
 
 def methods() -> list[dict]:
