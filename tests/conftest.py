@@ -119,24 +119,27 @@ def train_steps(model, opt, rank, steps):
         opt.step()
 
 
-def train_pair(rank, world, spec, sgd, steps, baseline=None):
-    """Train ``baseline`` (None: plain DDP) and DDP + ``spec`` side by side from one init;
-    return both models' parameters."""
-    out = []
+def train_pair(rank, world, spec, sgd, steps, baseline=None, stats=False):
+    """Train ``baseline`` (None: plain DDP) and DDP + ``spec`` side by side from one init,
+    compressed from the first step unless ``spec`` names its warm-up; return both models'
+    parameters (``stats``: and ``spec``'s ``state.stats()`` after the last step)."""
+    out, state = [], None
     for use in (baseline, spec):
         net = small_net()
         # tiny buckets: several per step, and DDP rebuilds them after the first iteration
         model = DDP(net, bucket_cap_mb=0.004)
         opt = torch.optim.SGD(model.parameters(), **sgd)
         if use:
-            gradcomp.register(model, use, optimizer=opt, min_numel=0,
-                              **({} if "warmup=" in use else {"warmup": "none"}))
+            state = gradcomp.register(model, use, optimizer=opt, min_numel=0,
+                                      **({} if "warmup=" in use else {"warmup": "none"}))
         for step in range(steps):
             x, y = batch(rank, step)
             opt.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
         out.append([p.detach().clone() for p in net.parameters()])
+    if stats:
+        out.append(state.stats())
     return out
 
 

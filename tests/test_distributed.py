@@ -18,7 +18,11 @@ from gradcomp_bench.launch import RankError
     ("powersgd:rank=64,min_compression_rate=0", {"lr": 0.1}, False),
 ])
 def test_degenerate_settings_equal_allreduce(spec, sgd, exact, spawn):
-    ref, got = spawn(train_pair, 2, args=(spec, sgd, 5))[0]
+    """Each degenerate setting runs its compressed path from the first step (no dense
+    warm-up, which would be plain allreduce whatever the method) over several DDP buckets;
+    the ``allreduce`` row is the harness's own control (plain allreduce on purpose)."""
+    ref, got, stats = spawn(train_pair, 2, args=(spec, sgd, 5, None, True))[0]
+    assert stats["compressing_since"] == (None if spec == "allreduce" else 0)
     for a, b in zip(ref, got):
         if exact:
             assert torch.equal(a, b)
@@ -28,7 +32,9 @@ def test_degenerate_settings_equal_allreduce(spec, sgd, exact, spawn):
 
 def test_compression_really_changes_the_update(spawn):
     # the same harness with a compressing setting must differ: the tests above can fail
-    ref, got = spawn(train_pair, 2, args=("topk:ratio=0.05", {"lr": 0.1}, 3))[0]
+    ref, got, stats = spawn(train_pair, 2, args=("topk:ratio=0.05", {"lr": 0.1}, 3, None,
+                                                  True))[0]
+    assert stats["compressing_since"] == 0 and stats["run_ratio"] > 1.5
     assert any(not torch.allclose(a, b, atol=1e-4) for a, b in zip(ref, got))
 
 
@@ -61,6 +67,7 @@ def test_error_feedback_conserves_mass_through_ddp(spec, spawn):
         expect = (l0[n] - r0[n] + l1[n] - r1[n]) / 2
         torch.testing.assert_close(a0[n], expect, atol=1e-4, rtol=1e-5)
     assert s0["step"] == 6 and 0 < s0["sent_bytes"] < s0["raw_bytes"]
+    assert s0["compressing_since"] == 0 and s0["run_ratio"] > 1.5  # every step compressed
 
 
 def _mismatch(rank, world, specs):
@@ -114,10 +121,10 @@ def _dies_mid_training(rank, world, spec):
     import os
     import time
     net = small_net()
-    model = DDP(net)
+    model = DDP(net, bucket_cap_mb=0.004)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    gradcomp.register(model, spec, optimizer=opt, min_numel=0, warmup="none")
-    t0 = None
+    state = gradcomp.register(model, spec, optimizer=opt, min_numel=0, warmup="none")
+    t0 = since = None
     try:
         for step in range(50):
             if rank == 1 and step == 3:
@@ -127,9 +134,10 @@ def _dies_mid_training(rank, world, spec):
             t0 = time.monotonic()
             nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
+            since = state.stats()["compressing_since"]
     except RuntimeError as exc:
-        return ("raised", time.monotonic() - t0, str(exc)[:200])
-    return ("finished", None, None)
+        return ("raised", time.monotonic() - t0, str(exc)[:200], since)
+    return ("finished", None, None, since)
 
 
 @pytest.mark.parametrize("spec,world", [
@@ -140,8 +148,9 @@ def test_a_dead_rank_makes_the_survivors_fail_not_hang(spec, world, spawn):
                 allow_fail=True)
     assert isinstance(got[1], RankError)
     for r in [0, *range(2, world)]:  # every survivor raised, soon, and its process ended
-        status, waited, _ = got[r]
+        status, waited, _, since = got[r]
         assert status == "raised" and waited < 60, (r, got[r])
+        assert since == 0, (r, got[r])  # the job was in its compressed phase
 
 
 ONEBIT_PARAMS = [("a", 257), ("b", 5000), ("c", 1027), ("d", 40), ("e", 2048)]
@@ -161,18 +170,20 @@ def _onebit_padding(rank, world, chunk):
                    for i, (_, n) in enumerate(ONEBIT_PARAMS)])
     want = torch.cat([torch.full((n,), float(sign[i]) * (world + 1) / 2 * (i + 1))
                       for i, (_, n) in enumerate(ONEBIT_PARAMS)])
-    out = {}
+    out, ratios = {}, []
     for ef in (False, True):
         _, cfg = gradcomp.build_config(f"onebit:chunk={chunk}", min_numel=0, warmup="none",
                                        error_feedback=ef)
         state = gradcomp.State("onebit", cfg, group=dist.group.WORLD)
         out[ef] = state.reduce(x.clone(), params).clone()
+        ratios.append(state.stats()["ratio"])  # 1 bit per element went, not the dense path
         state.close()
-    return out, want
+    return out, want, ratios
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_onebit_is_exact_on_uniform_chunks_whatever_the_padding(world, spawn):
-    for out, want in spawn(_onebit_padding, world, args=(64,), timeout=120):
+    for out, want, ratios in spawn(_onebit_padding, world, args=(64,), timeout=120):
+        assert all(r > 1.5 for r in ratios), ratios
         for ef in (False, True):
             assert torch.equal(out[ef], want), (ef, (out[ef] - want).abs().argmax())
