@@ -83,12 +83,12 @@ def test_a_new_gpt_run_is_a_new_row_without_code(tmp_path):
     shutil.copy(SPEC, root / "bench" / "report.toml")
     shutil.copy(ROOT / "bench" / "longrun.py", root / "bench" / "longrun.py")
     gpt = root / "bench" / "results" / "gpt"
-    _gpt(gpt / "gpt2000_s0_sparseloco.json", 0, 2000,
-         [{"method": "sparseloco", "val_loss": 1.6, "wire_MB": 100.0}])
-    _gpt(gpt / "gpt600_s1_allreduce_diloco.json", 1, 600,
+    _gpt(gpt / "gpt2000_s0_newcomer.json", 0, 2000,
+         [{"method": "newcomer", "val_loss": 1.6, "wire_MB": 100.0}])
+    _gpt(gpt / "gpt600_s1_allreduce_newcomer2.json", 1, 600,
          [{"method": "allreduce", "val_loss": 2.0, "wire_MB": 900.0},
-          {"method": "diloco", "val_loss": 2.1, "wire_MB": 90.0},
-          {"method": "diloco:outer_lr=0.5", "val_loss": 1.9, "wire_MB": 90.0}])
+          {"method": "newcomer2", "val_loss": 2.1, "wire_MB": 90.0},
+          {"method": "newcomer2:outer_lr=0.5", "val_loss": 1.9, "wire_MB": 90.0}])
     text = results_report.build(root / "bench" / "report.toml")
     gpt_part = text.split("## Accuracy with AdamW", 1)[1].split("\n## ", 1)[0]
     tables = re.split(r"^(\d+ steps, .*):$", gpt_part, flags=re.M)[1:]
@@ -98,15 +98,15 @@ def test_a_new_gpt_run_is_a_new_row_without_code(tmp_path):
                             "2000 steps, every method at its defaults",
                             "2000 steps, with options"]
     base = json.loads((gpt / "gpt2000_s0_allreduce.json").read_text())["rows"][0]["val_loss"]
-    assert f"| `sparseloco` | 0 | 1.6000 | 1.6000 | {100 * (1.6 / base - 1):+.2f} |" in (
+    assert f"| `newcomer` | 0 | 1.6000 | 1.6000 | {100 * (1.6 / base - 1):+.2f} |" in (
         tables["2000 steps, every method at its defaults"])
-    assert "| `diloco` | 1 | 2.1000 | 2.1000 | +5.00 |" in (
+    assert "| `newcomer2` | 1 | 2.1000 | 2.1000 | +5.00 |" in (
         tables["600 steps, every method at its defaults"])
-    assert "`diloco:outer_lr=0.5`" in tables["600 steps, with options"]
-    assert "diloco" not in tables["2000 steps, every method at its defaults"]
-    # ordered by the result: the new 600-step table lists allreduce, then diloco
+    assert "`newcomer2:outer_lr=0.5`" in tables["600 steps, with options"]
+    assert "newcomer2" not in tables["2000 steps, every method at its defaults"]
+    # ordered by the result: the new 600-step table lists allreduce, then newcomer2
     assert tables["600 steps, every method at its defaults"].index("`allreduce`") < (
-        tables["600 steps, every method at its defaults"].index("`diloco`"))
+        tables["600 steps, every method at its defaults"].index("`newcomer2`"))
     # the same inputs give the same bytes
     assert results_report.build(root / "bench" / "report.toml") == text
 
