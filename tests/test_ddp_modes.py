@@ -1,6 +1,9 @@
 """DDP features a real job uses: gradient accumulation with no_sync(), static_graph=True and
 find_unused_parameters=True. Each compares gradcomp (degenerate setting, so exactly equal)
-against plain DDP from the same init, and checks the step counter counts optimizer steps."""
+against plain DDP from the same init, over several buckets, and checks the step counter
+counts optimizer steps. ``topk:ratio=1`` runs its compressed path from the first step (a
+dense warm-up would be plain allreduce whatever the method); ``allreduce`` is plain
+allreduce on purpose (the hook's own plumbing through each mode)."""
 import pytest
 import torch
 from torch import nn
@@ -44,15 +47,17 @@ def _run(rank, world, spec, mode, steps):
             s = step if mode == "unused" else 1
             nn.functional.cross_entropy(model(x, s), y).backward()
             opt.step()
-        out.append(([p.detach().clone() for p in net.parameters()], state.step if state else steps))
+        out.append(([p.detach().clone() for p in net.parameters()], state.step if state else steps,
+                    state.stats()["compressing_since"] if state else None))
     return out
 
 
 @pytest.mark.parametrize("mode", ["accumulate", "static", "unused"])
 @pytest.mark.parametrize("spec", ["allreduce", "topk:ratio=1"])
 def test_ddp_modes_match_plain_ddp(spec, mode, spawn):
-    (ref, _), (got, counted) = spawn(_run, 2, args=(spec, mode, 4))[0]
+    (ref, _, _), (got, counted, since) = spawn(_run, 2, args=(spec, mode, 4))[0]
     assert counted == 4  # optimizer steps, not backward calls
+    assert since == (None if spec == "allreduce" else 0)
     for a, b in zip(ref, got):
         assert torch.equal(a, b)
 

@@ -38,13 +38,17 @@ def _delayed_run(rank, world, spec, steps):
     left = [mem[n].double().view_as(l) if n in mem else torch.zeros_like(l)
             for n, l in zip(names, local)]
     moved = [(a - p.detach()).double() for a, p in zip(p0, net.parameters())]
-    return moved, local, left, len(corr)
+    return moved, local, left, len(corr), state.stats()
 
 
 @pytest.mark.parametrize("spec", ["allreduce:delay=2", "topk:ratio=0.1,delay=1"])
 def test_after_flush_the_updates_sum_to_the_averages(spec, spawn):
-    (m0, l0, r0, n0), (m1, l1, r1, _) = spawn(_delayed_run, 2, args=(spec, 7))
+    """topk: compressed from the first step, over several buckets; allreduce: delayed plain
+    averaging (nothing compressed, on purpose)."""
+    (m0, l0, r0, n0, st), (m1, l1, r1, _, _) = spawn(_delayed_run, 2, args=(spec, 7))
     assert n0 > 0  # flush had corrections in flight
+    if spec.startswith("topk"):
+        assert st["compressing_since"] == 0 and st["run_ratio"] > 1.5
     for a, b, g0, g1, e0, e1 in zip(m0, m1, l0, l1, r0, r1):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)   # ranks agree after flush
         expect = LR * ((g0 - e0) + (g1 - e1)) / 2
@@ -52,20 +56,30 @@ def test_after_flush_the_updates_sum_to_the_averages(spec, spawn):
 
 
 def test_delay_zero_is_bit_identical_to_synchronous(spawn):
+    """Plain allreduce on purpose: delay=0 must give the synchronous run itself (the
+    compressing methods run delay=0, their default, in every other equality test)."""
     a, b = spawn(train_pair, 2, args=("allreduce:delay=0", {"lr": LR, "momentum": 0.9}, 4,
                                        "allreduce"))[0]
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def _train_delays(rank, world, specs):
-    return {s: train(rank, world, dict(method=s.split("|")[0], max_steps=24, epochs=0, eval=False,
-                                       options={"delay": int(s.split("|")[1])}))["losses"]
-            for s in specs}
+    out = {}
+    for s in specs:
+        method, delay = s.split("|")
+        options = {"delay": int(delay)} | ({} if method == "allreduce" else {"warmup": "none"})
+        r = train(rank, world, dict(method=method, max_steps=24, epochs=0, eval=False,
+                                    options=options))
+        out[s] = r["losses"], r["stats"]["compressing_since"]
+    return out
 
 
 def test_training_with_delay_lowers_the_loss(cifar, spawn):
+    """onebit compressed from the first step (its default warm-up would keep these 24 steps
+    dense)."""
     got = spawn(_train_delays, 2, args=(["allreduce|1", "allreduce|2", "onebit|2"],), timeout=600)[0]
-    for s, ls in got.items():
+    for s, (ls, since) in got.items():
+        assert since == (None if s.startswith("allreduce") else 0), s
         first, last = sum(ls[:6]) / 6, sum(ls[-6:]) / 6
         assert last < first - 0.1, f"{s}: {first:.3f} -> {last:.3f}"
 
@@ -83,16 +97,19 @@ def _lanes_run(rank, world, spec, lanes):
     opt.zero_grad()
     if state.flush():
         opt.step()
-    return [p.detach().clone() for p in net.parameters()], state.lanes
+    return [p.detach().clone() for p in net.parameters()], state.lanes, state.stats()
 
 
 @pytest.mark.parametrize("spec", ["powersgd:rank=1", "onebit:chunk=64,delay=2", "dgc:ratio=0.05,delay=1"])
 def test_buckets_in_flight_together_give_the_same_result(spec, spawn):
     """Lanes run different buckets' exchanges at once; a bucket's steps stay in order, so the
-    result is bit-identical to one lane (also across DDP's bucket rebuild under delay)."""
-    one, n1 = spawn(_lanes_run, 2, args=(spec, 1))[0]
-    many, n4 = spawn(_lanes_run, 2, args=(spec, 4))[0]
+    result is bit-identical to one lane (also across DDP's bucket rebuild under delay).
+    Compressed from the first step."""
+    one, n1, s1 = spawn(_lanes_run, 2, args=(spec, 1))[0]
+    many, n4, s4 = spawn(_lanes_run, 2, args=(spec, 4))[0]
     assert (n1, n4) == (1, 4)
+    assert s1["compressing_since"] == s4["compressing_since"] == 0
+    assert s1["run_ratio"] > 1.5 and s4["run_ratio"] > 1.5
     assert all(torch.equal(a, b) for a, b in zip(one, many))
 
 
