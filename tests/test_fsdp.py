@@ -90,7 +90,8 @@ def _sgd(net):
 
 def _equal_to_plain(rank, world, hsdp):
     """``allreduce`` is plain FSDP/HSDP bit for bit: fp32, bf16 mixed precision, and
-    gradient accumulation with set_requires_gradient_sync(False)."""
+    gradient accumulation with set_requires_gradient_sync(False). Plain allreduce on
+    purpose: the adapter's own plumbing, nothing compressed."""
     out = {}
     for mp, micro in ((False, 1), (True, 1), (False, 2)):
         plain = _net(world, hsdp, mp)
@@ -139,14 +140,17 @@ def _conserves(rank, world, hsdp):
                 res = rows[me] if me < len(rows) else res[:0]
             if g.numel():
                 worst = max(worst, (p.grad.to_local() + res.view(g.shape) - g).abs().max().item())
-        out[spec] = (worst, state.stats()["wire_bytes"] < state.stats()["raw_wire_bytes"])
+        stats = state.stats()
+        out[spec] = (worst, stats["wire_bytes"] < stats["raw_wire_bytes"]
+                     and stats["compressing_since"] == 0)
         state.close()
     return out
 
 
 def _resume(rank, world, hsdp, spec, where=None, adamw=False):
     """Stop after 3 steps, reload model, optimizer and gradcomp state into fresh objects, go
-    on: bit for bit the uninterrupted run; HSDP replicas agree. ``where``: a directory for
+    on: bit for bit the uninterrupted run; HSDP replicas agree; both runs compressed (from
+    the first step, or the third with ``adamw``). ``where``: a directory for
     torch.distributed.checkpoint (model and optimizer through its get/set_state_dict, the
     state as ``state.stateful()``); None: torch.save of each (weights_only). ``adamw``:
     AdamW with two dense steps (v frozen at step 2; the frozen step travels in gradcomp's
@@ -178,6 +182,7 @@ def _resume(rank, world, hsdp, spec, where=None, adamw=False):
     whole = _local(net)
     agree = _replicas_agree(net, state) if hsdp else True
     moved = not _same(whole, _local(_net(world, hsdp)))
+    since = state.stats()["compressing_since"]
     state.close()
     net2, opt2, state2 = fresh()
     _train(net2, opt2, rank, range(7, 8))  # a state that ran a step: load replaces it all
@@ -193,8 +198,11 @@ def _resume(rank, world, hsdp, spec, where=None, adamw=False):
         state2.load_state_dict(torch.load(buf, weights_only=True))
     _train(net2, opt2, rank, range(3, 6))
     exact = _same(whole, _local(net2))
+    stats = state2.stats()
     state2.close()
-    return exact, agree, moved
+    compressed = (since == stats["compressing_since"] == (2 if adamw else 0)
+                  and stats["run_ratio"] > 1.5)  # the resumed steps 3-5: all compressed
+    return exact, agree, moved, compressed
 
 
 def _adamw(rank, world, hsdp):
@@ -271,14 +279,18 @@ def _record(rank):
 
 
 def _order(rank, world, hsdp):
-    log = _record(rank)
-    for spec in ("onebit:warmup_window=1,warmup_threshold=100", "powersgd", "dgc:ratio=0.05"):
+    """onebit: the adaptive warm-up's windows (their allreduce) and its switch at step 2;
+    powersgd and dgc compressed from the first step."""
+    log, since = _record(rank), []
+    for spec in ("onebit:warmup_window=1,warmup_threshold=100", "powersgd:warmup=none",
+                 "dgc:ratio=0.05,warmup=none"):
         net = _net(world, hsdp)
         opt = _sgd(net)
         state = gradcomp.register(net, spec, optimizer=opt, min_numel=0)
         _train(net, opt, rank, range(4))
+        since.append(state.stats()["compressing_since"])
         state.close()
-    return log
+    return log, since
 
 
 @pytest.mark.parametrize("hsdp", [False, True], ids=["fsdp2", "hsdp2x2"])
@@ -286,7 +298,8 @@ def test_every_group_sees_one_order_under_jitter(spawn, hsdp):
     """Random delays before every collective, different per rank: on every process group,
     every member issues the same sequence of (op, size), FSDP's own collectives included."""
     world = 4 if hsdp else 2
-    logs = spawn(_order, world, args=(hsdp,), timeout=300)
+    logs, since = zip(*spawn(_order, world, args=(hsdp,), timeout=300))
+    assert all(s == [2, 0, 0] for s in since), since
     groups = {g for log in logs for g, _, _ in log}
     assert len(groups) >= (3 if hsdp else 1)
     for g in groups:
@@ -319,9 +332,9 @@ def test_error_feedback_conserves_every_gradient(spawn, hsdp):
 def test_resume_is_bit_exact(spawn, tmp_path, hsdp, spec, dcp, adamw):
     world = 4 if hsdp else 2
     where = str(tmp_path / "ckpt") if dcp else None
-    for exact, agree, moved in spawn(_resume, world, args=(hsdp, spec, where, adamw),
-                                     timeout=240):
-        assert moved and exact and agree, (exact, agree, moved)
+    for exact, agree, moved, compressed in spawn(_resume, world,
+                                                 args=(hsdp, spec, where, adamw), timeout=240):
+        assert moved and exact and agree and compressed, (exact, agree, moved, compressed)
 
 
 @pytest.mark.parametrize("hsdp", [False, True], ids=["fsdp2", "hsdp2x2"])
@@ -347,13 +360,14 @@ def _lifecycle(rank, world):
     """What a fine-tuning job does to a registered model: register twice (refused), unfreeze
     a layer (named at the next forward, before FSDP starts its step; close and register
     again, and training goes on; a whole unit frozen is not a change of layout), and close a
-    state of a grouped fully_shard([a, b]) (FSDP's own reduce-scatter is back)."""
+    state of a grouped fully_shard([a, b]) (FSDP's own reduce-scatter is back). onebit
+    compresses every parameter from the first step."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     out = {}
     net = _net(world, False)
     opt = _sgd(net)
-    state = gradcomp.register(net, "onebit", optimizer=opt)
+    state = gradcomp.register(net, "onebit", optimizer=opt, warmup="none", min_numel=0)
     _train(net, opt, rank, range(1))
     try:
         gradcomp.register(net, "topk", optimizer=opt)
@@ -368,13 +382,15 @@ def _lifecycle(rank, world):
         out["unfrozen"] = str(exc)
     state.close()
     opt = _sgd(net)
-    state = gradcomp.register(net, "onebit", optimizer=opt)
+    state = gradcomp.register(net, "onebit", optimizer=opt, warmup="none", min_numel=0)
     before = _local(net)
     _train(net, opt, rank, range(2, 4))
     out["goes_on"] = (state.step, not _same(before, _local(net)))
     net[0].requires_grad_(False)  # a whole unit frozen: FSDP reduces nothing of it
     _train(net, opt, rank, range(4, 5))
     out["unit_frozen"] = state.step
+    stats = state.stats()
+    out["compressed"] = stats["compressing_since"] == 0 and stats["run_ratio"] > 1.5
     state.close()
     # grouped: two modules, one FSDP state and parameter group
     torch.manual_seed(0)
@@ -394,4 +410,5 @@ def test_register_twice_unfreeze_and_close_a_grouped_model(spawn):
         assert "registered already" in out["twice"]
         assert "'5.frozen' was unfrozen" in out["unfrozen"]
         assert out["goes_on"] == (2, True) and out["unit_frozen"] == 3
+        assert out["compressed"]
         assert out["grouped"]
