@@ -9,7 +9,9 @@ from gradcomp.hooks.optimizer import SGDMomentum, momentum_options
 
 def test_methods_lists_every_method_with_options():
     got = {m["name"]: m for m in gradcomp.methods()}
-    assert set(got) == {"allreduce", "topk", "dgc", "onebit", "terngrad", "powersgd", "threshold"}
+    assert set(got) == {"allreduce", "topk", "dgc", "onebit", "terngrad", "powersgd", "threshold",
+                        "sparseloco", "diloco"}
+    assert got["sparseloco"]["options"]["local_steps"] == ("int", 4)  # its own default
     assert got["powersgd"]["options"]["rank"] == ("int", 4)
     assert got["dgc"]["options"]["ratio"] == ("float", 0.001)
     assert got["topk"]["options"]["ratio"] == ("float", 0.05)

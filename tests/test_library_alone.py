@@ -58,9 +58,10 @@ SCRIPT = textwrap.dedent("""
         state = gradcomp.register(model, name, optimizer=opt, min_numel=0, warmup="none")
         x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
         before = [p.detach().clone() for p in net.parameters()]
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+        for _ in range(state.config.local_steps):  # one round: a local-steps method sends then
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
         state.flush() if hasattr(state, "flush") else None
         stats = state.stats()
         out["methods"][name] = {

@@ -175,6 +175,7 @@ def test_local_delay_1_is_the_documented_rule(runs):
 # ---------------------------------------------------------------- rounds
 SPECS = ["allreduce", "topk:ratio=0.1", "onebit:chunk=64", "powersgd:rank=1", "dgc:ratio=0.1",
          "terngrad", "threshold:max_ratio=0.05", "dgc:ratio=1,masking=false"]
+# (sparseloco and diloco run here in RESUME and CONSERVE, at their rounds)
 
 
 def _trajectories(rank, world, specs, steps):

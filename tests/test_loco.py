@@ -13,6 +13,9 @@ from gradcomp.compressors.sparseloco import pack_signs, unpack_signs
 from conftest import SHAPES, layout, lay_out, state_for
 
 NAMES = list(SHAPES)
+# the methods whose defaults take local steps: every one has its codec tested here
+# (tests/test_registry.py checks the list against the registry)
+LOCAL_METHODS = ["sparseloco", "diloco"]
 
 
 def _run(spec, steps=4, order=NAMES, seed=0):

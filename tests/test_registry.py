@@ -3,7 +3,10 @@ to the registry (gradcomp.compressors.METHODS) fails here until the conformance 
 (conservation and relayout, degenerate settings, ratio one = allreduce: test_methods; resume
 and refusals of bad checkpoints: test_checkpoint; the collective order: test_order; local
 steps' rounds: test_local_steps; Adam: test_adam; mixed precision and inf/NaN:
-test_precision; multi-rank equality: test_distributed)."""
+test_precision; multi-rank equality: test_distributed). A method whose defaults take local
+steps (sparseloco, diloco) runs in the per-step lists only as far as its rounds do: its codec's
+conformance (conservation, layouts, lossless settings, message sizes) is test_loco's, its
+rounds, resume and conservation on ranks test_local_steps's, HSDP test_hsdp_local's."""
 import importlib
 
 import pytest
@@ -11,10 +14,11 @@ import pytest
 from gradcomp.compressors import METHODS
 
 STATELESS = {name for name, m in METHODS.items() if m.compressor.stateless}
-LISTS = [("test_methods", "METHOD_SPECS", set()), ("test_checkpoint", "METHODS", set()),
-         ("test_order", "SPECS", set()), ("test_local_steps", "SPECS", set()),
-         ("test_adam", "SPECS", STATELESS), ("test_precision", "STATEFUL", STATELESS),
-         ("test_distributed", "SPECS", STATELESS)]
+LOCAL = {name for name, m in METHODS.items() if m.config().local_steps > 1}
+LISTS = [("test_methods", "METHOD_SPECS", LOCAL), ("test_checkpoint", "METHODS", LOCAL),
+         ("test_order", "SPECS", LOCAL), ("test_local_steps", "RESUME", set(METHODS) - LOCAL),
+         ("test_adam", "SPECS", STATELESS | LOCAL), ("test_precision", "STATEFUL", STATELESS | LOCAL),
+         ("test_distributed", "SPECS", STATELESS | LOCAL), ("test_loco", "LOCAL_METHODS", set(METHODS) - LOCAL)]
 
 
 @pytest.mark.parametrize("module,name,exempt", LISTS)
