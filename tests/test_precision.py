@@ -31,6 +31,7 @@ def test_a_non_finite_step_propagates_and_leaves_memory_alone(spec, bad):
         hit.reduce(x.clone(), params)
         clean.reduce(x.clone(), params)
     before = _memory(hit)
+    assert before["flat"] and hit.stats()["compressing_since"] == 0  # compressed steps
     poisoned = xs[2].clone()
     poisoned[[5, 700, n - 1]] = bad
     out = hit.reduce(poisoned.clone(), params)
@@ -141,6 +142,7 @@ def test_the_guard_copies_no_slot_an_exchange_rewrites_whole(spec, monkeypatch):
     rewritten = {"residual", "velocity", "accumulation"}
     assert not rewritten & set(copied), copied
     assert _memory(swapped)["flat"]  # there is memory, and it moved
+    assert swapped.stats()["compressing_since"] == inplace.stats()["compressing_since"] == 0
 
 
 @pytest.mark.parametrize("spec", ["topk:ratio=0.05", "onebit:chunk=64", "powersgd:rank=1"])
@@ -155,6 +157,7 @@ def test_an_exchange_that_raises_leaves_the_memory_as_it_was(spec):
     for x in xs[:2]:
         state.reduce(x.clone(), params)
     before = _memory(state)
+    assert before["flat"] and state.stats()["compressing_since"] == 0
     comm = state._lanes[0].comm
     for op in ("allgather", "allreduce"):
         def boom(*a, **k):
@@ -201,7 +204,12 @@ def _scaled_run(rank, world, spec, mode, steps=8, bad_step=3, adamw=False, one=F
         scaler.step(opt)
         scaler.update()
         scales.append(scaler.get_scale() if scaler.is_enabled() else 1.0)
-    return [p.detach().clone() for p in net.parameters()], scales, state.step
+    return [p.detach().clone() for p in net.parameters()], scales, state.step, state.stats()
+
+
+def _compressed(stats, since=0):
+    """The run compressed from step ``since`` on, its latest step too."""
+    return stats["compressing_since"] == since and stats["ratio"] > 1.5
 
 
 # + an overflow during DGC's uncompressed warm-up, whose velocity moves (guarded too)
@@ -210,15 +218,18 @@ def test_grad_scaler_with_changing_scale_and_an_overflow_matches_unscaled_traini
     """Loss scaling by powers of two is exact in fp32, so a job with a GradScaler whose scale
     grows every 2 steps and backs off after an overflow on ONE rank must end bit-identical to
     the same job trained without scaling and without that step. Not passing the scaler to
-    register() keeps scaled values in the memory: that run must differ."""
-    (scaled, scales, step_a), _ = spawn(_scaled_run, 2, args=(spec, "scaler"))
-    (plain, _, step_b), _ = spawn(_scaled_run, 2, args=(spec, "plain"))
+    register() keeps scaled values in the memory: that run must differ. Compressed from the
+    first step (DGC's dense_steps=5 case: from step 5, its overflow at step 3 dense)."""
+    (scaled, scales, step_a, stats_a), _ = spawn(_scaled_run, 2, args=(spec, "scaler"))
+    (plain, _, step_b, stats_b), _ = spawn(_scaled_run, 2, args=(spec, "plain"))
     assert len(set(scales)) >= 3  # the scale really changed, up and down
     assert step_a == step_b == 7
+    since = 5 if "dense_steps=5" in spec else 0
+    assert _compressed(stats_a, since) and _compressed(stats_b, since), (stats_a, stats_b)
     for a, b in zip(scaled, plain):
         assert torch.equal(a, b), f"max diff {(a - b).abs().max():.3g}"
-    (wrong, _, _), _ = spawn(_scaled_run, 2, args=(spec, "unregistered", 8, 99))
-    (plain8, _, _), _ = spawn(_scaled_run, 2, args=(spec, "plain", 8, 99))
+    (wrong, _, _, _), _ = spawn(_scaled_run, 2, args=(spec, "unregistered", 8, 99))
+    (plain8, _, _, _), _ = spawn(_scaled_run, 2, args=(spec, "plain", 8, 99))
     assert any(not torch.equal(a, b) for a, b in zip(wrong, plain8))
 
 
@@ -227,8 +238,9 @@ def test_an_overflow_in_one_bucket_leaves_no_trace_in_the_others(spec, spawn):
     """The inf in one layer's gradient only: its bucket is flagged, the others are finite
     and their exchanges ran. The GradScaler skips the step, so every bucket's memory must be
     as before it (each bucket's own guard put back only its own)."""
-    (scaled, _, _), _ = spawn(_scaled_run, 2, args=(spec, "scaler", 8, 3, False, True))
-    (plain, _, _), _ = spawn(_scaled_run, 2, args=(spec, "plain", 8, 3))
+    (scaled, _, _, stats), _ = spawn(_scaled_run, 2, args=(spec, "scaler", 8, 3, False, True))
+    (plain, _, _, _), _ = spawn(_scaled_run, 2, args=(spec, "plain", 8, 3))
+    assert _compressed(stats), stats
     for a, b in zip(scaled, plain):
         assert torch.equal(a, b), f"max diff {(a - b).abs().max():.3g}"
 
@@ -238,9 +250,10 @@ def test_grad_scaler_with_adamw_momentum_exchange_matches_unscaled_training(spec
     """The same with AdamW, where these methods exchange Adam's first moment (adam='auto'
     runs 'momentum'): the moment is built from the unscaled gradient and the result scaled
     back, so a changing scale and a skipped step change nothing."""
-    (scaled, scales, _), _ = spawn(_scaled_run, 2, args=(spec, "scaler", 8, 3, True))
-    (plain, _, _), _ = spawn(_scaled_run, 2, args=(spec, "plain", 8, 3, True))
+    (scaled, scales, _, stats), _ = spawn(_scaled_run, 2, args=(spec, "scaler", 8, 3, True))
+    (plain, _, _, _), _ = spawn(_scaled_run, 2, args=(spec, "plain", 8, 3, True))
     assert len(set(scales)) >= 3
+    assert _compressed(stats, since=2), stats  # the overflow at step 3: compressed
     for a, b in zip(scaled, plain):
         assert torch.equal(a, b), f"max diff {(a - b).abs().max():.3g}"
 
@@ -277,14 +290,15 @@ def _half_run(rank, world, spec, dtype, autocast):
         losses.append(float(loss))
     mem = state.state_dict()["memory"]["flat"]
     return ([p.detach().float() for p in net.parameters()], losses,
-            {v.dtype for d in mem.values() for v in d.values()})
+            {v.dtype for d in mem.values() for v in d.values()}, state.stats())
 
 
 @pytest.mark.parametrize("spec", STATEFUL)
 @pytest.mark.parametrize("dtype, autocast", [(torch.bfloat16, False), (torch.float16, False),
                                              (torch.bfloat16, True)])
 def test_half_precision_training_works_with_fp32_memory(spec, dtype, autocast, spawn):
-    (p0, l0, m0), (p1, _, _) = spawn(_half_run, 2, args=(spec, dtype, autocast))
+    (p0, l0, m0, stats), (p1, _, _, _) = spawn(_half_run, 2, args=(spec, dtype, autocast))
+    assert _compressed(stats), stats  # every step
     assert all(torch.equal(a, b) for a, b in zip(p0, p1))  # ranks stay in step
     assert all(torch.isfinite(a).all() for a in p0)
     assert m0 == {torch.float32}
@@ -307,13 +321,14 @@ def _two_rank_bad(rank, world, spec):
         x[[500, 900]] = float("inf")
         x[1000] = -float("inf")
     out = st.reduce(x.clone(), params)
-    return out, before, _memory(st)
+    return out, before, _memory(st), st.stats()["compressing_since"]
 
 
 @pytest.mark.parametrize("spec", STATEFUL)
 def test_non_finite_on_some_ranks_reaches_all_at_allreduce_positions(spec, spawn):
     got = spawn(_two_rank_bad, 2, args=(spec,))
-    for out, before, after in got:
+    for out, before, after, since in got:
+        assert before["flat"] and since == 0  # a compressed step, then the bad one
         bad = (~torch.isfinite(out)).nonzero().view(-1).tolist()
         assert bad == [3, 500, 900, 1000]  # nan + inf = nan: as a plain allreduce
         assert out[900] == float("inf") and out[1000] == -float("inf")
