@@ -1,10 +1,10 @@
 """The integrations (gradcomp/integrations/) in the jobs their users write, with the real
 packages: Lightning's Trainer, Accelerate, the HF Trainer, each launched by torchrun on 2
 CPU ranks (tests/jobs/frameworks.py). Every method, with SGD and with AdamW param groups,
-gradient accumulation 2: ranks bit-identical, compressing, and a run resumed from the
-framework's own checkpoint equal to the straight run bit for bit; resuming from a checkpoint
-without gradcomp's state warns and diverges (the control that the state is what makes it
-exact). Plus what a single process and bad options get."""
+gradient accumulation 2, several DDP buckets: ranks bit-identical, compressing, and a run
+resumed from the framework's own checkpoint equal to the straight run bit for bit; resuming
+from a checkpoint without gradcomp's state warns and diverges (the control that the state is
+what makes it exact). Plus what a single process and bad options get."""
 import json
 import os
 import subprocess
@@ -34,6 +34,7 @@ def test_every_method_trains_ranks_equal_and_resumes_bit_exact(framework, tmp_pa
     for case in cases:
         assert res[case]["straight"] == res[case]["resumed"], f"{case}: resume not exact"
         assert res[case]["compressed"] == (not case.startswith("allreduce")), case
+        assert res[case]["buckets"] >= 3, case  # bucket indices the state exchanged
     # each method trains differently (compression is applied, not bypassed)
     assert len({res[c]["straight"] for c in cases}) == len(cases)
     if "cold" in res:

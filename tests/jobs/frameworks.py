@@ -7,7 +7,7 @@ processes: straight through 2 epochs; 1 epoch, saved with the framework's own ch
 resumed from it for the second epoch with a fresh gradcomp state. Each rank writes, per case,
 the SHA-256 of its parameters after the straight and the resumed run, and whether gradcomp
 compressed: the test asserts that ranks agree and that the resumed run equals the straight
-one bit for bit."""
+one bit for bit. ``BUCKET_MB`` makes DDP cut the model into several buckets."""
 import hashlib
 import json
 import os
@@ -29,6 +29,7 @@ CASES = [(m, "sgd", {"warmup": "none"}) for m in
          ("allreduce", "onebit", "topk", "dgc", "terngrad", "powersgd", "threshold")] + [
     (m, "adamw", {"dense_steps": 2}) for m in ("onebit", "topk", "terngrad", "powersgd")]
 COMMON = {"min_numel": 64}
+BUCKET_MB = 0.0004  # 419 bytes: each layer's weight and bias in a bucket of their own
 
 
 def net():
@@ -68,6 +69,11 @@ def compressed(state) -> bool:
     return bool(s["compressing"]) and s["sent_bytes"] < s["raw_bytes"]
 
 
+def buckets(state) -> int:
+    """How many DDP buckets the state exchanged."""
+    return len(state._layouts) if state is not None else 0
+
+
 def every_case(pair) -> dict:
     """Each case of CASES through ``pair(spec, kind, options, name)`` -> (the straight run's
     module, its gradcomp state, the resumed run's module)."""
@@ -75,13 +81,14 @@ def every_case(pair) -> dict:
     for spec, kind, options in CASES:
         straight, state, resumed = pair(spec, kind, {**COMMON, **options}, f"{spec}-{kind}")
         results[f"{spec}-{kind}"] = {"straight": digest(straight), "resumed": digest(resumed),
-                                     "compressed": compressed(state)}
+                                     "compressed": compressed(state), "buckets": buckets(state)}
     return results
 
 
 # ----------------------------------------------------------------------------- Lightning
 def lightning_job(out):
     import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DDPStrategy
 
     from gradcomp.integrations.lightning import GradcompCallback
 
@@ -100,7 +107,8 @@ def lightning_job(out):
     def fit(spec, kind, options, epochs, save=None, resume=None):
         mod = Module(kind)
         cb = GradcompCallback(spec, **options)
-        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=epochs,
+        trainer = pl.Trainer(accelerator="cpu", devices=2,
+                             strategy=DDPStrategy(bucket_cap_mb=BUCKET_MB), max_epochs=epochs,
                              accumulate_grad_batches=ACCUM, callbacks=[cb], logger=False,
                              enable_checkpointing=False, enable_progress_bar=False,
                              enable_model_summary=False, use_distributed_sampler=True)
@@ -135,11 +143,13 @@ def lightning_job(out):
 # ----------------------------------------------------------------------------- Accelerate
 def accelerate_job(out):
     from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
 
     from gradcomp.integrations.accelerate import register
 
     def train(spec, kind, options, epochs, save=None, resume=None):
-        acc = Accelerator(cpu=True, gradient_accumulation_steps=ACCUM)
+        acc = Accelerator(cpu=True, gradient_accumulation_steps=ACCUM, kwargs_handlers=[
+            DistributedDataParallelKwargs(bucket_cap_mb=BUCKET_MB)])
         model = net()
         opt = optimizer(kind, list(model.parameters()))
         loader = torch.utils.data.DataLoader(data(), batch_size=BATCH, shuffle=False)
@@ -192,7 +202,7 @@ def hf_job(out):
             output_dir=folder, per_device_train_batch_size=BATCH,
             gradient_accumulation_steps=ACCUM, num_train_epochs=2, save_strategy="epoch",
             report_to=[], use_cpu=True, logging_strategy="no", disable_tqdm=True, seed=0,
-            dataloader_num_workers=0, lr_scheduler_type="constant")
+            dataloader_num_workers=0, lr_scheduler_type="constant", ddp_bucket_cap_mb=BUCKET_MB)
         opt = optimizer(kind, list(model.parameters()))
         trainer = Trainer(model=model, args=args, train_dataset=rows, optimizers=(opt, None))
         cb = register(trainer, spec, **options)
