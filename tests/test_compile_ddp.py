@@ -14,10 +14,18 @@ import gradcomp
 from conftest import batch, small_net
 
 
+def _net():
+    """Wide enough for 2 DDP buckets at 1 MB, the smallest cap DDPOptimizer takes (it wants
+    no bucket smaller than its 1 MB first one): the last two layers, then the first."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(20, 512), nn.ReLU(), nn.Linear(512, 512), nn.Tanh(),
+                         nn.Linear(512, 10))
+
+
 def _train(rank, world, spec, compiled, steps=6):
     torch._dynamo.reset()
-    net = small_net()
-    model = DDP(net)  # DDPOptimizer wants the first bucket no larger than the others
+    net = _net()
+    model = DDP(net, bucket_cap_mb=1)
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     state = gradcomp.register(model, spec, optimizer=opt, min_numel=64, warmup="none")
     run = torch.compile(model, backend="aot_eager") if compiled else model
@@ -26,8 +34,10 @@ def _train(rank, world, spec, compiled, steps=6):
         opt.zero_grad()
         nn.functional.cross_entropy(run(x), y).backward()
         opt.step()
+    stats = state.stats()
     out = {"params": [p.detach().clone() for p in net.parameters()],
-           "sent": state.stats()["sent_bytes"], "raw": state.stats()["raw_bytes"]}
+           "sent": stats["sent_bytes"], "raw": stats["raw_bytes"],
+           "since": stats["compressing_since"], "buckets": len(state._layouts)}
     state.close()
     return out
 
@@ -40,6 +50,8 @@ def _pair(rank, world, spec):
 def test_compiled_ddp_model_equals_eager(spawn, spec):
     for eager, compiled in spawn(_pair, 2, args=(spec,), timeout=300):
         assert compiled["sent"] < compiled["raw"]  # the hook ran, compressed
+        assert eager["since"] == compiled["since"] == 0  # every step
+        assert eager["buckets"] == compiled["buckets"] == 2
         for a, b in zip(eager["params"], compiled["params"]):
             assert torch.equal(a, b)
 
