@@ -162,8 +162,8 @@ def check_onebit(g, x, chunk, with_residual, seed=0):
     bits, scales = tk.onebit_compress(x, got_res, chunk)
     assert bits.dtype == torch.uint8 and scales.dtype == torch.float32
     assert torch.equal(bits, want_bits)  # y = x + r is exact in both: the signs agree exactly
-    # The means are sums, in different orders (and the reference takes the negatives' sum as
-    # total - positives): both are within a few ulps of sum|y| / count of the exact mean.
+    # The means are sums, in different orders (the reference adds pairwise halves, the kernel
+    # in its own tree): both are within a few ulps of sum|y| / count of the exact mean.
     yc = y.view(-1, chunk)
     pos = yc >= 0
     mag = yc.abs().sum(1)

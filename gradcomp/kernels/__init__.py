@@ -3,17 +3,20 @@
 CPU tensors run pure torch: the 1-bit steps and TernGrad's decoder through :mod:`.cpu` (the
 reference's arithmetic block by block, bit-identical to it), everything else through the
 reference (:mod:`.reference`), which is the specification. On large fp32 tensors the 1-bit
-encoder and TernGrad's encoder and decoder run :mod:`.compiled` instead (fused by
-``torch.compile``; TernGrad's bit-identical to the reference, 1-bit's bits equal and scales
-and residual within an ulp or two, deterministic) where a C++ compiler is present; without
-one it warns once and runs :mod:`.cpu` or the reference. CUDA tensors run the Triton kernels when Triton is importable;
-Triton is imported lazily so the package imports without it.
+and TernGrad steps run :mod:`.compiled` instead (fused by ``torch.compile``, bit-identical to
+the reference) where a C++ compiler is present; without one it warns once and runs
+:mod:`.cpu` or the reference. Every CPU path gives the same bits: the choice goes by a
+bucket's size, and a parameter's result must not depend on the bucket around it. CUDA
+tensors run the Triton kernels (at every size) when Triton is importable; Triton is
+imported lazily so the package imports without it.
 
 ``GRADCOMP_KERNELS`` picks: ``auto`` (the default, as above), ``cpu`` (the bit-identical
 pure-torch CPU path, never compiling: what the test suite runs unless a test asks),
 ``reference`` (the reference everywhere), or ``triton`` (with ``TRITON_INTERPRET=1`` for CPU
 tensors, the kernels on every tensor: how the tests drive the compressors' GPU path on a CPU).
-A run resumes bit-exactly from a checkpoint when it resumes on the same path.
+A run resumes bit-exactly from a checkpoint on any CPU path, and on the GPU on the Triton
+path (the Triton kernels sum in their own order: a CPU run and a GPU run differ in the last
+bits of the 1-bit scales).
 """
 from __future__ import annotations
 

@@ -1,14 +1,13 @@
 """The 1-bit and TernGrad encoders as fused CPU loops: the reference's arithmetic in plain
 torch, fused by ``torch.compile`` (Inductor's C++ backend) into one loop nest per step.
 
-1-bit: a separate backend, not a faster copy of the reference. Inductor vectorizes the
-per-chunk sums, which changes their order, so the scales (and the residual and decoded
-values built from them) can differ from :mod:`.reference` in the last bit or two. The signs
-cannot: they are taken from ``y = x + residual``, one add, the same in both, so the bits are
-equal. Results are deterministic on one machine (the same generated code runs every time),
-so a run resumes bit-exactly as long as it stays on this path; a run that switches between
-this path and the reference or :mod:`.cpu` mid-way changes in the last bits. Tested against
-the reference within one or two ulps (``tests/test_compiled.py``).
+1-bit: **bit-identical** to the reference. Its per-chunk sums are
+:func:`reference.row_sums`, a fixed order of elementwise adds that Inductor keeps as written
+(it vectorizes a ``sum`` in its own order, which made the scales of earlier versions differ
+from the reference in the last bit; the dispatcher picks this path by the bucket's size, so
+a parameter's result then depended on its bucket neighbours). The signs come from
+``y = x + residual``, one add, the same everywhere. Tested bit for bit
+(``tests/test_compiled.py``).
 
 TernGrad: **bit-identical** to the reference. Its Philox stream is integer arithmetic (the
 32-bit halves of each round's products taken from int64 products, as the reference does),
@@ -20,12 +19,13 @@ one code byte each: one Philox per group, its four words the group's four unifor
 stream's definition, :func:`reference.ternary_uniforms`), and the byte packed in the loop.
 Tested bit for bit.
 
-The 1-bit encoder is two compiled passes around an eager one: the statistics (y = x +
-residual into the residual, each chunk's two scales), the signs packed eagerly block by
-block (:func:`cpu.pack_signs`: Inductor's CPU code stores bools and bytes an element at a
-time, 42 of the fused encoder's 62 ms at 11M elements), the residual's update in place.
-The same arithmetic as the one fused loop of earlier versions, bit for bit (checked on
-11M elements with zeros and negative zeros); 73 -> 56 ms on one thread.
+The 1-bit encoder: y = x + residual into the residual (one eager add), then three passes
+over y: the statistics, compiled (each chunk's two scales: its three sums in one loop), the
+signs packed eagerly block by block (:func:`cpu.pack_signs`: Inductor's CPU code stores bools
+and bytes an element at a time, 42 of an earlier fused encoder's 62 ms at 11M elements), the
+residual's update in place, compiled. At 11M elements on one thread (a loaded machine) the
+statistics took 13.5 ms with the eager add against 14.8 ms for the earlier fused pass of
+``torch.sum``'s.
 
 Each 1-bit step is compiled once per process and chunk size, on first use, with dynamic
 sizes (a new bucket size does not recompile); the chunk is a constant of the generated code,
@@ -56,30 +56,24 @@ from .reference import PHILOX_KEY_A, PHILOX_KEY_B, PHILOX_ROUND_A, PHILOX_ROUND_
 # cpu.py's threshold: from 2^17 elements up the compiled steps took no more CPU time than the
 # blocked ones (bench/compiled_codec.py, bench/RESULTS.md section 6); below it, not measured
 MIN_NUMEL = 1 << 17
-# the steps the dispatcher sends here (the decoders and TernGrad's encoder bit-identical to
-# the paths they replace)
+# the steps the dispatcher sends here (each bit-identical to the path it replaces: the
+# dispatcher picks by a bucket's size, so any difference would tie a parameter's result to
+# its bucket neighbours)
 STEPS = ("onebit_compress", "onebit_decompress", "ternary_compress", "ternary_decompress")
 
 _failed: str | None = None  # why compiling failed, once it has
 
 
-def _stats(x: torch.Tensor, residual: torch.Tensor | None, chunk: int) -> torch.Tensor:
-    """The first pass of reference.onebit_compress on (C, chunk) views: y = x + residual
-    (written into residual, where there is one) and each chunk's two scales, (2, C). The
-    signs are packed from y by :func:`cpu.pack_signs` and the residual finished by
-    :func:`_feedback`: Inductor's CPU code stores bools and bytes one element at a time
-    (measured 42 of the fused encoder's 62 ms at 11M elements went to packing the bits), and
-    an eager comparison packs them vectorized."""
-    y = x + residual if residual is not None else x
-    pos = y >= 0
-    npos = pos.sum(dim=1, dtype=torch.int32)
-    psum = y.clamp_min(0.0).sum(dim=1)
-    nsum = y.sum(dim=1) - psum
-    hi = psum / npos.clamp_min(1)
-    lo = nsum / (chunk - npos).clamp_min(1)
-    if residual is not None:
-        residual.copy_(y)
-    return torch.stack([hi, lo])
+def _stats(y: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The scales of reference.onebit_compress on a (C, chunk) view of y = x + residual:
+    each chunk's two means, (2, C). Every sum is :func:`reference.row_sums`' fixed order
+    (elementwise adds, which Inductor does not reorder), the count of non-negative elements
+    too (exact in any order), so the three fuse into one loop over y and the scales are the
+    reference's bits."""
+    npos = reference.row_sums((y >= 0).to(torch.float32))  # exact: counts <= 2^24
+    psum = reference.row_sums(y.clamp_min(0.0))
+    nsum = reference.row_sums(y.clamp_max(0.0))
+    return torch.stack([psum / npos.clamp_min(1), nsum / (chunk - npos).clamp_min(1)])
 
 
 def _feedback(y: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -206,8 +200,8 @@ def _compiled_onebit(step: str, chunk: int):
     """``step`` compiled for one chunk size: a closure constant, so a constant of the generated
     code (the chunk loop vectorizes); the sizes marked dynamic at each call are symbolic."""
     if step == "stats":
-        def fn(x, residual):
-            return _stats(x, residual, chunk)
+        def fn(y):
+            return _stats(y, chunk)
     elif step == "feedback":
         return torch.compile(_feedback, fullgraph=True)
     elif step == "onebit_terms":  # compiled again per message count W (a static size)
@@ -249,7 +243,7 @@ def takes(t: torch.Tensor) -> bool:
 
 
 # the 1-bit steps' dims marked dynamic, per argument: chunks (C), messages (W)
-_DYNAMIC = {"stats": ((0,), (0,)),                    # x (C, chunk), residual (C, chunk)
+_DYNAMIC = {"stats": ((0,),),                         # y (C, chunk)
             "feedback": ((0,), (1,)),                 # y (C, chunk), scales (2, C)
             # bits (W, C, chunk/8), scales (W, 2, C), out (C, chunk), alpha; W stays static
             "onebit_put": ((1,), (2,), (0,), ()),
@@ -273,21 +267,20 @@ def _run(step: str, chunk: int, *args):
 
 
 def onebit_compress(x: torch.Tensor, residual: torch.Tensor | None, chunk: int):
-    """:func:`reference.onebit_compress`, fused. Same arguments; results within an ulp or
-    two (bits equal)."""
+    """:func:`reference.onebit_compress`, fused. Same arguments, the same bits."""
     check_flat(x)
     n = x.numel()
     if (takes(x) and n % chunk == 0 and chunk % 8 == 0
             and (residual is None or (takes(residual) and residual.numel() == n))):
         C = n // chunk
-        y = x if residual is None else residual
-        scales = _run("stats", chunk, x.view(C, chunk),
-                      None if residual is None else residual.view(C, chunk))
-        if scales is not None:  # y = x + residual is in residual now
-            bits = cpu.pack_signs(y)
-            if residual is not None and _run("feedback", chunk, y.view(C, chunk), scales) is None:
-                _feedback(y.view(C, chunk), scales)  # the same arithmetic, eager
-            return bits, scales
+        y = x if residual is None else residual.add_(x)  # x + r == r + x exactly
+        scales = _run("stats", chunk, y.view(C, chunk))
+        if scales is None:  # no compiler (one warning): the same sums eagerly, y added once
+            scales = _stats(y.view(C, chunk), chunk)
+        bits = cpu.pack_signs(y)
+        if residual is not None and _run("feedback", chunk, y.view(C, chunk), scales) is None:
+            _feedback(y.view(C, chunk), scales)  # the same arithmetic, eager
+        return bits, scales
     return cpu.onebit_compress(x, residual, chunk)
 
 

@@ -57,6 +57,7 @@ def onebit_compress(x: torch.Tensor, residual: torch.Tensor | None, chunk: int):
     scales = torch.empty(2, C)
     cb = _chunks_per_block(chunk)
     h = torch.empty(cb * chunk)
+    parts = torch.empty(2, cb * chunk)  # each chunk's non-negative and negative parts
     pos = torch.empty(cb * chunk, dtype=torch.bool)
     words = torch.empty(cb * chunk // 8, dtype=torch.int64)
     for c0 in range(0, C, cb):
@@ -64,9 +65,10 @@ def onebit_compress(x: torch.Tensor, residual: torch.Tensor | None, chunk: int):
         m = (c1 - c0) * chunk
         yb = y[c0 * chunk : c0 * chunk + m].view(c1 - c0, chunk)
         hb = h[:m].view(c1 - c0, chunk)
-        torch.clamp(yb, min=0.0, out=hb)
-        psum = hb.sum(dim=1)
-        nsum = yb.sum(dim=1) - psum
+        pn = parts[:, :m].view(2, c1 - c0, chunk)
+        torch.clamp(yb, min=0.0, out=pn[0])
+        torch.clamp(yb, max=0.0, out=pn[1])
+        psum, nsum = _row_sums_(pn)
         torch.ge(yb, 0, out=hb)  # h = 1.0 where y >= 0, else 0.0
         npos = hb.sum(dim=1)  # exact: integers below 2^24
         hi = psum / npos.clamp_min(1)
@@ -81,6 +83,17 @@ def onebit_compress(x: torch.Tensor, residual: torch.Tensor | None, chunk: int):
             else:  # 0 * inf is NaN: the reference's selection for this block
                 yb.sub_(reference.dequant(pb.view(c1 - c0, chunk), hi, lo))
     return bits, scales
+
+
+def _row_sums_(t: torch.Tensor) -> torch.Tensor:
+    """:func:`reference.row_sums` of t (..., w) in place (t's rows are overwritten): the same
+    adds in the same order, without the halves' temporaries."""
+    w = t.shape[-1]
+    while w > 1:
+        h = (w + 1) // 2
+        t[..., : w - h].add_(t[..., h:w])  # disjoint: w - h <= h
+        w = h
+    return t[..., 0]
 
 
 def _pack_block(y: torch.Tensor, pos: torch.Tensor, words: torch.Tensor, out: torch.Tensor) -> None:

@@ -89,23 +89,46 @@ def unpack_2bit(packed: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- 1-bit SGD
+def row_sums(t: torch.Tensor) -> torch.Tensor:
+    """The sum of each row of t (..., w), added in one fixed order: the row's second half
+    added onto its first, element by element (the middle element of an odd width kept as it
+    is), until one element is left.
+
+    The 1-bit scales' specification. A sum in this order is only elementwise adds, which
+    every path computes alike (this function, :mod:`.cpu`'s blocks, Inductor's fused loop in
+    :mod:`.compiled`), so a chunk's scales are the same bits whatever the number of rows
+    around it, the threads or the vector width. ``torch.sum`` orders its additions by the
+    shape and the threads (a tensor of one row is split among the threads), Inductor by its
+    vector width: the paths differed in the last bit, and since the dispatcher picks the
+    path by the bucket's size, a parameter's result depended on its bucket neighbours.
+    Reads ~w, writes ~w per row (log2 w passes over halving widths)."""
+    w = t.shape[-1]
+    while w > 1:
+        h = (w + 1) // 2
+        head = t[..., : w - h] + t[..., h:w]
+        t = head if 2 * h == w else torch.cat([head, t[..., w - h : h]], dim=-1)
+        w = h
+    return t[..., 0]
+
+
 def onebit_compress(x: torch.Tensor, residual: torch.Tensor | None, chunk: int):
     """1-bit quantization with error feedback, in place on ``residual``.
 
     x: (n,) fp32, n % chunk == 0, chunk % 8 == 0. residual: (n,) fp32 or None (no feedback).
     Computes y = x + residual; sign bit (y >= 0) per element; per chunk the two reconstruction
-    values (mean of the non-negative elements, mean of the negative ones, Seide et al. 2014);
-    writes residual = y - dequantized(y).
+    values (mean of the non-negative elements, mean of the negative ones, Seide et al. 2014),
+    each sum taken over the chunk by :func:`row_sums`; writes residual = y - dequantized(y).
     Returns (bits uint8 (n/8,), scales fp32 (2, n/chunk)).   # reads 2n*4, writes n*4 + n/8
     """
     check_flat(x)
     y = x + residual if residual is not None else x
     yc = y.view(-1, chunk)
     pos = yc >= 0
-    npos = pos.sum(dim=1, dtype=torch.int32)  # half the time of the default int64 sum
+    npos = pos.sum(dim=1, dtype=torch.int32)  # exact in any order; half the time of int64
     nneg = chunk - npos
-    psum = yc.clamp_min(0.0).sum(dim=1)  # the same sum as over where(pos, yc, 0)
-    nsum = yc.sum(dim=1) - psum
+    # the same sums as over where(pos, yc, 0) and where(pos, 0, yc), up to a zero's sign
+    psum = row_sums(yc.clamp_min(0.0))
+    nsum = row_sums(yc.clamp_max(0.0))
     scales = torch.stack([psum / npos.clamp_min(1), nsum / nneg.clamp_min(1)])
     if residual is not None:
         torch.sub(yc, dequant(pos, scales[0], scales[1]), out=residual.view(-1, chunk))
