@@ -103,7 +103,8 @@ def _train_random(rank, world, seed):
         except (TypeError, ValueError) as exc:  # needs something this job lacks: named
             out.append((name, opts, "refused", str(exc)[:60]))
             continue
-        train_steps(model, opt, rank, range(4))
+        H = state.config.local_steps  # a method whose defaults take local steps: whole rounds
+        train_steps(model, opt, rank, range(4 if H == 1 else 2 * H))
         state.flush() if hasattr(state, "flush") else None
         flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
         state.close()
