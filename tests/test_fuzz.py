@@ -91,34 +91,48 @@ def _random_accepted(seed, n):
     return found
 
 
+def _compressed_from_the_start(opts):
+    """What the test adds where the drawn options leave it free: every parameter compressed
+    (small_net's are below the default min_numel) from the first step."""
+    extra = {} if "min_numel" in opts else {"min_numel": 0}
+    if "warmup" not in opts and "dense_steps" not in opts:
+        extra["warmup"] = "none"
+    return extra
+
+
 def _train_random(rank, world, seed):
     from conftest import small_net, train_steps
     out = []
     for name, opts in _random_accepted(seed, 6):
         net = small_net()
-        model = DDP(net)
+        model = DDP(net, bucket_cap_mb=0.004)  # several buckets
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         try:
-            state = gradcomp.register(model, name, optimizer=opt, **opts)
+            state = gradcomp.register(model, name, optimizer=opt, **opts,
+                                      **_compressed_from_the_start(opts))
         except (TypeError, ValueError) as exc:  # needs something this job lacks: named
-            out.append((name, opts, "refused", str(exc)[:60]))
+            out.append((name, opts, "refused", str(exc)[:60], None))
             continue
         H = state.config.local_steps  # a method whose defaults take local steps: whole rounds
         train_steps(model, opt, rank, range(4 if H == 1 else 2 * H))
         state.flush() if hasattr(state, "flush") else None
         flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+        since = state.stats()["compressing_since"]
         state.close()
-        out.append((name, opts, bool(torch.isfinite(flat).all()), flat))
+        out.append((name, opts, bool(torch.isfinite(flat).all()), flat, since))
     return out
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_accepted_random_settings_train_finite_and_equal_on_2_ranks(seed, spawn):
     r0, r1 = spawn(_train_random, 2, args=(seed,), timeout=240)
-    for (name, opts, ok, a), (_, _, _, b) in zip(r0, r1):
+    for (name, opts, ok, a, since), (_, _, _, b, since1) in zip(r0, r1):
         if ok == "refused":
             assert a == b  # the same refusal on both ranks
             continue
         assert ok, f"{name} {opts}: non-finite parameters"
+        assert since == since1
+        if "warmup" not in opts and "dense_steps" not in opts:
+            assert since == 0, f"{name} {opts}: not compressed from the first step"
         if not (opts.get("local_steps", 1) > 1):
             assert torch.equal(a, b), f"{name} {opts}: ranks differ"
