@@ -31,8 +31,9 @@ RUNS += [f"{s},delay={d},warmup_window=1,warmup_threshold=100"
 
 
 def _sequences(rank, world, ordered=True):
+    """Per run: its collectives, and the first compressed step (None: never compressed)."""
     log = record_collectives(rank)
-    out = {}
+    out, since = {}, {}
     for spec in RUNS:
         net = small_net()
         model = DDP(net, bucket_cap_mb=0.004)
@@ -48,9 +49,16 @@ def _sequences(rank, world, ordered=True):
             opt.step()
         state.drain()
         out[spec] = log[start:]
+        since[spec] = state.stats()["compressing_since"]
         assert state.ordered is (ordered if ordered is not None else False)
         state.close()
-    return out
+    return out, since
+
+
+def _first_compressed(spec):
+    """The step ``spec`` compresses from in these 4 steps: warmup=none the first, the
+    adaptive runs' window 1 and eta 100 the earliest switch (2 windows); allreduce never."""
+    return None if spec.startswith("allreduce") else 0 if "warmup=none" in spec else 2
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +74,8 @@ def _by_group(log):
 
 
 def _group_sequences(rank, world):
-    return {spec: _by_group(log) for spec, log in _sequences(rank, world, ordered=None).items()}
+    out, since = _sequences(rank, world, ordered=None)
+    return {spec: _by_group(log) for spec, log in out.items()}, since
 
 
 def test_gloo_issues_without_turns_each_groups_sequence_the_same_on_every_rank(spawn):
@@ -74,15 +83,17 @@ def test_gloo_issues_without_turns_each_groups_sequence_the_same_on_every_rank(s
     _sequences): what gloo needs is that each process group sees one sequence on every rank
     (each lane's group is used by its thread alone), which holds under the same random
     delays."""
-    a, b = spawn(_group_sequences, 2, timeout=600)
+    (a, sa), (b, sb) = spawn(_group_sequences, 2, timeout=600)
     for spec in RUNS:
+        assert sa[spec] == sb[spec] == _first_compressed(spec), spec
         assert len(a[spec]) > 1, "several lanes were in use"
         assert a[spec] == b[spec], spec
 
 
 @pytest.mark.parametrize("spec", RUNS)
 def test_every_rank_issues_the_same_global_sequence(sequences, spec):
-    a, b = (s[spec] for s in sequences)
+    a, b = (s[spec] for s, _ in sequences)
+    assert all(since[spec] == _first_compressed(spec) for _, since in sequences)
     assert len({g for g, _, _ in a}) > 1, "several lanes were in use"
     assert len(a) == len(b)
     first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
@@ -190,8 +201,9 @@ def _first_bucket_done(rank, world, ordered):
         if step:  # DDP rebuilds its buckets after the first iteration
             out.append(end0 < last)
     n = len({b for k, b, a, z in ev if k == "submit"})
+    since = state.stats()["compressing_since"]
     state.close()
-    return out, n, state.ordered
+    return out, n, state.ordered, since
 
 
 @pytest.mark.parametrize("ordered", [None, True])
@@ -199,7 +211,8 @@ def test_on_gloo_a_buckets_exchange_finishes_while_backward_goes_on(spawn, order
     """gloo's default (no global order): bucket 0's two-phase exchange finishes while backward
     still computes the first layer (0.4 s later). In the global order (NCCL's) its second
     collective waits for the group's last bucket, handed over at backward's end."""
-    (done, buckets, got), _ = spawn(_first_bucket_done, 2, args=(ordered,), timeout=120)
+    (done, buckets, got, since), _ = spawn(_first_bucket_done, 2, args=(ordered,), timeout=120)
+    assert since == 0  # the two-phase exchange, not the dense warm-up's one allreduce
     assert 1 < buckets <= 4, "one group of buckets (lanes=4)"
     assert got is (ordered or False)
     assert done == [not ordered] * 2

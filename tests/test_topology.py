@@ -1,5 +1,6 @@
 """Hierarchical topology: dense inside a node, compressed between nodes. Four gloo ranks
-stand for 2 nodes x 2 ranks (``local_size=2``); one spawn serves the module."""
+stand for 2 nodes x 2 ranks (``local_size=2``); one spawn serves the module. Every run
+compresses from its first step (``warmup=none``) over several DDP buckets."""
 
 import pytest
 import torch
@@ -56,8 +57,12 @@ def _train(rank, spec, steps=STEPS, capture=False, sgd=None, net_fn=small_net, o
     return state, params, local, avg
 
 
+def _since(state):
+    return state.stats()["compressing_since"]
+
+
 def _job(rank, world):
-    out = {"conserve": {}, "equal": {}}
+    out = {"conserve": {}, "equal": {}, "since": {}}
     for key in CONSERVE:
         spec, _, net = key.partition("|")
         state, _, local, avg = _train(rank, _with(spec, HIER), capture=True,
@@ -65,10 +70,12 @@ def _job(rank, world):
         mem = state.state_dict()["memory"]["flat"]
         out["conserve"][key] = (local, avg, {s: {n: v.clone() for n, v in d.items()}
                                               for s, d in mem.items()})
+        out["since"][key] = _since(state)
     ref = _train(rank, None, sgd={"lr": 0.1, "momentum": 0.9})[1]
     for spec in ("allreduce", "topk:ratio=1", "dgc:ratio=1,masking=false"):
-        out["equal"][spec] = (ref, _train(rank, _with(spec, HIER),
-                                          sgd={"lr": 0.1, "momentum": 0.9})[1])
+        state, params = _train(rank, _with(spec, HIER), sgd={"lr": 0.1, "momentum": 0.9})[:2]
+        out["equal"][spec] = (ref, params)
+        out["since"][spec] = _since(state)
     flat, hier = (_train(rank, _with("topk:ratio=0.05", t))[0] for t in ("topology=flat", HIER))
     out["stats"] = (flat.stats(), hier.stats())
     sd = hier.state_dict()
@@ -88,10 +95,12 @@ def _job(rank, world):
             state = _train(rank, _with(spec, f"{HIER},delay={d}"), steps=3, ordered=True)[0]
             state.drain()
             out["order"][(spec, d)] = log[start:]
+            out["since"][(spec, d)] = _since(state)
         start = len(log)  # gloo's default: no global order, each group's own order
         state = _train(rank, _with(spec, f"{HIER},delay=1"), steps=3)[0]
         state.drain()
         out["order"][(spec, "gloo")] = log[start:], state.ordered
+        out["since"][(spec, "gloo")] = _since(state)
     return out
 
 
@@ -108,6 +117,7 @@ def test_error_feedback_conserves_every_gradient_per_shard(runs, spec):
     N = W // L
     weights = {"residual": 1.0, "accumulation": 1.0, "server_residual": float(N)}
     local0, avg0, _ = runs[0]["conserve"][spec]
+    assert all(r["since"][spec] == 0 for r in runs)
     net = NETS[spec.partition("|")[2] or "small"]()
     for n in local0:
         assert all(torch.allclose(r["conserve"][spec][1][n], avg0[n]) for r in runs)
@@ -130,7 +140,9 @@ def test_error_feedback_conserves_every_gradient_per_shard(runs, spec):
 
 @pytest.mark.parametrize("spec", ["allreduce", "topk:ratio=1", "dgc:ratio=1,masking=false"])
 def test_degenerate_settings_equal_plain_ddp(runs, spec):
+    """The compressed path's degenerate settings (``allreduce``: no compression, on purpose)."""
     for r in runs:
+        assert r["since"][spec] == (None if spec == "allreduce" else 0)
         ref, got = r["equal"][spec]
         for a, b in zip(ref, got):
             torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4)
@@ -138,12 +150,14 @@ def test_degenerate_settings_equal_plain_ddp(runs, spec):
 
 def test_stats_split_bytes_inside_and_between_nodes(runs):
     flat, hier = runs[0]["stats"]
+    assert flat["compressing_since"] == hier["compressing_since"] == 0
     assert flat["intra_node_wire_bytes"] == 0 and hier["intra_node_wire_bytes"] > 0
     # each node's 2 ranks send half the bucket each between nodes, to 1 peer instead of 3
     assert hier["inter_node_wire_bytes"] < 0.4 * flat["inter_node_wire_bytes"]
 
 
 def test_a_checkpoint_of_another_topology_is_refused(runs):
+    assert runs[0]["stats"][1]["compressing_since"] == 0  # saved in the compressed phase
     assert "hierarchical with 2 ranks per node" in runs[0]["refused"]
     assert "flat" in runs[0]["refused"]
 
@@ -157,6 +171,7 @@ def test_a_node_size_that_does_not_divide_the_world_is_refused_on_every_rank(run
 @pytest.mark.parametrize("delay", [0, 1])
 def test_every_rank_issues_the_same_global_sequence(runs, spec, delay):
     seqs = [r["order"][(spec, delay)] for r in runs]
+    assert all(r["since"][(spec, delay)] == (None if spec == "allreduce" else 0) for r in runs)
     # ranks of one node share the node group; every rank's sequence of (op, size) and of
     # which of its groups is used must agree with the others'
     def shape(seq):
@@ -228,6 +243,12 @@ def _auto_job(rank, world):
     return out
 
 
+def _compressed_between_nodes(stats):
+    """What crossed between nodes in the latest step is compressed (under the hierarchical
+    topology the steps inside a node stay dense: the whole step's ratio may be below 1)."""
+    return stats["inter_node_wire_bytes"] * 1.5 < stats["raw_wire_bytes"]
+
+
 def _member_groups(state):
     """How many open process groups the state owns that this rank is a member of."""
     import torch.distributed as dist
@@ -246,6 +267,7 @@ def test_topology_auto_measures_both_and_keeps_the_faster(auto_runs):
     want = "hierarchical" if probe["hierarchical_s"] < probe["flat_s"] else "flat"
     assert probe["chosen"] == want
     assert all(s["topology_probe"] == probe and s["topology"] == want for s in stats)
+    assert all(s["compressing_since"] == 0 and _compressed_between_nodes(s) for s in stats)
     for r in auto_runs:  # training under the choice is the explicit topology's, bit for bit
         for a, b in zip(r["real"][1], r["real_ref"][want]):
             assert torch.equal(a, b)
@@ -256,6 +278,7 @@ def test_topology_auto_follows_the_measurement(auto_runs, forced):
     for r in auto_runs:
         stats, params, explicit, (groups, explicit_groups) = r[forced]
         assert stats["topology"] == forced and stats["topology_probe"]["chosen"] == forced
+        assert stats["compressing_since"] == 0 and _compressed_between_nodes(stats)
         # the probe's node groups are not kept where it chose flat: the groups are the
         # explicit topology's (lanes; with hierarchical, a node and a cross-node group each)
         assert groups == explicit_groups
@@ -268,6 +291,7 @@ def test_on_gloo_each_group_sees_one_sequence_on_all_its_ranks(runs, spec):
     """Without the global order (gloo's default): every process group, the nodes' own and
     the ones across nodes, gets the same sequence of (op, size) from each of its ranks."""
     per_group = {}
+    assert all(r["since"][(spec, "gloo")] == (None if spec == "allreduce" else 0) for r in runs)
     for rank, r in enumerate(runs):
         seq, ordered = r["order"][(spec, "gloo")]
         assert ordered is False
