@@ -1,7 +1,9 @@
 """Adam/AdamW with compressed gradients: the second moment frozen at the switch to
 compression (hooks/optimizer.py, after 1-bit Adam). One process: the binding against a
 reference written out from its formula; several ranks: registered on DDP, ranks agree and v
-stays frozen; the refusals."""
+stays frozen; the refusals. The one-process tests drive the binding (FrozenVariance) alone,
+the switch to compression set by the test: no hook runs, so no warm-up decides it; the
+DDP jobs run the hook and assert the step it compressed from."""
 import io
 
 import pytest
@@ -71,7 +73,8 @@ def _run(kind, steps, bind=True, net=None, opt=None, start=0, lr_at=None, closur
 def test_frozen_variance_is_adam_with_v_held(kind):
     """Dense steps: the optimizer's own. Compressed steps: m moves, v is the one of the last
     dense step with that step's bias correction, the step counter goes on; the vectors (not
-    compressed) keep the optimizer's own update bit for bit."""
+    compressed) keep the optimizer's own update bit for bit. The binding alone, switched at
+    DENSE by the test (no hook, no warm-up)."""
     lr_at = lambda s: 2e-3 * (1 + s) / 8  # noqa: E731
     net, opt, _ = _run(kind, DENSE, lr_at=lr_at)
     snap = {p: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state[p].items()}
@@ -113,7 +116,8 @@ def test_frozen_variance_is_adam_with_v_held(kind):
 def test_step_with_a_closure_is_the_step_without(closure):
     """step(closure): the backward runs inside step(), after the pre-hooks (Lightning's
     automatic optimization); the frozen step must read the closure's gradients, not the
-    ones in place before it: bit for bit the run without a closure."""
+    ones in place before it: bit for bit the run without a closure. The binding alone,
+    switched at DENSE by the test (no hook, no warm-up)."""
     plain, plain_opt, _ = _run("adamw", DENSE + COMPRESSED)
     net, opt, _ = _run("adamw", DENSE + COMPRESSED, closure=closure)
     for p, q in zip(plain.parameters(), net.parameters()):
@@ -131,7 +135,9 @@ def test_gradients_handed_back_after_step():
 def test_resume_is_bit_exact_with_the_frozen_step_in_the_bindings_store(legacy):
     """The frozen step travels in the binding's store (the state's memory: gradcomp's
     checkpoint), all loading with weights_only. ``legacy``: an optimizer checkpoint written before,
-    whose frozen step is in the optimizer's state: read from there, then removed."""
+    whose frozen step is in the optimizer's state: read from there, then removed. The binding
+    alone, switched at DENSE by the test (no hook, no warm-up; the hook's resume under DDP:
+    test_adamw_resume_in_fresh_processes_is_bit_exact)."""
     from gradcomp.memory import ParamMemory
     straight, _, _ = _run("adamw", DENSE + COMPRESSED)
     net, opt, binding = _run("adamw", DENSE + 1)
@@ -198,7 +204,8 @@ def test_v_still_zero_at_the_switch_learns_on_as_adams_own():
 def test_fused_adamw_under_gradscaler_steps_as_the_unfused_one(overflow):
     """GradScaler.step() leaves a fused optimizer's gradients scaled and calls its step even
     after an overflow (the fused kernel reads ``grad_scale`` and ``found_inf``): the frozen
-    step must unscale them and skip the step as the kernel does."""
+    step must unscale them and skip the step as the kernel does. The binding alone, switched
+    at DENSE by the test (no hook, no warm-up)."""
     runs = []
     for fused in (False, True):
         net = small_net()
@@ -250,7 +257,8 @@ def test_the_groups_are_read_live_after_the_optimizer_reloads():
 
 def test_decoupled_weight_decay_is_each_groups_own():
     """Adam with one group ``decoupled_weight_decay=True`` and one L2 group: each group's
-    frozen step is the one it would get alone."""
+    frozen step is the one it would get alone. The binding alone, switched at DENSE by the
+    test (no hook, no warm-up)."""
     def job(groups_of):
         torch.manual_seed(0)
         ws = [nn.Parameter(torch.randn(6, 5)), nn.Parameter(torch.randn(6, 5))]
@@ -287,10 +295,12 @@ def _ddp_adamw(rank, world, spec, steps, options):
         opt.step()
         if step == options.get("dense_steps", 0) - 1:
             seen = {n: opt.state[p]["exp_avg_sq"].clone() for n, p in net.named_parameters()}
+    since = state.stats()["compressing_since"]
     state.close()
     frozen = {n: torch.equal(opt.state[p]["exp_avg_sq"], seen[n])
               for n, p in net.named_parameters()}
-    return [p.detach().clone() for p in net.parameters()], frozen, dict(net.named_parameters())
+    return ([p.detach().clone() for p in net.parameters()], frozen, dict(net.named_parameters()),
+            since)
 
 
 SPECS = ["onebit", "topk:ratio=0.1", "powersgd:rank=2", "terngrad", "threshold", "dgc:ratio=0.1",
@@ -304,6 +314,7 @@ def _ddp_adamw_all(rank, world, specs, steps, options):
 def test_ddp_adamw_ranks_agree_and_v_frozen_for_compressed_parameters(spawn):
     outs = spawn(_ddp_adamw_all, 2, args=(SPECS, 6, {"dense_steps": 2}), timeout=240)
     for spec, r0, r1 in zip(SPECS, *outs):
+        assert r0[3] == r1[3] == 2, spec  # compressed after the 2 dense steps
         for a, b in zip(r0[0], r1[0]):
             assert torch.equal(a, b), spec
             assert torch.isfinite(a).all(), spec
@@ -404,6 +415,7 @@ def _check_identity(out):
 def test_adam_off_leaves_the_optimizer_alone(spawn):
     out = spawn(_ddp_adamw, 2, args=("onebit", 5, {"dense_steps": 2, "adam": "off"}),
                 timeout=120)
+    assert out[0][3] == 2  # compressed steps after the 2 dense ones
     assert not any(out[0][1].values())  # every v moved on
 
 
@@ -535,19 +547,23 @@ def _resume_phase(rank, world, phase, path):
             sched.load_state_dict(ck["sched"])
             state.load_state_dict(ck["gradcomp"])
             _train(model, opt, sched, rank, range(K, 2 * K))
+        out.append(([p.detach().clone() for p in net.parameters()],
+                    state.stats()["compressing_since"]))
         state.close()
-        out.append([p.detach().clone() for p in net.parameters()])
     return out
 
 
 def test_adamw_resume_in_fresh_processes_is_bit_exact(spawn, tmp_path):
     """Checkpoint before the switch (topk: frozen in the resumed job) and after it (the
-    frozen step travels in the optimizer's state), a scheduler, param groups, delay."""
+    frozen step travels in the optimizer's state), a scheduler, param groups, delay; both
+    jobs compressed from their spec's dense_steps on."""
     straight = spawn(_resume_phase, 2, args=("straight", str(tmp_path)), timeout=240)
     spawn(_resume_phase, 2, args=("first", str(tmp_path)), timeout=240)
     resumed = spawn(_resume_phase, 2, args=("second", str(tmp_path)), timeout=240)
     for rank in range(2):
-        for spec, a, b in zip(RESUME, straight[rank], resumed[rank]):
+        for spec, (a, sa), (b, sb) in zip(RESUME, straight[rank], resumed[rank]):
+            switch = int(spec.split("dense_steps=")[1].split(",")[0])
+            assert sa == sb == switch, (spec, sa, sb)
             for p, q in zip(a, b):
                 assert torch.equal(p, q), spec
 
@@ -642,6 +658,7 @@ def _exchange_units(rank, world):
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
     sd = state.state_dict()
+    since = state.stats()["compressing_since"]
     state.close()
     legacy = {k: v for k, v in sd.items() if k not in ("exchanges", "digest")}
     legacy["config"] = {**legacy["config"], "adam": "auto"}
@@ -655,11 +672,13 @@ def _exchange_units(rank, world):
             except ValueError as exc:
                 out.append(str(exc))
             st.close()
-    return sd["exchanges"], out
+    return sd["exchanges"], out, since, bool(sd["memory"]["flat"].get("residual"))
 
 
 def test_residuals_load_only_into_the_exchange_they_came_from(spawn):
-    for units, (auto, freeze, legacy_auto, legacy_freeze) in spawn(_exchange_units, 2):
+    for units, (auto, freeze, legacy_auto, legacy_freeze), since, residuals in spawn(
+            _exchange_units, 2):
+        assert since == 1 and residuals  # saved after compressed steps, residuals in it
         assert units == "gradient"
         for msg in (auto, legacy_auto):  # auto runs 'momentum' for onebit
             assert msg and "residuals are of the gradient" in msg and "adam='freeze'" in msg
@@ -683,7 +702,8 @@ def _bf16_average(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_bf16_warm_up_average_rounds_twice_and_sums_in_fp32(world, spawn):
     """dense_bf16: every rank's value rounded to bf16 once, summed in fp32, the average rounded
-    once; all ranks get the same values (ranks of different magnitudes: no bf16 sum)."""
+    once; all ranks get the same values (ranks of different magnitudes: no bf16 sum). The
+    dense warm-up's own average, on purpose."""
     outs = spawn(_bf16_average, world)
     for rank_out in outs:
         for (got, want), (ref, _) in zip(rank_out, outs[0]):
@@ -711,7 +731,8 @@ def _warmup_bytes(rank, world, wire, opt_kind):
 
 def test_adams_warm_up_goes_bf16_by_default_at_half_the_bytes(spawn):
     """dense_wire='auto': bf16 with AdamW (half the fp32 allreduce's bytes, gradients within
-    bf16 rounding of fp32's), fp32 with SGD; 'float32' and 'bfloat16' as asked."""
+    bf16 rounding of fp32's), fp32 with SGD; 'float32' and 'bfloat16' as asked. The dense
+    warm-up's own wire, so every step is dense on purpose."""
     (auto, g16), _ = spawn(_warmup_bytes, 2, args=("auto", "adamw"))
     (f32, g32), _ = spawn(_warmup_bytes, 2, args=("float32", "adamw"))
     (sgd, _), _ = spawn(_warmup_bytes, 2, args=("auto", "sgd"))
