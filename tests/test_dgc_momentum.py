@@ -1,7 +1,9 @@
 """DGC's momentum lives in the hook; whatever a scheduler, ``load_state_dict`` or the user
 does to the optimizer's param groups, training equals the same job with momentum kept in one
 place (plain DDP, momentum in the optimizer). DGC at ratio 1 without masking sends every
-element, so it is exactly momentum SGD on the averaged gradient, up to float rounding.
+element, so it is exactly momentum SGD on the averaged gradient, up to float rounding. It
+runs its compressed path (selection, accumulation) from the first step, over several DDP
+buckets.
 
 Each scenario failed before the hook read momentum from the optimizer at every step (it
 copied it once at registration and zeroed the groups, so OneCycleLR/CyclicLR, a manual change
@@ -35,12 +37,13 @@ def _run(rank, scenario, spec):
     model = DDP(net, bucket_cap_mb=0.004)
     opt = _optimizer(model.module, scenario)
     scaler = None
+    state = None
     if spec:
         kw = {}
         if scenario == "scaler":
             scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
             kw["scaler"] = scaler
-        gradcomp.register(model, spec, optimizer=opt, min_numel=0, warmup="none", **kw)
+        state = gradcomp.register(model, spec, optimizer=opt, min_numel=0, warmup="none", **kw)
     elif scenario == "scaler":
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
     sched = None
@@ -80,7 +83,9 @@ def _run(rank, scenario, spec):
         if sched is not None:
             sched.step()
         momenta.append(opt.param_groups[0]["momentum"])
-    return [p.detach().clone() for p in net.parameters()], momenta, opt.state_dict()["param_groups"]
+    since = state.stats()["compressing_since"] if state else None
+    return ([p.detach().clone() for p in net.parameters()], momenta,
+            opt.state_dict()["param_groups"], since)
 
 
 def _compare(rank, world):
@@ -95,7 +100,8 @@ def runs(spawn):
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_dgc_trains_as_with_momentum_in_one_place(runs, scenario):
-    (ref, ref_m, ref_groups), (got, got_m, got_groups) = runs[scenario]
+    (ref, ref_m, ref_groups, _), (got, got_m, got_groups, since) = runs[scenario]
+    assert since == 0  # every step compressed
     # the optimizer's groups show the user's values, as the scheduler set them
     assert got_m == ref_m
     for a, b in zip(ref_groups, got_groups):

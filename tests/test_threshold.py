@@ -39,7 +39,8 @@ def _two_ranks(rank, world, specs, steps):
                 total[p.name] += x[p.offset : p.offset + p.numel].double()
                 sent[p.name] += out[p.offset : p.offset + p.numel].double()
         mem = st.state_dict()["memory"]
-        got[spec] = (outs, total, sent, mem["flat"]["residual"], mem["flat"].get("tau", {}))
+        got[spec] = (outs, total, sent, mem["flat"]["residual"], mem["flat"].get("tau", {}),
+                     st.stats())
     return got
 
 
@@ -50,6 +51,8 @@ def test_two_ranks_conserve_every_gradient_with_their_own_taus(spawn):
     ranks = spawn(_two_ranks, 2, args=([ADAPTIVE, FIXED], 5))
     for spec in (ADAPTIVE, FIXED):
         got = [r[spec] for r in ranks]
+        for r in got:  # every step compressed
+            assert r[5]["compressing_since"] == 0 and r[5]["run_ratio"] > 1.5, spec
         for a, b in zip(got[0][0], got[1][0]):
             assert torch.equal(a, b)  # every rank gets the same average
         for n in NAMES:
@@ -175,6 +178,8 @@ def test_a_parameter_result_does_not_depend_on_its_bucket():
             part = x[p.offset : p.offset + p.numel].clone()
             got = alone.reduce(part, [ParamSlice(p.name, p.shape, 0, p.numel)], bucket=b)
             assert torch.equal(got, out[p.offset : p.offset + p.numel]), p.name
+    for st in (one, alone):  # compressed, every step
+        assert st.stats()["compressing_since"] == 0 and st.stats()["run_ratio"] > 1.5
 
 
 @pytest.mark.parametrize("kwargs, match", [
