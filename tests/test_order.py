@@ -22,6 +22,7 @@ import gradcomp
 from gradcomp.hooks.engine import Sequencer
 from conftest import batch, record_collectives, small_net
 
+# allreduce: the plain exchange's order, on purpose (nothing compressed); the others compress
 SPECS = ["allreduce", "topk:ratio=0.05", "dgc:ratio=0.05", "onebit:chunk=64", "terngrad",
          "powersgd:rank=1", "threshold"]
 RUNS = [f"{s},delay={d},warmup=none" if ":" in s else f"{s}:delay={d},warmup=none"

@@ -16,6 +16,7 @@ HIER = "topology=hierarchical,local_size=2"
 CONSERVE = ["topk:ratio=0.05", "onebit:chunk=64", "powersgd:rank=1", "dgc:ratio=0.02",
             "terngrad:error_feedback=true", "topk:ratio=0.05|odd", "onebit:chunk=64|odd",
             "powersgd:rank=1|odd"]
+# allreduce: the plain exchange's order, on purpose (nothing compressed); the others compress
 ORDER = ["topk:ratio=0.05", "onebit:chunk=64", "powersgd:rank=1", "allreduce"]
 STEPS = 5
 
