@@ -3,16 +3,17 @@
 # natively; the kernels benchmark; every method's hook end to end on the GPU (torchrun, NCCL,
 # one rank: the codec runs on the device, the collectives are local), in a ResNet-18 step
 # (ddp) and a GPT-2-small step with AdamW (gpt); a torch.profiler table of one DDP step per
-# method, its kernel launches counted (profile).
+# method, its kernel launches counted (profile); the host waits of every method's compressed
+# steps under DDP and FSDP2 with torch.cuda.set_sync_debug_mode (sync).
 #
-#   OUT=bench/out/gpu bash bench/gpu_check.sh [tests|kernels|ddp|gpt|profile ...]
+#   OUT=bench/out/gpu bash bench/gpu_check.sh [tests|kernels|ddp|gpt|profile|sync ...]
 #
 # Logs and JSON land in $OUT. Runs from the repository root, without installing (PYTHONPATH).
 set -uo pipefail
 OUT=${OUT:-bench/out/gpu}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-steps=${*:-tests kernels ddp gpt profile}
+steps=${*:-tests kernels ddp gpt profile sync}
 run="python3 -m torch.distributed.run --standalone --nproc-per-node 1"
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
@@ -39,6 +40,9 @@ for s in $steps; do
       timeout 180 python3 -m gradcomp_bench.gpu_probe \
         "profile=${PROFILE_METHODS:-dgc:ratio=0.001;topk:ratio=0.01;onebit;terngrad;threshold;powersgd:rank=2}" \
         2>&1 | tee "$OUT/profile_gpu.log" | grep -E "^==|cudaLaunchKernel|Self CPU time total|Self CUDA time total|syncs" ;;
+    sync)  # host waits in compressed steps, every method, DDP and FSDP2 (sync-debug "warn")
+      SYNC_JSON="$OUT/syncdebug_gpu.json" timeout 180 python3 -m gradcomp_bench.gpu_probe syncdebug \
+        2>&1 | tee "$OUT/syncdebug_gpu.log" | grep -vE "^\s+warnings.warn|UserWarning" | tail -80 ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done

@@ -2,7 +2,7 @@
 into its steps, and a torch.profiler table of one DDP step per method (NCCL, one rank).
 
     PYTHONPATH=. python3 -m gradcomp_bench.gpu_probe [sweep] [dgc] [segments] [select] [layout]
-        [profile[@MODEL][=SPEC;SPEC]]
+        [profile[@MODEL][=SPEC;SPEC]] [syncdebug]
 """
 import math
 import os
@@ -231,6 +231,93 @@ def profile(methods=("dgc:ratio=0.001", "onebit", "powersgd:rank=2"), model="res
     dist.destroy_process_group()
 
 
+SYNC_METHODS = ("allreduce", "dgc", "topk", "onebit", "terngrad", "threshold", "powersgd",
+                "sparseloco", "diloco")
+
+
+def syncdebug(methods=SYNC_METHODS, steps=8):
+    """Host waits in compressed steps: every method under DDP (several buckets) and FSDP2 (one
+    rank, NCCL, momentum SGD, ``warmup="none"``; the local-steps methods on a 1x1 HSDP mesh),
+    ``torch.cuda.set_sync_debug_mode("warn")`` around ``steps`` training steps after 4
+    unwatched ones. Prints and returns, per adapter and method, the
+    number of synchronizing calls and the source lines that made them (the optimizer's and
+    the model's own are listed too: plain DDP makes none)."""
+    import collections
+    import json
+    import warnings
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import gradcomp
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29534")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    flat = init_device_mesh("cuda", (1,), mesh_dim_names=("shard",))
+    hsdp = init_device_mesh("cuda", (1, 1), mesh_dim_names=("replicate", "shard"))
+    out = {}
+    for adapter in ("ddp", "fsdp"):
+        for name in methods:
+            torch.manual_seed(0)
+            net = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(512, 512), nn.GELU())],
+                                nn.Linear(512, 10)).to(DEV)
+            if adapter == "ddp":
+                net = DDP(net, device_ids=[0], bucket_cap_mb=1)
+            else:
+                mesh = hsdp if name in ("sparseloco", "diloco") else flat
+                for m in net[::2]:
+                    fully_shard(m, mesh=mesh)
+                net = fully_shard(net, mesh=mesh)
+            opt = torch.optim.SGD(net.parameters(), lr=1e-2, momentum=0.9)
+            kw = {} if name == "allreduce" else {"warmup": "none"}
+            try:
+                state = gradcomp.register(net, name, optimizer=opt, **kw)
+            except Exception as e:  # noqa: BLE001  (a refusal is a row too)
+                out[f"{adapter}/{name}"] = {"refused": str(e)[:200]}
+                print(f"== {adapter} {name}: refused: {str(e)[:200]}")
+                continue
+            x = torch.randn(64, 512, device=DEV)
+            y = torch.randint(0, 10, (64,), device=DEV)
+
+            def step():
+                opt.zero_grad()
+                nn.functional.cross_entropy(net(x), y).backward()
+                opt.step()
+            for _ in range(4):
+                step()
+            torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    for _ in range(steps):
+                        step()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize()
+            where = collections.Counter(f"{os.path.relpath(w.filename)}:{w.lineno}" for w in seen
+                                        if "synchroniz" in str(w.message))
+            st = state.stats()
+            row = {"syncs": sum(where.values()), "per_step": sum(where.values()) / steps,
+                   "where": dict(where.most_common()), "compressing_since": st.get("compressing_since"),
+                   "run_ratio": st.get("run_ratio")}
+            out[f"{adapter}/{name}"] = row
+            print(f"== {adapter} {name}: {row['syncs']} syncs in {steps} steps, "
+                  f"compressing_since {row['compressing_since']}, run_ratio {row['run_ratio']}")
+            for k, v in where.most_common(8):
+                print(f"    {v:>4}  {k}")
+            state.close()
+            del net, opt
+    dist.destroy_process_group()
+    path = os.environ.get("SYNC_JSON")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "steps": steps, "rows": out}, f,
+                      indent=1)
+    return out
+
+
 if __name__ == "__main__":
     what = sys.argv[1:] or ["sweep", "dgc", "profile"]
     for w in what:
@@ -240,4 +327,4 @@ if __name__ == "__main__":
             profile(tuple(specs.split(";")) if specs else profile.__defaults__[0], model)
         else:
             {"sweep": sweep, "dgc": dgc, "segments": segments, "select": select,
-             "layout": layout}[w]()
+             "layout": layout, "syncdebug": syncdebug}[w]()

@@ -82,7 +82,10 @@ def _units(model):
         if id(state) in seen:  # fully_shard([a, b]): the modules share one state and group
             continue
         seen.add(id(state))
-        groups = state._fsdp_param_groups
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:  # torch before 2.12: one group per state, or none
+            one = getattr(state, "_fsdp_param_group", None)
+            groups = [one] if one is not None else []
         if len(groups) > 1:
             raise ValueError(f"module {mname or '<root>'!r} has {len(groups)} FSDP parameter "
                              f"groups (a per-parameter mesh, shard_placement_fn): allowed one "
@@ -132,7 +135,8 @@ class _Layout:
         if numel != want:  # (the forward's check, _check_frozen, names it before this)
             raise RuntimeError(f"gradcomp: FSDP reduced {numel} elements where the registered "
                                f"layout has {want}: parameters were frozen or unfrozen after "
-                               f"gradcomp.register")
+                               f"gradcomp.register, or (torch before 2.12, which leaves them out "
+                               f"of the reduce-scatter) a parameter took no gradient this step")
 
     def gather(self, inp: torch.Tensor) -> torch.Tensor:
         """The reduce-scatter input (W blocks) -> each parameter whole, end to end."""
@@ -335,6 +339,8 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
                                             prepend=True)
     state.on_close(check.remove)
     for _, mod, g in units:  # every parameter in every reduce-scatter: a fixed layout
+        if not hasattr(g, "reduce_scatter_unused_params"):
+            continue  # torch before 2.12: every parameter must take a gradient (Layout.check)
         old = g.reduce_scatter_unused_params
         g.reduce_scatter_unused_params = True
         state.on_close(lambda g=g, old=old: setattr(g, "reduce_scatter_unused_params", old))
