@@ -135,7 +135,7 @@ class OneBit(Compressor):
         scales = allmsg[:, nb : nb + ns].contiguous().view(torch.float32).view(W, 2, -1)
         scales = scales.transpose(0, 1).reshape(1, 2, -1)
         out = scratch("onebit.out", W * part + 1, torch.float32, x.device)
-        out[-1] = 0  # the extra slot (the parameters sent dense)
+        out[-1:].zero_()  # the extra slot (the parameters sent dense); no host scalar
         kernels.onebit_decompress(bits, scales, chunk, out[:-1], accumulate=False)
         result = lay.gather(out, out=x)  # x is not read again: the result goes there
         put_dense(allmsg[:, nb + ns :], dense, result)
@@ -191,7 +191,7 @@ class _Parts:
             self.to_slots(src, buf[:-1])
         else:
             buf.zero_().index_copy_(0, self.to_slot, src)
-        buf[-1] = 0
+        buf[-1:].zero_()
         return buf
 
     def gather(self, buf: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

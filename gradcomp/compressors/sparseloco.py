@@ -46,8 +46,8 @@ def field(got: torch.Tensor, a: int, b: int, dtype: torch.dtype) -> torch.Tensor
 def pack_signs(neg: torch.Tensor) -> torch.Tensor:
     """(..., 8m) bool -> (..., m) uint8, bit b of byte j = neg[..., 8j + b]."""
     bits = neg.reshape(*neg.shape[:-1], -1, 8).to(torch.uint8)
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=neg.device)
-    return (bits * weights).sum(-1, dtype=torch.uint8)
+    shifts = torch.arange(8, dtype=torch.uint8, device=neg.device)  # made there: no copy
+    return (bits << shifts).sum(-1, dtype=torch.uint8)
 
 
 def unpack_signs(packed: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,7 @@ import torch
 
 from .. import kernels
 from ..config import MethodConfig, check
+from ..kernels.host import to_device
 from .base import Compressor, Runs, dense_values, put_dense, register_method, scratch
 
 
@@ -206,8 +207,7 @@ class TernGrad(Compressor):
         scale = layer_stats(y, lay.lengths, cfg.clip, lay.seg, lay.sizes)
         if cfg.share_scalers:
             ctx.comm.allreduce(scale, op="max")
-        seeds = torch.tensor([ctx.seed(0, p.name) for p in big], dtype=torch.int64,
-                             device=x.device)
+        seeds = to_device([ctx.seed(0, p.name) for p in big], torch.int64, x.device)
         if res is not None:
             res.zero_()  # the kernel adds it to y (already in y) and leaves y - s q there
         packed = kernels.ternary_compress(y, res, scale, lay.seg, seeds, lay.starts)

@@ -49,6 +49,7 @@ import torch
 from .. import kernels
 from ..config import MethodConfig, check
 from ..kernels import segmented
+from ..kernels.host import to_device
 from ..kernels.segmented import CAPACITY_FACTOR, MIN_SAMPLE_HITS, TARGET_FACTOR
 from .base import Compressor, dense_values, put_dense, register_method, zero_dense
 
@@ -166,8 +167,8 @@ class Threshold(Compressor):
                      x.device)
         pl = tb.plan
         params = [ctx.params[i] for i in tb.big]
-        shifts = torch.tensor([segmented.shift(ctx.seed(0, p.name), p.numel) for p in params],
-                              dtype=torch.int64, device=x.device)
+        shifts = to_device([segmented.shift(ctx.seed(0, p.name), p.numel) for p in params],
+                           torch.int64, x.device)
         keys, mag, guard = segmented.sample(y, pl, shifts)
         # step 2 (see the module docstring); the cap guard raises each threshold (gaps: NaN)
         taus = ctx.scalars("tau") if cfg.adaptive else None  # per parameter; 0: none yet

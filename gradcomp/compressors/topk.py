@@ -22,6 +22,7 @@ import torch
 from .. import kernels
 from ..config import MethodConfig, check
 from ..kernels import segmented
+from ..kernels.host import to_device
 from .base import Compressor, dense_values, keep_unsent, put_dense, register_method
 
 
@@ -88,8 +89,8 @@ def select(x: torch.Tensor, params, ctx, ratio: float, sample_ratio: float):
     params = sorted(params, key=lambda p: p.offset)
     pl = segmented.topk_plan(tuple((p.offset, p.numel) for p in params), x.numel(), ratio,
                         sample_ratio, x.device)
-    shifts = torch.tensor([segmented.shift(ctx.seed(0, p.name), p.numel) for p in params],
-                          dtype=torch.int64, device=x.device)
+    shifts = to_device([segmented.shift(ctx.seed(0, p.name), p.numel) for p in params],
+                       torch.int64, x.device)
     vals, idx, thr = segmented.select(x, pl, shifts)
     if ctx.logging and pl.sampled:
         ctx.log("threshold", thr[pl.param_seg[list(pl.sampled)]].mean())

@@ -7,6 +7,8 @@ import threading
 
 import torch
 
+from ..kernels.host import to_device
+
 STEP_MOD = 2**24  # steps travel as float32: exact below this
 
 
@@ -14,7 +16,7 @@ def step_flag(bad: torch.Tensor, step: int) -> torch.Tensor:
     """The flag a rank sends: (non-finite?, s, -s) for its step s; MAX over ranks gives
     (any non-finite, the highest step, minus the lowest)."""
     s = float(step % STEP_MOD)
-    return torch.cat([bad, torch.tensor([s, -s]).to(bad.device)])
+    return torch.cat([bad, to_device([s, -s], torch.float32, bad.device)])
 
 
 def check_steps(vals) -> bool:
@@ -75,10 +77,10 @@ class Guard:
         result is an allreduce of the non-finite ranks' gradients (the others add zeros), so
         every rank gets inf/NaN at exactly the positions a plain allreduce would give them.
 
-        Host reads: on CUDA none before the exchange (the local check stays on the device,
-        the compressor gets a finite copy, the original is kept for the fallback) and one,
-        of the flag, after the exchange's last collective. On the CPU a host read is free,
-        so the local check decides there whether a finite copy is needed at all.
+        Host reads: none before the exchange (the local check stays on the device, the
+        compressor gets a finite copy, the original is kept for the fallback) and one, of
+        the flag, after the exchange's last collective. The CPU takes the same path, so the
+        host reads counted there are the GPU's (tests/test_host_reads.py).
 
         ``run(x)`` is the whole exchange (under a hierarchical topology: the node's
         reduce-scatter, the compressed exchange of this rank's shard, the allgather);
@@ -98,18 +100,9 @@ class Guard:
         # write (ctx.memory); a slot it rewrites whole (ctx.memory_next) is not copied at all:
         # its new buffer is committed or dropped below
         snap = ctx.snapshot = self.memory.snapshot(names, ctx.bucket, slots=())
-        orig = x
-        if x.is_cuda:
-            bad = torch.isfinite(x).all().logical_not().float().reshape(1)
-            x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
-        else:
-            finite = bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())  # 1 pass
-            bad = torch.tensor([0.0 if finite else 1.0])
-            if finite:
-                orig = None
-            else:  # the compressor must still run (same collectives on every rank)
-                orig = x.clone()
-                x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+        orig = x  # the compressor runs on every rank alike (the same collectives), on a copy
+        bad = torch.isfinite(x).all().logical_not().float().reshape(1)
+        x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
         bad = step_flag(bad, ctx.step)  # the step check rides with the flag
         flat.flag(bad)
         try:
@@ -132,4 +125,4 @@ class Guard:
         self.memory.restore(snap, names)
         self.memory.release(snap)
         self.skipped = ctx.step
-        return flat.allreduce(orig if orig is not None else torch.zeros_like(x)).div_(flat.world_size)
+        return flat.allreduce(orig).div_(flat.world_size)
