@@ -462,9 +462,30 @@ def kind_longrun(t: dict, root: Path) -> str:
     return _md(header, lines)
 
 
+def kind_syncs(t: dict, root: Path) -> str:
+    """``gpu_probe syncdebug`` (``bench/gpu_check.sh sync``): per method, the synchronizing
+    calls ``torch.cuda.set_sync_debug_mode`` reported per compressed step under DDP and FSDP2
+    and the library's source lines that made them ("-" where it did not compress)."""
+    doc = _load(root / t["files"][0])
+    rows = doc["rows"]
+    methods = list(dict.fromkeys(k.split("/", 1)[1] for k in rows))
+    lines = []
+    for m in methods:
+        cells = [f"`{m}`"]
+        for adapter in ("ddp", "fsdp"):
+            r = rows.get(f"{adapter}/{m}", {})
+            compressed = r.get("compressing_since") is not None or m == "allreduce"
+            cells += [_fmt(r.get("per_step") if compressed else None, ".2f"),
+                      ", ".join(k.rsplit("/", 1)[-1] for k in r.get("where", {})
+                                if k.startswith("gradcomp"))]
+        lines.append(cells)
+    return _md(["method", "DDP waits / step", "at", "FSDP2 waits / step", "at"], lines)
+
+
 KINDS = {"runs": kind_runs, "single": kind_single, "seeds": kind_seeds,
          "kernels": kind_kernels, "ops": kind_ops, "plan": kind_plan,
-         "plan_check": kind_plan_check, "longrun": kind_longrun}
+         "plan_check": kind_plan_check, "longrun": kind_longrun,
+         "syncs": kind_syncs}
 
 
 # --------------------------------------------------------------------------- the report
