@@ -117,6 +117,9 @@ class Compressor(ABC):
     name: str = ""
     description: str = ""
     stateless: bool = False  # True: no memory to protect from inf/NaN (plain allreduce)
+    # its messages on the wire, each declared once (compressors/wire.py: pack and unpack go
+    # by it; docs/wire.md shows them); () for one allreduce of the bucket as it is
+    messages: tuple = ()
     # the memory slot holding this rank's own compression error (x's layout), if any: with
     # diagnostics on, the state logs how much of each step's input (gradient + it) it keeps
     residual_slot: str | None = None

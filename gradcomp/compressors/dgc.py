@@ -45,7 +45,7 @@ import torch
 
 from ..config import MethodConfig, check
 from .base import Compressor, keep_unsent, register_method
-from .topk import check_value_dtype, exchange_sparse, round_values, select, value_dtype
+from .topk import SPARSE, check_value_dtype, exchange_sparse, round_values, select, value_dtype
 
 MOMENTUM_KEYS = ("momentum", "nesterov", "weight_decay")
 MOMENTUM_OFF = {"momentum": 0.0, "nesterov": False, "weight_decay": 0.0}
@@ -137,6 +137,7 @@ class DGC(Compressor):
     Config = DGCConfig
     name = "dgc"
     description = "Deep Gradient Compression: top-k with momentum correction, masking, warm-up"
+    messages = (SPARSE,)  # top-k's
     # (Compressor.measured) AdamW: "freeze" measured with the fp32 warm-up, 1 seed
     measured = {"sgd_points": -5.4, "adamw_gap_pct": {"freeze": 18.8, "momentum": 15.1}}
 

@@ -31,7 +31,8 @@ import torch
 from ..config import MethodConfig, check
 from ..kernels.chunks import chunk_plan
 from .base import Compressor, dense_values, positions, register_method, zero_dense
-from .sparseloco import field, pack_signs, unpack_signs
+from .sparseloco import pack_signs, unpack_signs
+from .wire import Field, Message
 
 BITS = (1, 4, 8)
 
@@ -63,6 +64,20 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Ten
     else:
         q = torch.stack([(codes & 15), (codes >> 4)], -1).flatten(-2).float() - 8
     return q * scale.unsqueeze(-1)
+
+
+ROWS = Message(
+    "rows",
+    Field("scales", torch.float32, "rows", "each row's scale (8 and 4 bits: its largest "
+          "magnitude over the levels each side of 0; 1 bit: its mean magnitude)"),
+    Field("codes", torch.uint8, "rows * chunk * bits // 8", "each row's values rounded to "
+          "their level: int8; or two 4-bit codes per byte (offset by 8, low nibble first); or "
+          "sign bits (bit b of byte j: value 8j + b is negative)"),
+    note="8 and 4 bits: an all-to-all gives each rank every rank's copy of its share of the "
+         "rows (`rows` = the share, one message per destination rank); it averages them in "
+         "fp32, rounds again and an allgather returns every share (one message each). 1 bit: "
+         "one allgather of every rank's rows. The parameters under `min_numel` go by an "
+         "fp32 allreduce of their own.")
 
 
 @dataclass(frozen=True)
@@ -105,6 +120,7 @@ class DiLoCo(Compressor):
     measured = {"adamw_gap_pct": {"local": 3.63}}
     description = ("local steps, outer Nesterov, the pseudo-gradient dense in int8 or 4 bits "
                    "with per-row scales and error feedback (DiLoCo)")
+    messages = (ROWS,)
 
     def exchange(self, x, ctx, big, dense):
         cfg, comm = self.config, ctx.comm
@@ -139,16 +155,17 @@ def _counts(plan, n_rows: int) -> torch.Tensor:
     return torch.cat([c, c.new_zeros(n_rows - c.numel())])
 
 
-def _row_bytes(codes, scale) -> torch.Tensor:
-    """Rows' scales, then their codes, as one flat message (the fp32 first: aligned)."""
-    return torch.cat([scale.view(torch.uint8), codes.reshape(-1)])
+def _row_bytes(codes, scale, bits: int, W: int | None = None) -> torch.Tensor:
+    """Rows' scales and codes as :data:`ROWS` messages (``W``: one per rank, W equal shares)."""
+    lay = ROWS.bind(rows=scale.numel() // (W or 1), chunk=8 * codes.shape[-1] // bits, bits=bits)
+    return lay.pack(W, scales=scale, codes=codes)
 
 
 def _rows_of(got, R: int, nb: int, bits: int) -> torch.Tensor:
-    """Decode messages of :func:`_row_bytes` (W, bytes) holding R rows each -> (W, R, c)."""
+    """Decode :data:`ROWS` messages (W, bytes) holding R rows each -> (W, R, c)."""
     W = got.shape[0]
-    return dequantize(got[:, 4 * R :].reshape(W, R, nb),
-                      field(got, 0, 4 * R, torch.float32).view(W, R), bits)
+    f = ROWS.bind(rows=R, chunk=8 * nb // bits, bits=bits).unpack(got)
+    return dequantize(f["codes"].reshape(W, R, nb), f["scales"], bits)
 
 
 def _sum_ranks(rows: torch.Tensor) -> torch.Tensor:
@@ -161,7 +178,7 @@ def _sum_ranks(rows: torch.Tensor) -> torch.Tensor:
 
 def _gathered(comm, codes, scale) -> torch.Tensor:
     """Every rank's rows by allgather, averaged as they arrive."""
-    got = comm.allgather(_row_bytes(codes, scale))
+    got = comm.allgather(_row_bytes(codes, scale, 1))
     return _sum_ranks(_rows_of(got, codes.shape[0], codes.shape[1], 1)).div_(comm.world_size)
 
 
@@ -169,8 +186,7 @@ def _two_phase(comm, codes, scale, bits: int, share: int) -> torch.Tensor:
     """An all-to-all hands each rank every rank's copy of its ``share`` rows, which it
     averages and rounds again; an allgather returns the shares."""
     W, nb = comm.world_size, codes.shape[1]
-    msg = torch.cat([scale.view(torch.uint8).view(W, share * 4), codes.view(W, share * nb)], 1)
-    got = comm.all_to_all(msg)
+    got = comm.all_to_all(_row_bytes(codes, scale, bits, W))
     c2, s2 = quantize(_sum_ranks(_rows_of(got, share, nb, bits)).div_(W), bits)
-    every = comm.allgather(_row_bytes(c2, s2))
+    every = comm.allgather(_row_bytes(c2, s2, bits))
     return _rows_of(every, share, nb, bits).reshape(W * share, -1)

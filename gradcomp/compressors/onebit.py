@@ -28,6 +28,7 @@ import torch
 from .. import kernels
 from ..config import MethodConfig, check
 from .base import MAX_RUNS, Compressor, Runs, dense_values, put_dense, register_method, scratch
+from .wire import Field, Message
 
 
 @dataclass(frozen=True)
@@ -41,11 +42,18 @@ class OneBitConfig(MethodConfig):
               "a positive multiple of 8, at most 2**24")
 
 
-def encode(y: torch.Tensor, residual, chunk: int, pad=None) -> torch.Tensor:
-    """One uint8 message: packed signs followed by the scales' bytes (``pad``: see
-    :func:`unpad`)."""
-    bits, scales = compress(y, residual, chunk, pad)
-    return torch.cat([bits, scales.reshape(-1).view(torch.uint8)])
+_BITS = Field("bits", torch.uint8, "part // 8", "each value's sign, one bit (bit b of byte j: "
+              "value 8j + b is negative)")
+_SCALES = Field("scales", torch.float32, "2 * part // chunk", "per chunk, the mean of its "
+                "non-negative values; then per chunk, the mean of its negative ones")
+PART = Message(
+    "phase 1, an all-to-all: to each rank, its part of this rank's bucket", _BITS, _SCALES,
+    note="`part`: a rank's share of the bucket's compressed values (each parameter padded to "
+         "whole chunks on every rank, and cut into one part per rank).")
+OWNED = Message(
+    "phase 2, an allgather: this rank's part, averaged over the ranks and quantized again",
+    _BITS, _SCALES, Field("dense", torch.float32, "n_dense", "the parameters sent whole "
+                          "(`min_numel`), end to end"))
 
 
 def compress(y: torch.Tensor, residual, chunk: int, pad=None):
@@ -77,10 +85,10 @@ def decode_sum(msgs: torch.Tensor, chunk: int, out: torch.Tensor, alpha: float,
                accumulate: bool = True) -> torch.Tensor:
     """out += alpha * sum of the decoded messages msgs (R, bytes) of out.numel() elements each
     (out = that, accumulate=False: out's values are not read)."""
-    nb = out.numel() // 8
-    scales = msgs[:, nb:].contiguous().view(torch.float32).view(msgs.shape[0], 2, -1)
-    return kernels.onebit_decompress(msgs[:, :nb].contiguous(), scales, chunk, out, alpha,
-                                     accumulate)
+    f = PART.bind(part=out.numel(), chunk=chunk).unpack(msgs)
+    return kernels.onebit_decompress(f["bits"].contiguous(),
+                                     f["scales"].reshape(msgs.shape[0], 2, -1), chunk, out,
+                                     alpha, accumulate)
 
 
 @register_method
@@ -96,6 +104,7 @@ class OneBit(Compressor):
     # (Compressor.measured) AdamW: "freeze" measured at chunk 256 with the fp32 warm-up
     measured = {"sgd_points": -0.4, "adamw_gap_pct": {"freeze": 4.26, "momentum": 0.15}}
     description = "1-bit SGD: sign bits + 2 scales per chunk, error feedback, two-phase reduce"
+    messages = (PART, OWNED)
 
     def exchange(self, x, ctx, big, dense):
         cfg, W, r = self.config, ctx.comm.world_size, ctx.comm.rank
@@ -124,30 +133,29 @@ class OneBit(Compressor):
             else:
                 e2 = e2_next = ctx.memory("server_residual")
             res2 = lay.own_part(e2, scratch("onebit.res2", part, torch.float32, x.device))
-        msg2 = torch.cat([encode(mine, res2, chunk, lay.own_pad),
-                          dense_values(x, dense).view(torch.uint8)])
+        bits2, scales2 = compress(mine, res2, chunk, lay.own_pad)
+        d = dense_values(x, dense)
+        owned = OWNED.bind(part=part, chunk=chunk, n_dense=d.numel())
+        msg2 = owned.pack(bits=bits2, scales=scales2, dense=d)
         if ef:
             lay.own_back(res2, e2_next)
-        allmsg = ctx.comm.allgather(msg2)  # (W, part_bytes + dense bytes)
-        nb, ns = part // 8, 2 * (part // chunk) * 4
+        allmsg = owned.unpack(ctx.comm.allgather(msg2))  # (W, ...) each field
         # the W parts laid end to end are one message of W * part elements
-        bits = allmsg[:, :nb].reshape(1, -1)
-        scales = allmsg[:, nb : nb + ns].contiguous().view(torch.float32).view(W, 2, -1)
-        scales = scales.transpose(0, 1).reshape(1, 2, -1)
+        bits = allmsg["bits"].reshape(1, -1)
+        scales = allmsg["scales"].reshape(W, 2, -1).transpose(0, 1).reshape(1, 2, -1)
         out = scratch("onebit.out", W * part + 1, torch.float32, x.device)
         out[-1:].zero_()  # the extra slot (the parameters sent dense); no host scalar
         kernels.onebit_decompress(bits, scales, chunk, out[:-1], accumulate=False)
         result = lay.gather(out, out=x)  # x is not read again: the result goes there
-        put_dense(allmsg[:, nb + ns :], dense, result)
+        put_dense(allmsg["dense"], dense, result)
         return result
 
     @staticmethod
     def _encode_parts(y, res, W, part, chunk, pad=None):
         """Quantize y (W * part) once; lay the message out as W rows, one per destination."""
         bits, scales = compress(y, res, chunk, pad)
-        bits = bits.view(W, part // 8)
-        scales = scales.view(2, W, part // chunk).transpose(0, 1).reshape(W, -1)
-        return torch.cat([bits, scales.contiguous().view(torch.uint8)], dim=1)
+        scales = scales.view(2, W, part // chunk).transpose(0, 1)
+        return PART.bind(part=part, chunk=chunk).pack(W, bits=bits, scales=scales)
 
 
 @dataclass(frozen=True)

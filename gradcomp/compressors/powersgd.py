@@ -51,6 +51,7 @@ import torch
 from ..config import MethodConfig, check
 from ..kernels import backend, lowrank
 from .base import MAX_RUNS, Compressor, ParamSlice, Runs, name_seed, register_method, scratch
+from .wire import Field, Message
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,20 @@ class PowerSGDConfig(MethodConfig):
               self.min_compression_rate, "a number >= 0")
 
 
+# Both messages are sums: allreduced in place, the codec writing each matrix's block straight
+# into them (the layout's p_spans, q_sizes), so they are declared here for docs/wire.md only
+MESSAGES = (
+    Message("first allreduce (a sum)",
+            Field("P", torch.float32, "p_total", "each n x m matrix's M Q, n x r (r: `rank`); "
+                  "matrices of one shape as one batch; orthonormalized after the sum"),
+            Field("dense", torch.float32, "n_dense", "the tensors sent whole (vectors, and "
+                  "matrices that `rank` would not shrink by `min_compression_rate`)")),
+    Message("second allreduce (a sum)",
+            Field("Q", torch.float32, "q_total", "each matrix's M^T P, m x r, with the summed "
+                  "orthonormal P; the average is P Q^T / W")),
+)
+
+
 @register_method
 class PowerSGD(Compressor):
     Config = PowerSGDConfig
@@ -81,6 +96,7 @@ class PowerSGD(Compressor):
     # no residual_slot: its residual is M_i - P P^T (average of the M_j), so it also holds this
     # rank's deviation from the average, which is never sent; approx_error is its own measure
     description = "PowerSGD: rank-r power iteration with warm start and error feedback"
+    messages = MESSAGES
 
     def __init__(self, config):
         super().__init__(config)

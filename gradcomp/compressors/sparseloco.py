@@ -33,14 +33,23 @@ from .. import kernels
 from ..config import MethodConfig, check
 from ..kernels.chunks import chunk_plan
 from .base import Compressor, dense_values, put_dense, register_method, zero_dense
+from .wire import Field, Message
 
 MAX_CHUNK = 32768  # a row's indices travel as int16
 
 
-def field(got: torch.Tensor, a: int, b: int, dtype: torch.dtype) -> torch.Tensor:
-    """Bytes [a, b) of every rank's message ``got`` (W, bytes) as ``dtype``, flat in rank
-    order (a copy only where the rows are apart; ``a`` is aligned for ``dtype``)."""
-    return got[:, a:b].reshape(-1).view(dtype)
+MESSAGE = Message(
+    "every rank's rows, all-gathered",
+    Field("groups", torch.float32, "rows * levels", "per row, each group's mean magnitude (the "
+          "group of a kept value follows from its rank in the row)"),
+    Field("dense", torch.float32, "n_dense", "the parameters sent whole (`min_numel`), end "
+          "to end"),
+    Field("indices", torch.int16, "rows * k", "per row, its kept values' places in the row, "
+          "largest first"),
+    Field("signs", torch.uint8, "rows * k // 8", "per row, its kept values' signs, one bit "
+          "each (bit b of byte j: value 8j + b is negative)"),
+    note="`rows`: each compressed parameter cut into rows of `chunk` elements (its last row "
+         "short); `k` values kept per row, in `levels` groups of `k / levels`.")
 
 
 def pack_signs(neg: torch.Tensor) -> torch.Tensor:
@@ -98,6 +107,7 @@ class SparseLoCo(Compressor):
     measured = {"adamw_gap_pct": {"local": 0.80}}
     description = ("local steps, their pseudo-gradient as chunk-wise top-k with 1-bit values "
                    "and per-group scales, decayed error feedback (SparseLoCo)")
+    messages = (MESSAGE,)
 
     def exchange(self, x, ctx, big, dense):
         cfg, W = self.config, ctx.comm.world_size
@@ -122,21 +132,18 @@ class SparseLoCo(Compressor):
             m.scatter_(1, idx, vals - sent)
             plan.put(m, y)
             zero_dense(y, dense)
-        # fp32 first, so that every field starts on its own alignment
-        parts = [groups.reshape(-1).view(torch.uint8)]
-        if dense:
-            parts.append(dense_values(x, dense).view(torch.uint8))
-        parts += [idx.to(torch.int16).view(torch.uint8).reshape(-1), pack_signs(neg).reshape(-1)]
-        got = ctx.comm.allgather(torch.cat(parts))  # (W, bytes)
-        ng, nd, ni = 4 * rows * L, 4 * sum(p.numel for p in dense), 2 * rows * k
-        r_grp = field(got, 0, ng, torch.float32).view(W, rows, L)
-        r_idx = field(got, ng + nd, ng + nd + ni, torch.int16).view(W, rows, k)
-        r_sign = unpack_signs(got[:, ng + nd + ni :].reshape(W, rows, k // 8))
+        d = dense_values(x, dense)
+        lay = MESSAGE.bind(rows=rows, levels=L, k=k, n_dense=d.numel())
+        got = lay.unpack(ctx.comm.allgather(lay.pack(
+            groups=groups, dense=d, indices=idx.to(torch.int16), signs=pack_signs(neg))))
+        r_grp = got["groups"].reshape(W, rows, L)
+        r_idx = got["indices"].reshape(W, rows, k)
+        r_sign = unpack_signs(got["signs"].reshape(W, rows, k // 8))
         r_vals = r_sign * r_grp.repeat_interleave(k // L, dim=2)
         r_pos = r_idx.long() + torch.arange(rows, device=x.device).view(1, rows, 1) * c
         acc = x.new_zeros(rows * c)
         kernels.scatter_add(r_vals, r_pos, acc)  # rank order: the same sums on every rank
         out = x.zero_()
         plan.put(acc.div_(W), out)
-        put_dense(got[:, ng : ng + nd], dense, out)
+        put_dense(got["dense"], dense, out)
         return out

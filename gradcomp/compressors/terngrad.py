@@ -47,6 +47,7 @@ from .. import kernels
 from ..config import MethodConfig, check
 from ..kernels.host import to_device
 from .base import Compressor, Runs, dense_values, put_dense, register_method, scratch
+from .wire import Field, Message
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,18 @@ def _segment_sums(t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     return torch.from_numpy(np.add.reduceat(t.detach().numpy(), starts))
 
 
+MESSAGE = Message(
+    "every rank's codes, all-gathered",
+    Field("codes", torch.uint8, "npad // 4", "each value's ternary code, 2 bits (0: 0, 1: +1, "
+          "2: -1; four per byte, the first in the low bits); each compressed layer padded to a "
+          "multiple of 4 values"),
+    Field("scales", torch.float32, "n_scales", "each compressed layer's scaler (its max "
+          "magnitude after clipping); none with `share_scalers` (a max-allreduce before "
+          "gives every rank the same ones)"),
+    Field("dense", torch.float32, "n_dense", "the parameters sent whole (`min_numel`), end "
+          "to end"))
+
+
 @register_method
 class TernGrad(Compressor):
     Config = TernGradConfig
@@ -187,6 +200,7 @@ class TernGrad(Compressor):
     adam_exchange = "freeze"
     measured = {"sgd_points": -0.9, "adamw_gap_pct": {"freeze": -1.90}}  # (Compressor.measured)
     description = "TernGrad: unbiased stochastic ternary {-1,0,+1} x per-layer scaler, 2 bits"
+    messages = (MESSAGE,)
 
     def __init__(self, config):
         super().__init__(config)
@@ -216,20 +230,19 @@ class TernGrad(Compressor):
                 res.add_(unclipped).sub_(y)
             lay.gather(res, e)
             lay.zero_dense(e)  # sent exactly
-        tail = dense_values(x, dense).view(torch.uint8)
-        # the codes padded to whole words, so the fp32 parts behind them stay aligned
-        if cfg.share_scalers:
-            got = ctx.comm.allgather(torch.cat([packed, lay.fill, tail]))
-            scales = scale.expand(W, len(big)).contiguous()
-        else:
-            got = ctx.comm.allgather(torch.cat([packed, lay.fill, scale.view(torch.uint8), tail]))
-            at = packed.numel() + lay.fill.numel()
-            scales = got[:, at : at + 4 * len(big)].contiguous().view(torch.float32)
+        d = dense_values(x, dense)
+        sent = scale[:0] if cfg.share_scalers else scale  # shared: every rank has them
+        msg = MESSAGE.bind(npad=lay.npad, n_scales=sent.numel(), n_dense=d.numel())
+        raw = ctx.comm.allgather(msg.pack(codes=packed, scales=sent, dense=d))  # (W, bytes)
+        got = msg.unpack(raw)
+        scales = (scale.expand(W, len(big)).contiguous() if cfg.share_scalers
+                  else got["scales"].contiguous())
         full = scratch("terngrad.full", lay.npad, torch.float32, x.device)
-        kernels.ternary_decompress(got, scales, lay.seg, full, 1.0 / W, accumulate=False)
+        # the codes lead each row: the decoder reads them in place
+        kernels.ternary_decompress(raw, scales, lay.seg, full, 1.0 / W, accumulate=False)
         out = x  # x is not read again (its dense values are in the message): no fresh buffer
         lay.gather(full, out)
-        put_dense(got[:, got.shape[1] - tail.numel() :], dense, out)
+        put_dense(got["dense"], dense, out)
         return out
 
     def _layout(self, params, big, dense, device):
@@ -246,8 +259,7 @@ class _Layout:
 
     npad: padded length; lengths, starts: (S,) int64 padded length and first element of
     each layer; seg: (npad,) int32 layer of each element; dense: int64 positions of the
-    dense parameters in x; fill: the zero bytes that pad the codes (npad/4 bytes) to a
-    multiple of 4; to_padded, to_x: the moves between x's layout and the padded one, as
+    dense parameters in x; to_padded, to_x: the moves between x's layout and the padded one, as
     runs (one ``torch.cat`` of views each, on every device: on an H100 0.63 ms for GPT-2
     small's 163M elements against 0.82 for a gather by an int32 position per element, which
     also cost 12 bytes per element of tables; bench/RESULTS.md, "Kernels on a GPU"). Cached per layout."""
@@ -268,7 +280,6 @@ class _Layout:
                                            torch.tensor(lengths)).to(device)
         self.dense = (torch.cat([torch.arange(p.offset, p.offset + p.numel, **kw) for p in dense])
                       if dense else None)
-        self.fill = torch.zeros(-(at // 4) % 4, dtype=torch.uint8, device=device)
         # one run per layer
         self.to_padded = Runs([(p.offset, a, p.numel) for p, a in zip(params, starts)], n, at)
         self.to_x = Runs([(a, p.offset, p.numel) for p, a in zip(params, starts)], at, n)

@@ -52,6 +52,7 @@ from ..kernels import segmented
 from ..kernels.host import to_device
 from ..kernels.segmented import CAPACITY_FACTOR, MIN_SAMPLE_HITS, TARGET_FACTOR
 from .base import Compressor, dense_values, put_dense, register_method, zero_dense
+from .wire import Field, Message
 
 
 
@@ -149,6 +150,18 @@ def _tables(layout: tuple, n: int, cfg, device) -> _Tables:
                    t([p for p, b in enumerate(budgets) for _ in range(b[0])]), t(seg_param))
 
 
+MESSAGE = Message(
+    "every rank's sent elements, all-gathered",
+    Field("codes", torch.int32, "K", "sign(value) x (its place in the bucket + 1) for each "
+          "element above its parameter's threshold; 0 for an unused slot"),
+    Field("taus", torch.float32, "P", "each compressed parameter's threshold: every sent "
+          "element of it stands for +-tau"),
+    Field("dense", torch.float32, "n_dense", "the parameters sent whole (`min_numel`), end "
+          "to end"),
+    note="`K`: the fixed number of slots (each parameter's `max_ratio` of its elements), so "
+         "the message's size is known without a host read; `P`: the compressed parameters.")
+
+
 @register_method
 class Threshold(Compressor):
     Config = ThresholdConfig
@@ -158,6 +171,7 @@ class Threshold(Compressor):
     # (Compressor.measured) AdamW: "freeze" measured with the fp32 warm-up, 1 seed
     measured = {"sgd_points": -2.4, "adamw_gap_pct": {"freeze": 14.0, "momentum": 5.35}}
     description = "threshold quantization (Strom 2015): elements above tau sent as sign + index"
+    messages = (MESSAGE,)
 
     def exchange(self, x, ctx, big, dense):
         cfg = self.config
@@ -185,12 +199,12 @@ class Threshold(Compressor):
             ctx.log("sent_fraction", (codes != 0).sum() / sum(p.numel for p in params))
         if y is not x:
             zero_dense(y, dense)
-        K, P = codes.numel(), len(params)
-        parts = [codes, sent_tau.view(torch.int32)]
-        msg = torch.cat(parts + [dense_values(x, dense).view(torch.int32)] if dense else parts)
-        got = ctx.comm.allgather(msg)  # (W, K + P + dense) int32
+        K, P, d = codes.numel(), len(params), dense_values(x, dense)
+        lay = MESSAGE.bind(K=K, P=P, n_dense=d.numel())
+        raw = ctx.comm.allgather(lay.pack(codes=codes, taus=sent_tau, dense=d))  # (W, bytes)
         out = x.zero_()  # x is not read again (the message holds what was sent)
-        kernels.threshold_decode(got, K, P, tb.owner, out)  # each code with its sender's tau
+        # the codes and taus lead each row: the decoder reads them in place
+        kernels.threshold_decode(raw.view(torch.int32), K, P, tb.owner, out)
         out.div_(ctx.comm.world_size)
-        put_dense(got[:, K + P :], dense, out)
+        put_dense(lay.unpack(raw)["dense"], dense, out)
         return out

@@ -24,6 +24,7 @@ from ..config import MethodConfig, check
 from ..kernels import segmented
 from ..kernels.host import to_device
 from .base import Compressor, dense_values, keep_unsent, put_dense, register_method
+from .wire import Field, Message
 
 
 @dataclass(frozen=True)
@@ -97,28 +98,32 @@ def select(x: torch.Tensor, params, ctx, ratio: float, sample_ratio: float):
     return vals, idx
 
 
+SPARSE = Message(
+    "every rank's kept values, all-gathered",
+    Field("indices", torch.int32, "k", "each kept value's place in the bucket"),
+    Field("values", None, "k", "the kept values: float32, or 2 bytes (`value_dtype`)"),
+    Field("dense", torch.float32, "n_dense", "the parameters sent whole (`min_numel`), end "
+          "to end"),
+    note="`k`: the sum over the bucket's compressed parameters of their kept counts.")
+
+
 def exchange_sparse(values: torch.Tensor, indices: torch.Tensor, x: torch.Tensor, dense,
                     ctx) -> torch.Tensor:
     """Allgather every rank's (indices, values) and the ``dense`` parameters' values of x as
-    one message; return the dense average. ``values`` travel in their own dtype (fp32, or
-    2 bytes: see :func:`round_values`), indices as int32."""
-    k, dtype = values.numel(), values.dtype
-    parts = [indices.to(torch.int32).view(torch.uint8), values.view(torch.uint8)]
-    vb = parts[1].numel()
-    pad = -(4 * k + vb) % 4  # dense values start on a 4-byte boundary
-    if pad:
-        parts.append(values.new_zeros(pad, dtype=torch.uint8))
-    if dense:
-        parts.append(dense_values(x, dense).view(torch.uint8))
-    got = ctx.comm.allgather(torch.cat(parts))  # (W, bytes)
+    one message (:data:`SPARSE`); return the dense average. ``values`` travel in their own
+    dtype (fp32, or 2 bytes: see :func:`round_values`), indices as int32."""
+    d = dense_values(x, dense)
+    lay = SPARSE.bind(k=values.numel(), dtype=values.dtype, n_dense=d.numel())
+    got = lay.unpack(ctx.comm.allgather(lay.pack(
+        indices=indices.to(torch.int32), values=values, dense=d)))  # (W, ...) each
     # the result in x, whose values are not read again (the message holds what was sent):
     # no fresh bucket-sized buffer (a page fault per 4 KB) and no copy of it into the bucket
     out = x.zero_()
-    idx = got[:, : 4 * k].contiguous().view(torch.int32)
-    vals = got[:, 4 * k : 4 * k + vb].contiguous().view(dtype)
-    kernels.scatter_add(vals if dtype == torch.float32 else vals.float(), idx, out)
+    vals = got["values"]
+    kernels.scatter_add(vals if vals.dtype == torch.float32 else vals.float(), got["indices"],
+                        out)
     out.div_(ctx.comm.world_size)
-    put_dense(got[:, 4 * k + vb + pad :], dense, out)
+    put_dense(got["dense"], dense, out)
     return out
 
 
@@ -134,6 +139,7 @@ class TopK(Compressor):
     measured = {"sgd_points": -1.2, "adamw_gap_pct": {"freeze": 3.68, "momentum": 0.54}}
     residual_slot = "residual"
     description = "top-k sparsification with error feedback (no momentum correction)"
+    messages = (SPARSE,)
 
     def exchange(self, x, ctx, big, dense):
         cfg = self.config
