@@ -76,15 +76,15 @@ class Layout:
                                  + (f" in each of {rows} rows" if rows else ""))
             if a > at:
                 parts.append(v.new_zeros(*lead, a - at, dtype=torch.uint8))
-            b = v.reshape(*lead, n).view(torch.uint8)
+            b = v.reshape(*lead, n).contiguous().view(torch.uint8)
             parts.append(b)
             at = a + b.shape[-1]
         return torch.cat(parts, -1)
 
     def unpack(self, got: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each field of the messages ``got`` ((W, nbytes) uint8: every rank's, in rank order,
-        or (nbytes,)) as (W, count) (or (count,)) of its dtype: a view where the rows' stride
-        allows it, else a copy of that field alone."""
+        or (nbytes,)) as a contiguous (W, count) (or (count,)) of its dtype, what the kernels
+        take: a view of one message, a copy of that field alone from several."""
         if got.shape[-1] != self.nbytes:
             raise ValueError(f"message {self.message.title!r}: {got.shape[-1]} bytes, "
                              f"expected {self.nbytes}")
@@ -97,7 +97,7 @@ class Layout:
                 continue
             if got.dim() > 1 and got.stride(-2) % size:  # flat (a copy unless one row)
                 v = v.reshape(-1).view(dtype).view(*got.shape[:-1], n)
-            out[name] = v.view(dtype)
+            out[name] = v.view(dtype).contiguous()
         return out
 
 
