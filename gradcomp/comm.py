@@ -132,6 +132,12 @@ class Comm:
     def flag_result(self, bad: torch.Tensor) -> list[float]:
         """The flag's values, MAX over ranks: the one host read of the flag, once per exchange
         after its last collective (its own turn only if the exchange issued none)."""
+        self.flag_done(bad)
+        return bad.tolist()
+
+    def flag_done(self, bad: torch.Tensor) -> torch.Tensor:
+        """``bad`` once its MAX over ranks has landed (on a GPU the stream waits, not the
+        host), read by no one here: after the exchange's last collective."""
         rider = self.rider
         if rider.tensor is not None:
             if rider.work is None:  # issued with a collective of its own
@@ -141,7 +147,7 @@ class Comm:
             self.traffic.comm_s += time.perf_counter() - t0
             self.traffic.comm_cpu_s += time.thread_time() - c0
             rider.tensor = rider.work = None
-        return bad.tolist()
+        return bad
 
     def allgather(self, t: torch.Tensor) -> torch.Tensor:
         """(W, *t.shape): every rank's t, in rank order."""

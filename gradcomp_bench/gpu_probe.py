@@ -237,7 +237,8 @@ SYNC_METHODS = ("allreduce", "dgc", "topk", "onebit", "terngrad", "threshold", "
 
 def syncdebug(methods=SYNC_METHODS, steps=8):
     """Host waits in compressed steps: every method under DDP (several buckets) and FSDP2 (one
-    rank, NCCL, momentum SGD, ``warmup="none"``; the local-steps methods on a 1x1 HSDP mesh),
+    rank, NCCL, momentum SGD, ``warmup="none"``; on a 1x1 HSDP mesh, where one rank's
+    exchange runs: a 1-D mesh of one rank has nothing to reduce-scatter),
     ``torch.cuda.set_sync_debug_mode("warn")`` around ``steps`` training steps after 4
     unwatched ones. Prints and returns, per adapter and method, the
     number of synchronizing calls and the source lines that made them (the optimizer's and
@@ -254,8 +255,7 @@ def syncdebug(methods=SYNC_METHODS, steps=8):
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29534")
     dist.init_process_group("nccl", rank=0, world_size=1)
-    flat = init_device_mesh("cuda", (1,), mesh_dim_names=("shard",))
-    hsdp = init_device_mesh("cuda", (1, 1), mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh("cuda", (1, 1), mesh_dim_names=("replicate", "shard"))
     out = {}
     for adapter in ("ddp", "fsdp"):
         for name in methods:
@@ -265,7 +265,6 @@ def syncdebug(methods=SYNC_METHODS, steps=8):
             if adapter == "ddp":
                 net = DDP(net, device_ids=[0], bucket_cap_mb=1)
             else:
-                mesh = hsdp if name in ("sparseloco", "diloco") else flat
                 for m in net[::2]:
                     fully_shard(m, mesh=mesh)
                 net = fully_shard(net, mesh=mesh)

@@ -348,7 +348,7 @@ def _exchange_error(rank, world):
     if rank == 1:
         state.resume_at(state.step + 3)  # as if this rank's state had been built anew
     out = []
-    for step in (2, 3):
+    for step in (2, 3, 4):
         try:
             _steps(model, opt, rank, range(step, step + 1))
             out.append(None)
@@ -358,10 +358,12 @@ def _exchange_error(rank, world):
 
 
 def test_an_error_inside_an_exchange_reaches_the_user_as_itself(spawn):
-    """The step check fails inside the exchange (on a lane): DDP reads the hook's future from
-    C++, and the error reaches backward's caller as gradcomp raised it (its type, its
-    message), not as "Unable to cast ... to Tensor"; the next step names the earlier one."""
-    for first, second in spawn(_exchange_error, 2, timeout=120):
+    """The step check fails where the step's flags are read, at the next step's first bucket
+    (hooks/guard.py): DDP reads the hook's future from C++, and the error reaches backward's
+    caller as gradcomp raised it (its type, its message), not as "Unable to cast ... to
+    Tensor"; the next step names the earlier one."""
+    for trained, first, second in spawn(_exchange_error, 2, timeout=120):
+        assert trained is None  # the step's flag is read at the next step's start
         assert first[0] == "RuntimeError" and first[1].startswith(
             "gradcomp: the ranks are at different steps of this state (from step 2 to 5"), first
         assert second[0] == "RuntimeError" and second[1].startswith(

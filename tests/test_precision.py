@@ -19,9 +19,9 @@ def _memory(state):
 @pytest.mark.parametrize("spec", STATEFUL)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_a_non_finite_step_propagates_and_leaves_memory_alone(spec, bad):
-    """The result carries the inf/NaN as a plain allreduce would; the memory and the step
-    counter are as if the step never happened, so the next step equals that of a state
-    that never saw it."""
+    """The result is NaN throughout the bucket (the guard's flag is read a step late, so the
+    result cannot wait for it); the memory and the step counter are as if the step never
+    happened, so the next step equals that of a state that never saw it."""
     params = layout(list(SHAPES))
     n = sum(p.numel for p in params)
     g = torch.Generator().manual_seed(3)
@@ -35,7 +35,7 @@ def test_a_non_finite_step_propagates_and_leaves_memory_alone(spec, bad):
     poisoned = xs[2].clone()
     poisoned[[5, 700, n - 1]] = bad
     out = hit.reduce(poisoned.clone(), params)
-    torch.testing.assert_close(out, poisoned, rtol=0, atol=0, equal_nan=True)  # W=1: identity
+    assert torch.isnan(out).all()
     torch.testing.assert_close(_memory(hit), before, rtol=0, atol=0)
     for x in xs[2:]:
         assert torch.equal(hit.reduce(x.clone(), params), clean.reduce(x.clone(), params))
@@ -325,11 +325,12 @@ def _two_rank_bad(rank, world, spec):
 
 
 @pytest.mark.parametrize("spec", STATEFUL)
-def test_non_finite_on_some_ranks_reaches_all_at_allreduce_positions(spec, spawn):
+def test_non_finite_on_some_ranks_reaches_every_rank(spec, spawn):
+    """inf/NaN on each rank at its own places: every rank's result is NaN throughout the
+    bucket, and every rank's memory is as before the step (read through state_dict, which
+    settles the step)."""
     got = spawn(_two_rank_bad, 2, args=(spec,))
     for out, before, after, since in got:
         assert before["flat"] and since == 0  # a compressed step, then the bad one
-        bad = (~torch.isfinite(out)).nonzero().view(-1).tolist()
-        assert bad == [3, 500, 900, 1000]  # nan + inf = nan: as a plain allreduce
-        assert out[900] == float("inf") and out[1000] == -float("inf")
+        assert torch.isnan(out).all()
         torch.testing.assert_close(after, before, rtol=0, atol=0)

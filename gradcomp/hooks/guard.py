@@ -1,13 +1,21 @@
 """The inf/NaN guard: a step whose gradients hold inf/NaN on any rank leaves every method's
-memory as it was and gives every rank the inf/NaN a plain allreduce would (a GradScaler then
-skips the step everywhere, and training goes on as if it never happened)."""
+memory as it was and gives every rank inf/NaN (a GradScaler then skips the step everywhere,
+and training goes on as if it never happened).
+
+Its flag is all-reduced beside each exchange's first collective. Without ``delay`` or local
+steps the host reads it a step late (:meth:`Guard.settle`, at the next step's first bucket):
+nothing in a step waits for the device. The exchange commits its memory at once, keeping
+what undoes it; a flagged bucket's result becomes NaN on the device; the next step's start
+reads the step's flags (long landed) and undoes the memory of a skipped step's buckets. With
+``delay`` or local steps the exchange runs beside later steps, and reads its flag when its
+last collective is over."""
 from __future__ import annotations
 
 import threading
 
 import torch
 
-from ..kernels.host import to_device
+from ..kernels.host import read_later, to_device, to_host_later
 
 STEP_MOD = 2**24  # steps travel as float32: exact below this
 
@@ -40,8 +48,9 @@ class Guard:
     def __init__(self, memory):
         self.memory = memory
         self.skipped: int | None = None
-        # the finite exchanges of the current step, with what undoes them, until the step
-        # is decided (:meth:`settle`): (step, snapshot, names, [(slot, bucket, buffer before)])
+        # the exchanges of the current step, with what undoes them, until the step is decided
+        # (:meth:`settle`): (step, snapshot, names, [(slot, bucket, buffer before)], the
+        # flag's host copy to read then, or None where it was read already)
         self._held: list = []
         self._lock = threading.Lock()
 
@@ -57,19 +66,25 @@ class Guard:
 
     def settle(self) -> None:
         """The step's exchanges are over (the next step begins, a checkpoint is taken, the
-        state closes): if it was skipped, the memory of every bucket that was finite is put
-        back too, not only the bucket that held the inf/NaN (its own was put back at once),
-        so the step leaves no trace in any bucket's memory; then their copies are released."""
+        state closes): their flags not read yet are read (the step check raises here, on
+        every rank alike); if the step was skipped, the memory of every bucket of it is put
+        back, not only the bucket that held the inf/NaN, so the step leaves no trace in any
+        bucket's memory; then their copies are released."""
         with self._lock:
             held, self._held = self._held, []
-        for step, snap, names, swaps in held:
-            if step == self.skipped:
-                self.memory.restore(snap, names)
-                for slot, bucket, before in swaps:
-                    self.memory.revert(slot, bucket, before)
-            self.memory.release(snap)
+        try:
+            for step, _, _, _, flag in held:
+                if flag is not None and check_steps(read_later(flag)):
+                    self.skipped = step
+        finally:
+            for step, snap, names, swaps, _ in held:
+                if step == self.skipped:
+                    self.memory.restore(snap, names)
+                    for slot, bucket, before in swaps:
+                        self.memory.revert(slot, bucket, before)
+                self.memory.release(snap)
 
-    def run(self, x, ctx, flat, run, hold: bool = False):
+    def run(self, x, ctx, flat, run, late: bool = False):
         """Reduce with inf/NaN protection. Whether any rank's bucket holds a non-finite value
         travels beside the exchange (a flag all-reduced with its first collective); if one
         does, the step is garbage (a GradScaler skips it): the memory of the bucket's
@@ -78,9 +93,10 @@ class Guard:
         every rank gets inf/NaN at exactly the positions a plain allreduce would give them.
 
         Host reads: none before the exchange (the local check stays on the device, the
-        compressor gets a finite copy, the original is kept for the fallback) and one, of
-        the flag, after the exchange's last collective. The CPU takes the same path, so the
-        host reads counted there are the GPU's (tests/test_host_reads.py).
+        compressor gets a finite copy, the original is kept for the fallback); the flag's,
+        after the exchange's last collective, or with ``late`` a step later. The CPU takes
+        the same path, so the host reads counted there are the GPU's
+        (tests/test_host_reads.py).
 
         ``run(x)`` is the whole exchange (under a hierarchical topology: the node's
         reduce-scatter, the compressed exchange of this rank's shard, the allgather);
@@ -88,13 +104,17 @@ class Guard:
         every rank decides alike whatever shard holds the bad values.
 
         The flag also carries the step index (s, -s): ranks whose states are at different
-        steps (a checkpoint loaded on one rank only) all raise at that exchange, the first
-        after the load, instead of training on with memories that do not belong together.
+        steps (one rank's state built anew) all raise where the flag is read (that exchange,
+        or with ``late`` the next step's start), instead of training on with memories that
+        do not belong together.
 
-        ``hold``: a GradScaler skips the step and its index is taken again (DDP without
-        delay or local steps): a finite bucket's exchange keeps what undoes it until
-        :meth:`settle` decides the step, as another bucket of the same step may still hold
-        inf/NaN."""
+        ``late`` (no delay, no local steps: every exchange of a step is over before the next
+        step's first bucket): the flag is read a step late by :meth:`settle`, no host read
+        here. The memory is committed, kept undoable until :meth:`settle` decides the step
+        (another bucket of it may hold the inf/NaN), and where the flag is up the result is
+        NaN throughout the bucket on every rank (the step's garbage either way). Otherwise a
+        flagged bucket's result is the allreduce of the ranks' own gradients (inf/NaN where
+        a plain allreduce has them) and its memory is put back at once."""
         names = [p.name for p in ctx.params]
         # the per-parameter tensors now; each flat slot as the exchange first asks for it to
         # write (ctx.memory); a slot it rewrites whole (ctx.memory_next) is not copied at all:
@@ -105,6 +125,8 @@ class Guard:
         x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
         bad = step_flag(bad, ctx.step)  # the step check rides with the flag
         flat.flag(bad)
+        if late:
+            return self._run_late(x, ctx, flat, run, bad, snap, names)
         try:
             out = run(x)
             flagged = check_steps(flat.flag_result(bad))
@@ -113,16 +135,27 @@ class Guard:
             raise
         finally:
             ctx.snapshot = None
-        swaps = [(slot, ctx.bucket, before) for slot, before in ctx.replaced()]
         ctx.finish(not flagged)
         if not flagged:
-            if hold:
-                with self._lock:
-                    self._held.append((ctx.step, snap, names, swaps))
-            else:
-                self.memory.release(snap)
+            self.memory.release(snap)
             return out
         self.memory.restore(snap, names)
         self.memory.release(snap)
         self.skipped = ctx.step
         return flat.allreduce(orig).div_(flat.world_size)
+
+    def _run_late(self, x, ctx, flat, run, bad, snap, names):
+        """:meth:`run` with ``late``: the flag goes to the host while the step goes on."""
+        try:
+            out = run(x)
+            flat.flag_done(bad)
+        except BaseException:
+            ctx.finish(False)
+            raise
+        finally:
+            ctx.snapshot = None
+        swaps = [(slot, ctx.bucket, before) for slot, before in ctx.replaced()]
+        ctx.finish(True)
+        with self._lock:
+            self._held.append((ctx.step, snap, names, swaps, to_host_later(bad)))
+        return out.masked_fill_(bad[:1] > 0, float("nan"))

@@ -382,9 +382,9 @@ class GradcompState:
                 x = torch.addcmul(mom[1], x, mom[0])
             if pre is not None:
                 x = x * pre
-            out = self.guard.run(x, ctx, lane.comm, lambda y: run(y, method),
-                                 hold=(self.scaler is not None and self.reuse_skipped
-                                       and not self.config.delay and not self.rounds.active))
+            # a step's exchanges all over before the next step begins: its flags read then
+            late = not self.config.delay and not self.rounds.active
+            out = self.guard.run(x, ctx, lane.comm, lambda y: run(y, method), late=late)
             if pre is not None:
                 out = out / pre
             if mom is not None:
@@ -442,7 +442,13 @@ class GradcompState:
             self._enqueue(lane, Exchange(bucket, buf, slices, self.step, plain=node_average,
                                          fut=fut), last)
             return fut
-        step = self.begin(bucket)
+        try:
+            step = self.begin(bucket)  # (the previous step's flags are read here)
+        except Exception as exc:  # noqa: BLE001  (handed to DDP, as a lane's error is)
+            self._error = exc
+            fut = torch.futures.Future(devices=devices)
+            fut.set_exception(exc)
+            return fut
         scale = self._scale()
         self.warmup.observe(step, buf, slices, scale)
         if self.adam is not None and not self.warmup.dense(step):
