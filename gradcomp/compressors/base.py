@@ -155,6 +155,12 @@ class Compressor(ABC):
     def unbind(self) -> None:
         """Detach what was attached (the state is closing)."""
 
+    @classmethod
+    def sharded_refusal(cls, config, decays: bool) -> str | None:
+        """Why the method cannot run under FSDP on a 1-D mesh, where a rank holds only its
+        shard of each parameter (``decays``: the optimizer decays weights), or None."""
+        return None
+
     def reads_params(self, live) -> bool:
         """Whether :meth:`reduce` reads ``ctx.param_values()`` (with delayed averaging the
         state then hands it a copy taken at submit: the optimizer updates the parameters

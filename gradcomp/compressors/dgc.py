@@ -147,6 +147,14 @@ class DGC(Compressor):
         super().__init__(config)
         self.source = None  # hooks/optimizer.py's SGDMomentum, once bound
 
+    @classmethod
+    def sharded_refusal(cls, config, decays: bool) -> str | None:
+        if config.weight_decay or decays:
+            return ("dgc with weight decay under FSDP (1-D mesh): its weight decay reads every "
+                    "parameter's values in the exchange, and a rank holds only its shard; "
+                    "allowed: weight_decay=0, HSDP (a 2-D mesh), or 'topk'")
+        return None
+
     def attach_momentum(self, source) -> None:
         self.source = source
 

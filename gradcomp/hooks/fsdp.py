@@ -47,7 +47,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from ..compressors.base import ParamSlice
+from ..compressors.base import METHODS, ParamSlice
 from . import optimizer as optimizer_binding
 from .options import for_optimizer, is_auto
 from .. import comm
@@ -449,8 +449,7 @@ def _refuse(name, config, scaler, hsdp, optimizer) -> None:
     if config.adam in ("precondition", "momentum"):
         raise ValueError(f"adam={config.adam!r} under {kind}: a rank holds only its shard of "
                          f"Adam's state; allowed 'auto' (freeze here), 'freeze' or 'off'")
-    if name == "dgc" and not hsdp:
-        if config.weight_decay or optimizer_binding.has_weight_decay(optimizer):
-            raise ValueError("dgc with weight decay under FSDP (1-D mesh): its weight decay reads "
-                             "every parameter's values in the exchange, and a rank holds only "
-                             "its shard; allowed: weight_decay=0, HSDP (a 2-D mesh), or 'topk'")
+    why = None if hsdp else METHODS[name].compressor.sharded_refusal(
+        config, optimizer_binding.has_weight_decay(optimizer))
+    if why:
+        raise ValueError(why)
