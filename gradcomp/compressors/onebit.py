@@ -28,7 +28,7 @@ import torch
 from .. import kernels
 from ..config import MethodConfig, check
 from .base import MAX_RUNS, Compressor, Runs, dense_values, put_dense, register_method, scratch
-from .wire import Field, Message
+from .wire import DENSE, Field, Message
 
 
 @dataclass(frozen=True)
@@ -52,8 +52,7 @@ PART = Message(
          "whole chunks on every rank, and cut into one part per rank).")
 OWNED = Message(
     "phase 2, an allgather: this rank's part, averaged over the ranks and quantized again",
-    _BITS, _SCALES, Field("dense", torch.float32, "n_dense", "the parameters sent whole "
-                          "(`min_numel`), end to end"))
+    _BITS, _SCALES, DENSE)
 
 
 def compress(y: torch.Tensor, residual, chunk: int, pad=None):

@@ -33,7 +33,7 @@ from .. import kernels
 from ..config import MethodConfig, check
 from ..kernels.chunks import chunk_plan
 from .base import Compressor, dense_values, put_dense, register_method, zero_dense
-from .wire import Field, Message
+from .wire import DENSE, Field, Message
 
 MAX_CHUNK = 32768  # a row's indices travel as int16
 
@@ -42,8 +42,7 @@ MESSAGE = Message(
     "every rank's rows, all-gathered",
     Field("groups", torch.float32, "rows * levels", "per row, each group's mean magnitude (the "
           "group of a kept value follows from its rank in the row)"),
-    Field("dense", torch.float32, "n_dense", "the parameters sent whole (`min_numel`), end "
-          "to end"),
+    DENSE,
     Field("indices", torch.int16, "rows * k", "per row, its kept values' places in the row, "
           "largest first"),
     Field("signs", torch.uint8, "rows * k // 8", "per row, its kept values' signs, one bit "

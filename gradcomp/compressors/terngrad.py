@@ -47,7 +47,7 @@ from .. import kernels
 from ..config import MethodConfig, check
 from ..kernels.host import to_device
 from .base import Compressor, Runs, dense_values, put_dense, register_method, scratch
-from .wire import Field, Message
+from .wire import DENSE, Field, Message
 
 
 @dataclass(frozen=True)
@@ -186,8 +186,7 @@ MESSAGE = Message(
     Field("scales", torch.float32, "n_scales", "each compressed layer's scaler (its max "
           "magnitude after clipping); none with `share_scalers` (a max-allreduce before "
           "gives every rank the same ones)"),
-    Field("dense", torch.float32, "n_dense", "the parameters sent whole (`min_numel`), end "
-          "to end"))
+    DENSE)
 
 
 @register_method

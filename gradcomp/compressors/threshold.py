@@ -52,7 +52,7 @@ from ..kernels import segmented
 from ..kernels.host import to_device
 from ..kernels.segmented import CAPACITY_FACTOR, MIN_SAMPLE_HITS, TARGET_FACTOR
 from .base import Compressor, dense_values, put_dense, register_method, zero_dense
-from .wire import Field, Message
+from .wire import DENSE, Field, Message
 
 
 
@@ -156,8 +156,7 @@ MESSAGE = Message(
           "element above its parameter's threshold; 0 for an unused slot"),
     Field("taus", torch.float32, "P", "each compressed parameter's threshold: every sent "
           "element of it stands for +-tau"),
-    Field("dense", torch.float32, "n_dense", "the parameters sent whole (`min_numel`), end "
-          "to end"),
+    DENSE,
     note="`K`: the fixed number of slots (each parameter's `max_ratio` of its elements), so "
          "the message's size is known without a host read; `P`: the compressed parameters.")
 

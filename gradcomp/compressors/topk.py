@@ -24,7 +24,7 @@ from ..config import MethodConfig, check
 from ..kernels import segmented
 from ..kernels.host import to_device
 from .base import Compressor, dense_values, keep_unsent, put_dense, register_method
-from .wire import Field, Message
+from .wire import DENSE, Field, Message
 
 
 @dataclass(frozen=True)
@@ -102,8 +102,7 @@ SPARSE = Message(
     "every rank's kept values, all-gathered",
     Field("indices", torch.int32, "k", "each kept value's place in the bucket"),
     Field("values", None, "k", "the kept values: float32, or 2 bytes (`value_dtype`)"),
-    Field("dense", torch.float32, "n_dense", "the parameters sent whole (`min_numel`), end "
-          "to end"),
+    DENSE,
     note="`k`: the sum over the bucket's compressed parameters of their kept counts.")
 
 

@@ -28,6 +28,11 @@ class Field:
     meaning: str
 
 
+# what most messages end or begin with: the parameters under ``min_numel``, sent exactly
+DENSE = Field("dense", torch.float32, "n_dense", "the parameters sent whole (`min_numel`), end "
+              "to end")
+
+
 class Message:
     """A message's declaration: its fields in order. :meth:`bind` gives its :class:`Layout`
     for one exchange's sizes."""
