@@ -449,7 +449,7 @@ def _distinct(count):
 
 @pytest.mark.parametrize("spec", ["powersgd", "powersgd:rank=1,error_feedback=false"])
 def test_powersgd_launches_do_not_grow_with_the_distinct_shapes(spec, monkeypatch):
-    monkeypatch.setattr(Guard, "run", lambda self, x, ctx, flat, run, hold=False: run(x))
+    monkeypatch.setattr(Guard, "run", lambda self, x, ctx, flat, run, late=False: run(x))
     few, many = (bench_ops.count(spec, _distinct(c), launches=True) for c in (4, 60))
     batched = bench_ops.count(spec, _distinct(60), kernels=True)  # the CPU path: per shape
     assert many == few and many <= 30 and batched > 4 * many, (few, many, batched)
@@ -472,7 +472,7 @@ def test_terngrad_op_count_does_not_grow_with_the_tensor_count(spec):
 def test_powersgd_op_count_does_not_grow_with_the_tensor_count(spec, monkeypatch):
     # the compressor's own ops: the inf/NaN guard's snapshot clones each parameter's Q (one op
     # per parameter, in hooks/guard.py and memory.py), which is not the codec's
-    monkeypatch.setattr(Guard, "run", lambda self, x, ctx, flat, run, hold=False: run(x))
+    monkeypatch.setattr(Guard, "run", lambda self, x, ctx, flat, run, late=False: run(x))
     # (the default rank 4 runs 10 more ops per column in Gram-Schmidt than rank 2: 86 ops at
     # 1M elements, 58 of them doing work, the GPU's launches)
     few, many = (bench_ops.count(spec, _layout(c)) for c in (16, 160))
