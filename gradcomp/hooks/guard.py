@@ -88,9 +88,8 @@ class Guard:
         """Reduce with inf/NaN protection. Whether any rank's bucket holds a non-finite value
         travels beside the exchange (a flag all-reduced with its first collective); if one
         does, the step is garbage (a GradScaler skips it): the memory of the bucket's
-        parameters is put back as it was, not poisoned for the rest of training, and the
-        result is an allreduce of the non-finite ranks' gradients (the others add zeros), so
-        every rank gets inf/NaN at exactly the positions a plain allreduce would give them.
+        parameters is put back as it was, not poisoned for the rest of training, and every
+        rank gets inf/NaN (``late`` below says where).
 
         Host reads: none before the exchange (the local check stays on the device, the
         compressor gets a finite copy, the original is kept for the fallback); the flag's,
