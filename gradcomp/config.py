@@ -13,6 +13,7 @@ DEFAULT_MIN_NUMEL = 4096
 TOPOLOGIES = ("auto", "flat", "hierarchical")
 WARMUPS = ("auto", "adaptive", "none")
 ADAMS = ("auto", "precondition", "momentum", "freeze", "off")
+DENSE_WIRES = ("auto", "float32", "bfloat16", "int8")
 # bounds on what an option costs, checked before anything is allocated or sent: a value past
 # them is a typo far more often than a plan (each delayed step holds a copy of the gradients
 # in flight; a run syncs once per local_steps steps; a window's norms are kept until it ends)
@@ -78,7 +79,10 @@ class MethodConfig:
     dense_wire: what the dense warm-up steps put on the wire: "float32" (a plain allreduce),
         "bfloat16" (each rank's gradient rounded to bf16 once, summed in fp32 by the rank
         owning each part, the average rounded to bf16 once: half the bytes, no bf16
-        accumulation) or "auto" (the default): "bfloat16" with Adam/AdamW, whose warm-up
+        accumulation), "int8" (each parameter cut into rows of 256 with one fp32 scale each,
+        rounded to 127 levels each side of 0, summed in fp32 by the rank owning each row,
+        rounded again: about a quarter of the bytes; compressors/rows.py) or "auto" (the
+        default): "bfloat16" with Adam/AdamW, whose warm-up
         learns the second moment it then freezes (measured on the GPT: bench/RESULTS.md
         section 8), "float32" otherwise.
     exact: parameters sent uncompressed whatever their size: "|"-separated name patterns
@@ -153,8 +157,8 @@ class MethodConfig:
         check(self.local_steps == 1 or self.delay == 0, "delay", self.delay,
               f"0 with local_steps={self.local_steps} (inner steps send nothing to delay; "
               f"local_delay=1 overlaps the outer exchange instead)")
-        check(self.dense_wire in ("auto", "float32", "bfloat16"), "dense_wire", self.dense_wire,
-              "auto (bfloat16 with Adam/AdamW, float32 otherwise), float32 or bfloat16")
+        check(self.dense_wire in DENSE_WIRES, "dense_wire", self.dense_wire,
+              "auto (bfloat16 with Adam/AdamW, float32 otherwise), float32, bfloat16 or int8")
         check(self.adam != "momentum" or self.delay == 0, "delay", self.delay,
               "0 with adam='momentum' (the late average would be applied to a later first "
               "moment than the one it was built from); adam='auto' or 'freeze' with delay")

@@ -737,13 +737,66 @@ def test_adams_warm_up_goes_bf16_by_default_at_half_the_bytes(spawn):
     (f32, g32), _ = spawn(_warmup_bytes, 2, args=("float32", "adamw"))
     (sgd, _), _ = spawn(_warmup_bytes, 2, args=("auto", "sgd"))
     (sgd16, _), _ = spawn(_warmup_bytes, 2, args=("bfloat16", "sgd"))
+    (i8, g8), _ = spawn(_warmup_bytes, 2, args=("int8", "adamw"))
     assert f32[-1] == sgd[-1] and auto[-1] == sgd16[-1]
     assert auto[-1] * 2 == pytest.approx(f32[-1], rel=0.01)  # (odd buckets pad one element)
+    # int8: a byte per value, a 4-byte scale per row of 256 and each parameter's last row
+    # padded (small_net's are small: most of the bytes here are padding)
+    assert i8[-1] < auto[-1]
+    for a, b in zip(g8[0], g32[0]):
+        assert not torch.equal(a, b)
+        assert (a - b).abs().max() <= 2 / 127 * b.abs().max() + 1e-12
     for a, b in zip(g16[0], g32[0]):  # the first step's gradients: same parameters
         assert not torch.equal(a, b)
         # each rank's value rounded once (relative 2**-9), the average once: an average of
         # values that nearly cancel is off by up to 2**-8 of the inputs' size
         assert (a - b).abs().max() <= 2 ** -7 * b.abs().max()
+
+
+def _int8_average(rank, world):
+    import torch.distributed as dist
+    from gradcomp.comm import Comm
+    from gradcomp.compressors.base import ParamSlice
+    from gradcomp.compressors.rows import dense_rows
+    g = torch.Generator().manual_seed(rank)
+    # three parameters: one under a row, one of several rows and a ragged end, one of 3 rows
+    sizes = (5, 700, 768)
+    x = torch.randn(sum(sizes), generator=g) * torch.tensor([1.0, 100.0, 0.01]).repeat_interleave(
+        torch.tensor(sizes))
+    params, off = [], 0
+    for i, n in enumerate(sizes):
+        params.append(ParamSlice(f"p{i}", (n,), off, n))
+        off += n
+    every = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(every, x)
+    comm = Comm(dist.group.WORLD)
+    whole = dense_rows(x, params, comm)
+    # the same parameters laid out in another order: each parameter's result its own
+    perm = [params[2], params[0], params[1]]
+    y = torch.cat([x[p.offset:p.offset + p.numel] for p in perm])
+    moved, off = [], 0
+    for p in perm:
+        moved.append(ParamSlice(p.name, p.shape, off, p.numel))
+        off += p.numel
+    other = dense_rows(y, moved, comm)
+    back = torch.cat([other[m.offset:m.offset + m.numel] for m in
+                      sorted(moved, key=lambda m: m.name)])
+    return whole, back, torch.stack(every).mean(0), torch.stack(every).abs().amax(0)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_int8_warm_up_average_is_per_parameter_within_its_rows_rounding(world, spawn):
+    """dense_rows (dense_wire='int8'): the same values on every rank, within two roundings
+    of each row's scale (1/127 of its largest magnitude, each rank's and the average's) of
+    the exact average, parameters of magnitudes 10^4 apart each exact to its own scale, and a
+    parameter's result independent of its neighbours in the bucket."""
+    outs = spawn(_int8_average, world)
+    for whole, back, exact, peak in outs:
+        assert torch.equal(whole, outs[0][0]) and torch.equal(back, whole)
+        for lo, hi in ((0, 5), (5, 705), (705, 1473)):
+            # each rank's rounding at most half its row's step, the average's as much again
+            err = (whole[lo:hi] - exact[lo:hi]).abs().max()
+            assert 0 < err <= peak[lo:hi].max() / 127
 
 
 def test_a_local_steps_method_that_did_not_hold_warns_naming_one_that_did(monkeypatch):

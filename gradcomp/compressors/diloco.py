@@ -31,54 +31,7 @@ import torch
 from ..config import MethodConfig, check
 from ..kernels.chunks import chunk_plan
 from .base import Compressor, dense_values, positions, register_method, zero_dense
-from .sparseloco import pack_signs, unpack_signs
-from .wire import Field, Message
-
-BITS = (1, 4, 8)
-
-
-def quantize(m: torch.Tensor, bits: int, count=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """rows (R, c) -> (codes (R, c * bits / 8) uint8, scales (R,) fp32): round to nearest of
-    2^(bits-1) - 1 levels each side of 0 (4 bits: two codes per byte, low nibble first);
-    1 bit: the sign, the row's scale its mean magnitude over ``count`` (R,) real elements
-    (1-bit SGD's reconstruction, Seide et al. 2014)."""
-    if bits == 1:
-        scale = m.abs().sum(1) / count.clamp(min=1)
-        return pack_signs(m < 0), scale
-    top = 2 ** (bits - 1) - 1
-    scale = m.abs().amax(1) / top
-    q = torch.round(m / scale.clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(1))
-    q = q.clamp_(-top, top).to(torch.int8)
-    if bits == 8:
-        return q.view(torch.uint8), scale
-    u = (q + 8).to(torch.uint8).view(m.shape[0], -1, 2)
-    return u[..., 0] | (u[..., 1] << 4), scale
-
-
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
-    """The inverse of :func:`quantize`: (..., R, bytes), (..., R) -> (..., R, c) fp32."""
-    if bits == 1:
-        return unpack_signs(codes) * scale.unsqueeze(-1)
-    if bits == 8:
-        q = codes.view(torch.int8).float()
-    else:
-        q = torch.stack([(codes & 15), (codes >> 4)], -1).flatten(-2).float() - 8
-    return q * scale.unsqueeze(-1)
-
-
-ROWS = Message(
-    "rows",
-    Field("scales", torch.float32, "rows", "each row's scale (8 and 4 bits: its largest "
-          "magnitude over the levels each side of 0; 1 bit: its mean magnitude)"),
-    Field("codes", torch.uint8, "rows * chunk * bits // 8", "each row's values rounded to "
-          "their level: int8; or two 4-bit codes per byte (offset by 8, low nibble first); or "
-          "sign bits (bit b of byte j: value 8j + b is negative)"),
-    note="8 and 4 bits: an all-to-all gives each rank every rank's copy of its share of the "
-         "rows (`rows` = the share, one message per destination rank); it averages them in "
-         "fp32, rounds again and an allgather returns every share (one message each). 1 bit: "
-         "one allgather of every rank's rows. The parameters under `min_numel` go by an "
-         "fp32 allreduce of their own.")
-
+from .rows import BITS, ROWS, dequantize, gathered, quantize, two_phase
 
 @dataclass(frozen=True)
 class DiLoCoConfig(MethodConfig):
@@ -137,9 +90,9 @@ class DiLoCo(Compressor):
             plan.put(m[:rows] - dequantize(codes[:rows], scale[:rows], cfg.bits), y)
             zero_dense(y, dense)
         if cfg.bits == 1:
-            avg = _gathered(comm, codes, scale)
+            avg = gathered(comm, codes, scale)
         else:
-            avg = _two_phase(comm, codes, scale, cfg.bits, share)
+            avg = two_phase(comm, codes, scale, cfg.bits, share)
         dense_avg = comm.allreduce(dense_values(x, dense)).div_(W) if dense else None
         out = x.zero_()
         plan.put(avg[:rows], out)
@@ -155,38 +108,3 @@ def _counts(plan, n_rows: int) -> torch.Tensor:
     return torch.cat([c, c.new_zeros(n_rows - c.numel())])
 
 
-def _row_bytes(codes, scale, bits: int, W: int | None = None) -> torch.Tensor:
-    """Rows' scales and codes as :data:`ROWS` messages (``W``: one per rank, W equal shares)."""
-    lay = ROWS.bind(rows=scale.numel() // (W or 1), chunk=8 * codes.shape[-1] // bits, bits=bits)
-    return lay.pack(W, scales=scale, codes=codes)
-
-
-def _rows_of(got, R: int, nb: int, bits: int) -> torch.Tensor:
-    """Decode :data:`ROWS` messages (W, bytes) holding R rows each -> (W, R, c)."""
-    W = got.shape[0]
-    f = ROWS.bind(rows=R, chunk=8 * nb // bits, bits=bits).unpack(got)
-    return dequantize(f["codes"].reshape(W, R, nb), f["scales"], bits)
-
-
-def _sum_ranks(rows: torch.Tensor) -> torch.Tensor:
-    """(W, ...) -> the sum over ranks in rank order (the same bits on every rank)."""
-    total = rows[0].clone()
-    for r in rows[1:]:  # a loop over ranks, not over parameters
-        total += r
-    return total
-
-
-def _gathered(comm, codes, scale) -> torch.Tensor:
-    """Every rank's rows by allgather, averaged as they arrive."""
-    got = comm.allgather(_row_bytes(codes, scale, 1))
-    return _sum_ranks(_rows_of(got, codes.shape[0], codes.shape[1], 1)).div_(comm.world_size)
-
-
-def _two_phase(comm, codes, scale, bits: int, share: int) -> torch.Tensor:
-    """An all-to-all hands each rank every rank's copy of its ``share`` rows, which it
-    averages and rounds again; an allgather returns the shares."""
-    W, nb = comm.world_size, codes.shape[1]
-    got = comm.all_to_all(_row_bytes(codes, scale, bits, W))
-    c2, s2 = quantize(_sum_ranks(_rows_of(got, share, nb, bits)).div_(W), bits)
-    every = comm.allgather(_row_bytes(c2, s2, bits))
-    return _rows_of(every, share, nb, bits).reshape(W * share, -1)

@@ -33,6 +33,7 @@ from .. import kernels
 from ..config import MethodConfig, check
 from ..kernels.chunks import chunk_plan
 from .base import Compressor, dense_values, put_dense, register_method, zero_dense
+from .rows import pack_signs, unpack_signs
 from .wire import DENSE, Field, Message
 
 MAX_CHUNK = 32768  # a row's indices travel as int16
@@ -49,20 +50,6 @@ MESSAGE = Message(
           "each (bit b of byte j: value 8j + b is negative)"),
     note="`rows`: each compressed parameter cut into rows of `chunk` elements (its last row "
          "short); `k` values kept per row, in `levels` groups of `k / levels`.")
-
-
-def pack_signs(neg: torch.Tensor) -> torch.Tensor:
-    """(..., 8m) bool -> (..., m) uint8, bit b of byte j = neg[..., 8j + b]."""
-    bits = neg.reshape(*neg.shape[:-1], -1, 8).to(torch.uint8)
-    shifts = torch.arange(8, dtype=torch.uint8, device=neg.device)  # made there: no copy
-    return (bits << shifts).sum(-1, dtype=torch.uint8)
-
-
-def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
-    """(..., m) uint8 -> (..., 8m) float: -1 where the bit is set, +1 elsewhere."""
-    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
-    bits = (packed.unsqueeze(-1) >> shifts) & 1
-    return (1.0 - 2.0 * bits.float()).reshape(*packed.shape[:-1], -1)
 
 
 @dataclass(frozen=True)

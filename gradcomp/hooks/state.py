@@ -372,8 +372,8 @@ class GradcompState:
                 names = [p.name for p in params]
                 owed = sq_norm(x, params, self.memory.peek(slot, names))
             # warm-up: uncompressed (DGC's dense step still moves its velocity: guarded too),
-            # in bf16 on the wire with dense_wire (Adam's warm-up by default)
-            ctx.wire16 = dense and self.dense_wire16()
+            # in bf16 or int8 on the wire with dense_wire (bf16: Adam's warm-up by default)
+            ctx.dense_wire = self.dense_wire() if dense else None
             method = self.compressor.dense if dense else self.compressor.reduce
             # Adam: compressed in the update's own scale, g / sqrt(v) (hooks/optimizer.py)
             pre = None if dense or self.adam is None else self.adam.scale(params, buf.device)
@@ -676,11 +676,13 @@ class GradcompState:
             precondition=mode == "precondition", momentum=mode == "momentum",
             store=self.memory)
 
-    def dense_wire16(self) -> bool:
-        """Whether the warm-up's dense steps go as bf16 (``dense_wire``; "auto": with
-        Adam/AdamW bound)."""
+    def dense_wire(self) -> str:
+        """What the warm-up's dense steps put on the wire (``dense_wire``; "auto": bfloat16
+        with Adam/AdamW bound, else float32)."""
         w = self.config.dense_wire
-        return w == "bfloat16" or (w == "auto" and self.adam is not None)
+        if w == "auto":
+            return "bfloat16" if self.adam is not None else "float32"
+        return w
 
     def adam_mode(self) -> str:
         """What ``adam`` runs with Adam/AdamW. "auto": the method's measured choice
