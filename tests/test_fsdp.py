@@ -412,3 +412,60 @@ def test_register_twice_unfreeze_and_close_a_grouped_model(spawn):
         assert out["goes_on"] == (2, True) and out["unit_frozen"] == 3
         assert out["compressed"]
         assert out["grouped"]
+
+
+def _overlap(rank, world, hsdp, overlapped):
+    """Steps with the first exchange of each backward (the last unit's) held until the next
+    unit's backward has begun, up to 5 s: whether it began while that exchange ran, and
+    the parameters after the steps. ``overlapped`` False: the adapter's synchronous path."""
+    import threading
+    from gradcomp.hooks import fsdp as adapter
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    if not overlapped:
+        adapter._overlaps = lambda group, out: False
+    torch.manual_seed(0)
+    # rows of every parameter on every shard (a shard without any would run its step's flag
+    # on its own thread, waiting for the held exchange)
+    net = nn.Sequential(nn.Linear(20, 63), nn.ReLU(), nn.Linear(63, 47), nn.Tanh(),
+                        nn.Linear(47, 10))
+    mesh = (init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+            if hsdp else init_device_mesh("cpu", (world,), mesh_dim_names=("shard",)))
+    for m in net[::2]:
+        fully_shard(m, mesh=mesh)
+    net = fully_shard(net, mesh=mesh)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    state = gradcomp.register(net, "onebit", optimizer=opt, warmup="none", min_numel=0)
+    began = threading.Event()
+    net[2].register_full_backward_pre_hook(lambda *_: began.set())
+    orig, seen = state.compressor.reduce, []
+
+    def held(x, ctx):
+        if ctx.bucket == 0:  # the last unit's exchange, the backward's first
+            seen.append(began.wait(5))
+        return orig(x, ctx)
+    state.compressor.reduce = held
+    for step in range(3):
+        began.clear()
+        opt.zero_grad()
+        _backward(net, rank, step)
+        opt.step()
+    stats = state.stats()
+    state.close()
+    return seen, _local(net), stats["compressing_since"], stats["run_ratio"]
+
+
+@pytest.mark.parametrize("kind,world", [("fsdp2", 2), ("hsdp2x2", 4)])
+def test_the_next_units_backward_runs_while_an_exchange_is_in_flight(kind, world, spawn):
+    """The exchanges run on the state's lane beside backward, their results put into FSDP's
+    gradients when backward ends: the next unit's backward starts while the last unit's
+    compressed exchange is still running (it waits for that start), and training ends
+    bit-identical to the synchronous path's."""
+    hsdp = kind.startswith("hsdp")
+    on = spawn(_overlap, world, args=(hsdp, True))
+    off = spawn(_overlap, world, args=(hsdp, False))
+    for (seen, params, since, ratio), (seen0, params0, _, _) in zip(on, off):
+        assert since == 0 and ratio > 1.5  # compressed from the first step
+        assert seen == [True] * 3  # in flight while the next unit's backward began
+        assert seen0 == [False] * 3  # synchronously: the wait ran out
+        assert _same(params, params0)

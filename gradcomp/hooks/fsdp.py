@@ -29,8 +29,11 @@ size; the reduce-scatter input holds rank 0's chunk of every parameter, then ran
   every H steps each rank's pieces go through the method as one outer bucket across their
   replicas (hooks/local_steps.py): each rank keeps the global point of its own rows.
 
-Exchanges run synchronously in FSDP's reduce step (one lane), in FSDP's module order, which
-is the same on every rank: the collective order needs no tickets here. Every parameter goes
+Exchanges are issued in FSDP's reduce step, in FSDP's module order, which is the same on
+every rank, and run on the state's first lane (its thread; on a GPU its stream) while
+backward goes on (``_Adapter.later``); an autograd callback at the end of backward waits for
+them and puts each result where FSDP views the gradient (``_overlaps``: where FSDP would add,
+cast or copy the reduced gradient instead, the exchange runs at once). Every parameter goes
 through every step (``set_reduce_scatter_unused_params(True)``: a parameter without a
 gradient sends zeros, as DDP's ``find_unused_parameters``), so a bucket's layout never changes.
 Refused with a message: ``delay``, ``local_steps`` on a 1-D mesh, ``local_delay``,
@@ -164,28 +167,53 @@ class _Adapter:
     def __init__(self, state: GradcompState, hsdp: bool):
         self.state, self.hsdp = state, hsdp
         self.calls = 0  # exchanges of this backward so far (reset by the root's forward)
+        self.pending: list = []  # (future, what puts its result in FSDP's buffer)
 
     def begin_forward(self, *_):
         self.calls = 0
+
+    def later(self, fut, put) -> None:
+        """An exchange runs on the state's lane while backward goes on; ``put(average)``
+        writes its result where FSDP keeps the gradient, at the end of this backward (an
+        autograd callback, before anything reads the gradients)."""
+        if not self.pending:
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+        self.pending.append((fut, put))
+
+    def finish(self) -> None:
+        """Backward is over: wait for its exchanges in their order and put their results."""
+        pending, self.pending = self.pending, []
+        for fut, put in pending:
+            put(fut.wait())
 
     def bucket(self) -> int:
         b, self.calls = self.calls, self.calls + 1
         return b
 
-    def full(self, lay: _Layout, output, input, op):
-        """The 1-D mesh: this rank's chunk of the method's average of the whole gradient."""
+    def full(self, lay: _Layout, group, output, input, op):
+        """The 1-D mesh: this rank's chunk of the method's average of the whole gradient.
+        Overlapped where FSDP only views the output (:func:`_overlaps`): FSDP divides the
+        output by its post-divide factor right away, so the result is put in divided."""
         lay.check(input.numel(), per_rank=False)
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
             raise RuntimeError(f"gradcomp's FSDP reduce-scatter got op {op}: allowed AVG or SUM "
                                f"(leave set_gradient_divide_factor unset)")
-        avg = self.state.reduce(lay.gather(input), lay.full, self.bucket())
-        if op == dist.ReduceOp.SUM:  # FSDP asked for a sum (fp16 reduce dtype: it divides)
-            avg = avg * lay.W
         out = output.reshape(-1)
-        out.zero_()
-        spans, src = lay.mine(avg.to(out.dtype), whole=True)
-        if spans:
-            torch._foreach_copy_([out[o : o + m] for o, m in spans], src)
+        # FSDP asked for a sum (fp16 reduce dtype: it divides): the average times W
+        times = lay.W if op == dist.ReduceOp.SUM else 1
+
+        def put(avg, post=1.0):
+            avg = avg * (times / post) if times != post else avg
+            out.zero_()
+            spans, src = lay.mine(avg.to(out.dtype), whole=True)
+            if spans:
+                torch._foreach_copy_([out[o : o + m] for o, m in spans], src)
+
+        x, b = lay.gather(input), self.bucket()
+        if not _overlaps(group, out):
+            return put(self.state.reduce(x, lay.full, b))
+        post = _post_factor(group, out)
+        self.later(self.state.submit_slices(b, x, lay.full), lambda avg: put(avg, post))
 
     def shard(self, lay: _Layout, group, out: torch.Tensor, params):
         """HSDP: the node's sum of this rank's shard -> the job's average over replicas (in
@@ -208,6 +236,16 @@ class _Adapter:
         # FSDP hands over the node's sum over its pre-divide factor and divides by ``post``
         # afterwards: the method sees (and its memory keeps) the node's average, as under DDP
         post = _post_factor(group, out)
+        if _overlaps(group, out):  # FSDP divides now: the average is put in as it is
+            spans, _ = lay.mine(out, whole=False)
+            x = torch.cat([out[o : o + m] for o, m in spans]) if lay.padded else out.clone()
+            if post != 1:
+                x.div_(post)
+
+            def put(avg):
+                torch._foreach_copy_([out[o : o + m] for o, m in spans],
+                                     lay.mine(avg, whole=False)[1])
+            return self.later(self.state.submit_slices(b, x, lay.piece, params()), put)
         if not lay.padded:
             x = out if post == 1 else out.div_(post)
             self.state.reduce(x, lay.piece, b, params())
@@ -225,15 +263,25 @@ class _Adapter:
 
 
 def _post_factor(group, out) -> float:
-    """What FSDP divides the all-reduce's output by (its own rule, for this reduce dtype)."""
+    """What FSDP divides the reduce-scatter's (1-D) or all-reduce's (HSDP) output by (its own
+    rule, for this reduce dtype)."""
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
     _, post, _, _ = _get_gradient_divide_factors(
-        group._reduce_scatter_process_group, group.mesh_info.replicate_process_group, out.dtype,
+        group._reduce_scatter_process_group,
+        getattr(group.mesh_info, "replicate_process_group", None), out.dtype,
         out.device.type, group.gradient_divide_factor, group.force_sum_reduction_for_comms)
     return 1.0 if post is None else float(post)
 
 
-def _reduce_scatter(adapter, lay):
+def _overlaps(group, out) -> bool:
+    """Whether the exchange may run beside the rest of backward: FSDP only views its output as
+    the parameters' gradients (no cast to another dtype, no gradient to add to, no copy to the
+    CPU), so the result can be put there when backward ends. Otherwise it runs at once."""
+    return all(fp.sharded_param.grad is None and fp.sharded_param.dtype == out.dtype
+               and not getattr(fp, "offload_to_cpu", False) for fp in group.fsdp_params)
+
+
+def _reduce_scatter(adapter, lay, fsdp_group):
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
     class GradcompReduceScatter(ReduceScatter):
@@ -243,7 +291,7 @@ def _reduce_scatter(adapter, lay):
             return torch.empty(*size, dtype=dtype, device=device)
 
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            adapter.full(lay, output_tensor, input_tensor, op)
+            adapter.full(lay, fsdp_group, output_tensor, input_tensor, op)
             return None
 
     return GradcompReduceScatter()
@@ -373,7 +421,7 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
     else:
         for (_, mod, g), lay in zip(units, layouts):
             old = g._reduce_scatter_comm
-            mod.set_custom_reduce_scatter(_reduce_scatter(adapter, lay))
+            mod.set_custom_reduce_scatter(_reduce_scatter(adapter, lay, g))
             state.on_close(lambda g=g, old=old: setattr(g, "_reduce_scatter_comm", old))
     state.sharded = "HSDP" if hsdp else "FSDP"
     optimizer_binding.bind(state, optimizer, module=model, bucket_bytes=_ONE_OUTER_BUCKET,

@@ -411,6 +411,26 @@ class GradcompState:
             lane.set_hierarchy(intra, inter)
 
     # ------------------------------------------------------------------ DDP side
+    def submit_slices(self, bucket: int, buf: torch.Tensor, slices, tensors=None
+                      ) -> torch.futures.Future:
+        """Queue the exchange of a bucket laid out by ``slices`` (ParamSlices; ``tensors``:
+        the parameters, where the method reads them) on the first lane, each its own round
+        of the collective order; the future completes with the average, in ``buf``. What
+        :meth:`reduce` does on the caller's thread, done on the lane's (the FSDP adapter's
+        overlapped exchanges: no delay, no local steps)."""
+        fut = torch.futures.Future(devices=[buf.device] if buf.is_cuda else None)
+        try:
+            step = self.begin(bucket)
+        except Exception as exc:  # noqa: BLE001  (the caller's wait raises it)
+            self._error = exc
+            fut.set_exception(exc)
+            return fut
+        self.warmup.observe(step, buf, slices)
+        live = self.compressor.live([base_name(p.name) for p in slices])
+        self._enqueue(self._lanes[0], Exchange(bucket, buf, list(slices), step, params=tensors,
+                                               live=live, fut=fut), True)
+        return fut
+
     def submit(self, bucket: int, buf: torch.Tensor, params, last: bool = True
                ) -> torch.futures.Future:
         """Queue one bucket's exchange; the returned future completes with the average.
