@@ -414,7 +414,7 @@ def test_register_twice_unfreeze_and_close_a_grouped_model(spawn):
         assert out["grouped"]
 
 
-def _overlap(rank, world, hsdp, overlapped):
+def _overlap(rank, world, hsdp, overlapped, units=(0, 2, 4)):
     """Steps with the first exchange of each backward (the last unit's) held until the next
     unit's backward has begun, up to 5 s: whether it began while that exchange ran, and
     the parameters after the steps. ``overlapped`` False: the adapter's synchronous path."""
@@ -431,8 +431,8 @@ def _overlap(rank, world, hsdp, overlapped):
                         nn.Linear(47, 10))
     mesh = (init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
             if hsdp else init_device_mesh("cpu", (world,), mesh_dim_names=("shard",)))
-    for m in net[::2]:
-        fully_shard(m, mesh=mesh)
+    for i in units:  # the rest is the root's (reduced in FSDP's final callback)
+        fully_shard(net[i], mesh=mesh)
     net = fully_shard(net, mesh=mesh)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     state = gradcomp.register(net, "onebit", optimizer=opt, warmup="none", min_numel=0)
@@ -469,3 +469,13 @@ def test_the_next_units_backward_runs_while_an_exchange_is_in_flight(kind, world
         assert seen == [True] * 3  # in flight while the next unit's backward began
         assert seen0 == [False] * 3  # synchronously: the wait ran out
         assert _same(params, params0)
+
+
+def test_an_exchange_issued_at_the_end_of_backward_is_put_in_too(spawn):
+    """The root's own parameters are reduced from FSDP's final autograd callback: their
+    exchange, issued there, is still waited for and put into the gradients (bit-identical to
+    the exchange run at once)."""
+    on = spawn(_overlap, 2, args=(False, True, (0,)))
+    off = spawn(_overlap, 2, args=(False, False, (0,)))
+    for (_, params, since, _), (_, params0, _, _) in zip(on, off):
+        assert since == 0 and _same(params, params0)
