@@ -107,9 +107,9 @@ class Guard:
         or with ``late`` the next step's start), instead of training on with memories that
         do not belong together.
 
-        ``late`` (no delay, no local steps: every exchange of a step is over before the next
-        step's first bucket): the flag is read a step late by :meth:`settle`, no host read
-        here. The memory is committed, kept undoable until :meth:`settle` decides the step
+        ``late`` (no delay: every exchange of a step, or of an outer round with local steps,
+        is over before the next one's first bucket): the flag is read a step late by
+        :meth:`settle`, no host read here. The memory is committed, kept undoable until :meth:`settle` decides the step
         (another bucket of it may hold the inf/NaN), and where the flag is up the result is
         NaN throughout the bucket on every rank (the step's garbage either way). Otherwise a
         flagged bucket's result is the allreduce of the ranks' own gradients (inf/NaN where

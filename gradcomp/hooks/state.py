@@ -382,8 +382,9 @@ class GradcompState:
                 x = torch.addcmul(mom[1], x, mom[0])
             if pre is not None:
                 x = x * pre
-            # a step's exchanges all over before the next step begins: its flags read then
-            late = not self.config.delay and not self.rounds.active
+            # a step's (or an outer round's) exchanges all over before the next one begins:
+            # its flags read then
+            late = not self.config.delay
             out = self.guard.run(x, ctx, lane.comm, lambda y: run(y, method), late=late)
             if pre is not None:
                 out = out / pre
@@ -417,7 +418,7 @@ class GradcompState:
         the parameters, where the method reads them) on the first lane, each its own round
         of the collective order; the future completes with the average, in ``buf``. What
         :meth:`reduce` does on the caller's thread, done on the lane's (the FSDP adapter's
-        overlapped exchanges: no delay, no local steps)."""
+        overlapped exchanges, which FSDP refuses delay and local steps for)."""
         fut = torch.futures.Future(devices=[buf.device] if buf.is_cuda else None)
         try:
             step = self.begin(bucket)
