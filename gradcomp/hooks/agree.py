@@ -3,6 +3,7 @@ what they registered before anyone raises, so a rank whose options are bad (or d
 leave the others waiting in a collective. Shared by the DDP and FSDP adapters."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 
@@ -133,6 +134,35 @@ def load_group(members: list, made: list):
                        timeout=datetime.timedelta(seconds=LOAD_TIMEOUT_S))
     made.append(g)
     return g
+
+
+class Groups:
+    """The process groups one registration creates: every rank creates the same ones in the
+    same order (collective), and they are destroyed together if registration fails."""
+
+    def __init__(self, backend):
+        self.backend, self.made = backend, []
+
+    def new(self, members):
+        import torch.distributed as dist
+        g = dist.new_group(ranks=members, backend=self.backend)
+        self.made.append(g)
+        return g
+
+    def destroy_from(self, first: int) -> None:
+        """Destroy the groups created from the ``first``-th on (a probe's, not kept)."""
+        unused = self.made[first:]
+        del self.made[first:]
+        destroy_groups(unused)
+
+    @contextlib.contextmanager
+    def undone_on_error(self):
+        """Destroy every group made so far if the block raises."""
+        try:
+            yield
+        except BaseException:
+            destroy_groups(self.made)
+            raise
 
 
 def discard(state, groups) -> None:

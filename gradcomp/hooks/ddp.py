@@ -5,10 +5,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from . import optimizer as optimizer_binding
-from .agree import agree, check_log_dir, discard, fingerprint, load_group, trainable
+from .agree import Groups, agree, check_log_dir, discard, fingerprint, load_group, trainable
 from .local_steps import check_local
 from .options import for_optimizer, is_auto, merge_options
-from .state import GradcompState, destroy_groups
+from .plan import Plan
+from .state import GradcompState
 from .topology import node_size
 
 MAX_LANES = 32
@@ -78,116 +79,117 @@ def check_group(model: DistributedDataParallel, process_group) -> list:
 def register(model: DistributedDataParallel, method: str, *, optimizer=None, scaler=None,
              lanes: int = 4, process_group=None, log_dir=None, log_all_ranks=False,
              log_details=False, **options) -> GradcompState:
-    """``gradcomp.register`` for a DDP model (hooks/register.py checked the model and the
-    process group): the state, its process groups and the hook, then the optimizer."""
+    """``gradcomp.register`` for a DDP model (hooks/register.py checked the model, the
+    process group and ``lanes``): validate and agree, the process groups, the state built
+    once from its plan (hooks/plan.py), the hook, then the optimizer."""
     ranks = check_group(model, process_group)  # (register checked it on every rank first)
     pg = process_group if process_group is not None else model.process_group
     # A group of our own: DDP issues collectives of its own on its group (unused-parameter
     # maps, bucket rebuilds) that must not interleave with our exchanges.
-    backend = dist.get_backend(pg)
-    made = []  # every group created here: the state destroys them at close()
-
-    def new_group(members):
-        g = dist.new_group(ranks=members, backend=backend)
-        made.append(g)
-        return g
-
-    group = new_group(ranks)
-    method_probe = None
+    groups = Groups(dist.get_backend(pg))
+    group = groups.new(ranks)
+    probe = None
     if is_auto(method):  # the fastest method that holds, measured on this link
-        method, options, method_probe = _choose_method(model, method, optimizer, group, ranks,
-                                                       options, made, scaler)
-
-    def build():
-        if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= MAX_LANES:
-            raise ValueError(f"invalid lanes={lanes!r}: allowed an integer in [1, {MAX_LANES}] "
-                             f"(each lane is a process group and a thread)")
-        _check_compiled_autograd(model)
-        if getattr(model, "_comm_hooks", None):
-            raise ValueError(f"this DDP model already has a communication hook "
-                               f"({model._comm_hooks[0][0].__qualname__}): DDP takes one per "
-                               f"model; register gradcomp once (state.close() does not remove "
-                               f"it), or wrap the module in a new DDP to change method")
-        # before anything is attached
-        check_log_dir(log_dir, log_all_ranks or dist.get_rank(group) == 0)
-        state = _build_state(model, method, optimizer, group, options)
-        if scaler is not None:
-            if state.config.delay:
-                raise ValueError(f"scaler= with delay={state.config.delay}: a GradScaler skips a "
-                                 f"step on the rank that overflowed, and with delay the others "
-                                 f"learn of it only {state.config.delay} steps later; use "
-                                 f"delay=0, or bfloat16 without a scaler")
-            state.scaler = scaler
-        check_local(state, optimizer, scaler)
-        local = node_size(state.config, len(ranks))
-        return state, {"method": state.method, **state.config.to_dict(), "lanes": lanes,
-                       "ranks per node": local, **fingerprint(model.module, optimizer, scaler)}
-
-    # Validate locally, then compare with every rank before raising anything, so a rank whose
-    # options are bad cannot leave the others waiting in a collective.
-    state, mine = agree(group, ranks, build, lambda st: discard(st, made))
-    state.method_probe = method_probe
-    local = mine["ranks per node"]
-    # every rank agreed on `lanes`: each creates the same groups in the same order
-    state.owned_groups = made
-    state.load_group = load_group(ranks, made)
-    me = ranks.index(dist.get_rank())
-
-    def node_pair():  # this rank's node group and its group across nodes (collective)
-        nodes = [new_group(ranks[n : n + local]) for n in range(0, len(ranks), local)]
-        across = [new_group(ranks[j::local]) for j in range(local)]
-        return nodes[me // local], across[me % local]
-
-    pairs = []
-    if local and state.config.topology == "auto":  # hierarchical only where it is faster
-        first = len(made)
-        pairs.append(node_pair())
-        local = _probe_topology(model, state, group, pairs[0], local)
-        if not local:  # flat: the probe's node groups are not kept open until close()
-            unused = made[first:]
-            del made[first:]
-            destroy_groups(unused)
-            pairs.clear()
-    state.add_lanes([new_group(ranks) for _ in range(lanes - 1)])
-    if local:  # ... and the same node and cross-node groups, one pair per lane
-        pairs += [node_pair() for _ in range(lanes - len(pairs))]
-        state.set_topology(local, pairs)
+        method, options, probe = _choose_method(model, method, optimizer, group, ranks,
+                                                options, groups.made, scaler)
+    writes = log_all_ranks or dist.get_rank(group) == 0
+    (name, config), mine = agree(
+        group, ranks, lambda: _validate(model, method, optimizer, scaler, lanes, writes, log_dir,
+                                        len(ranks), options),
+        lambda _: discard(None, groups.made))
+    with groups.undone_on_error():
+        plan = _plan(model, name, config, group, ranks, groups, lanes, mine["ranks per node"],
+                     scaler, probe)
+        state = GradcompState(name, config, group=group, plan=plan, **_named(model.module))
     model.register_comm_hook(state, hook)
     # only once every rank agreed: nothing attached on a refusal
     optimizer_binding.bind(state, optimizer, module=model.module,
                            bucket_bytes=getattr(model, "bucket_bytes_cap", None),
                            warn=dist.get_rank(group) == 0)
-    if log_dir is not None and (log_all_ranks or dist.get_rank(group) == 0):
+    if log_dir is not None and writes:
         from torch.utils.tensorboard import SummaryWriter
         state.attach(SummaryWriter(log_dir), details=log_details)
     return state
 
 
-def _probe_topology(model, state, group, pair, local) -> int:
+def _validate(model, method, optimizer, scaler, lanes, writes, log_dir, world, options):
+    """Registration's checks on this rank (agree() compares the result on every rank):
+    (method, config), and what must be equal everywhere."""
+    _check_compiled_autograd(model)
+    if getattr(model, "_comm_hooks", None):
+        raise ValueError(f"this DDP model already has a communication hook "
+                         f"({model._comm_hooks[0][0].__qualname__}): DDP takes one per "
+                         f"model; register gradcomp once (state.close() does not remove "
+                         f"it), or wrap the module in a new DDP to change method")
+    check_log_dir(log_dir, writes)  # before anything is attached
+    name, config = _method_config(model, method, optimizer, options)
+    if scaler is not None and config.delay:
+        raise ValueError(f"scaler= with delay={config.delay}: a GradScaler skips a step on the "
+                         f"rank that overflowed, and with delay the others learn of it only "
+                         f"{config.delay} steps later; use delay=0, or bfloat16 without a "
+                         f"scaler")
+    check_local(config, optimizer, scaler)
+    local = node_size(config, world)
+    return (name, config), {"method": name, **config.to_dict(), "lanes": lanes,
+                            "ranks per node": local,
+                            **fingerprint(model.module, optimizer, scaler)}
+
+
+def _plan(model, name, config, group, ranks, groups, lanes, local, scaler, probe) -> Plan:
+    """After the agreement, on every rank alike: the loads' group, the topology (measured
+    where ``auto``), a process group per lane."""
+    loads = load_group(ranks, groups.made)
+    me = ranks.index(dist.get_rank())
+
+    def node_pair():  # this rank's node group and its group across nodes (collective)
+        nodes = [groups.new(ranks[n : n + local]) for n in range(0, len(ranks), local)]
+        across = [groups.new(ranks[j::local]) for j in range(local)]
+        return nodes[me // local], across[me % local]
+
+    pairs, measured = [], None
+    if local and config.topology == "auto":  # hierarchical only where it is faster
+        first = len(groups.made)
+        pairs.append(node_pair())
+        local, measured = _probe_topology(model, name, config, group, pairs[0], local)
+        if not local:  # flat: the probe's node groups are not kept open until close()
+            groups.destroy_from(first)
+            pairs.clear()
+    lane_groups = tuple(groups.new(ranks) for _ in range(lanes - 1))
+    if local:  # ... and the same node and cross-node groups, one pair per lane
+        pairs += [node_pair() for _ in range(lanes - len(pairs))]
+    return Plan(scaler=scaler, lane_groups=lane_groups,
+                topology=(local, pairs) if local else None, owned_groups=tuple(groups.made),
+                load_group=loads, topology_probe=measured, method_probe=probe)
+
+
+def _named(module) -> dict:
+    """The state's ``param_names`` and ``param_numels`` of a module's trainable parameters."""
+    names, numels = trainable(module)
+    return {"param_names": names, "param_numels": numels}
+
+
+def _probe_topology(model, name, config, group, pair, local):
     """topology=auto on several nodes: time one bucket's exchange of the method both ways
-    (hooks/topology.py) and keep hierarchical only where it was faster; the ranks per node
-    chosen (0: flat). What was measured goes in ``state.topology_probe`` (and ``stats()``)."""
+    (hooks/topology.py) and keep hierarchical only where it was faster. Returns the ranks per
+    node chosen (0: flat) and what was measured (``state.topology_probe``, ``stats()``)."""
     from .topology import PROBE_MAX_BYTES, probe_bucket, probe_config, probe_times
 
-    cfg = probe_config(state.config)
+    cfg = probe_config(config)
     named = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
     cap = min(getattr(model, "bucket_bytes_cap", PROBE_MAX_BYTES) or PROBE_MAX_BYTES,
               PROBE_MAX_BYTES)
     params = probe_bucket(named, cap)
 
     def make_state():
-        return GradcompState(state.method, cfg, group=group,
-                             param_names=dict(state.param_names),
-                             param_numels=dict(state.param_numels))
+        return GradcompState(name, cfg, group=group, **_named(model.module))
 
     flat, hier = probe_times(make_state, params, group, [pair], local,
                              _device(model.module))
     chosen = local if hier < flat else 0
-    state.topology_probe = {"flat_s": flat, "hierarchical_s": hier,
-                            "chosen": "hierarchical" if chosen else "flat",
-                            "ranks_per_node": local, "bucket_bytes": 4 * (
-                                params[-1].offset + params[-1].numel)}
-    return chosen
+    return chosen, {"flat_s": flat, "hierarchical_s": hier,
+                    "chosen": "hierarchical" if chosen else "flat",
+                    "ranks_per_node": local, "bucket_bytes": 4 * (
+                        params[-1].offset + params[-1].numel)}
 
 
 def _choose_method(model, spec, optimizer, group, ranks, options, made, scaler=None):
@@ -245,7 +247,8 @@ def _check_compiled_autograd(model) -> None:
                          f"the forward and backward and the hook runs as in eager")
 
 
-def _build_state(model, method, optimizer, group, options) -> GradcompState:
+def _method_config(model, method, optimizer, options):
+    """(name, config) of the method with this optimizer; the module's refusals."""
     # what the method needs from the optimizer (DGC: its momentum) is the method's business
     name, config = for_optimizer(method, options, optimizer)
     optimizer_binding.check_method(name, config, optimizer)
@@ -255,5 +258,4 @@ def _build_state(model, method, optimizer, group, options) -> GradcompState:
                              f"sparse gradients cannot go through a DDP comm hook's flat "
                              f"bucket; allowed sparse=False (dense gradients, compressed as "
                              f"any other)")
-    names, numels = trainable(model.module)
-    return GradcompState(name, config, group=group, param_names=names, param_numels=numels)
+    return name, config

@@ -47,7 +47,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..comm import Comm
+from ..comm import Comm, Rider
 
 
 @dataclass
@@ -158,8 +158,10 @@ class Lane:
     """A communication thread, the process group it alone uses and (on CUDA) its stream;
     its jobs run in order."""
 
-    def __init__(self, worker, group):
-        self.worker, self.comm = worker, Comm(group)
+    def __init__(self, worker, group, flag_group=None):
+        """``flag_group``: where the inf/NaN flag goes round, if not ``group`` (HSDP)."""
+        self.worker = worker
+        self.comm = Comm(group, rider=None if flag_group is None else Rider(flag_group))
         self.intra: Comm | None = None  # hierarchical: the node's group ...
         self.inter: Comm | None = None  # ... and this local index's group across nodes
         self.queue: queue.Queue | None = None

@@ -45,6 +45,7 @@ sharded on a dim other than 0, several FSDP parameter groups in one ``fully_shar
 """
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import torch
@@ -54,9 +55,9 @@ from ..compressors.base import METHODS, ParamSlice
 from . import optimizer as optimizer_binding
 from .options import for_optimizer, is_auto
 from .. import comm
-from ..comm import Rider
-from .agree import agree, check_log_dir, discard, fingerprint, load_group, trainable
+from .agree import Groups, agree, check_log_dir, discard, fingerprint, load_group, trainable
 from .guard import check_steps, step_flag
+from .plan import Plan, Sharding
 from .state import GradcompState
 from .topology import SEP
 
@@ -324,61 +325,79 @@ def check_model(model):
 
 def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
              log_dir=None, log_all_ranks=False, log_details=False, **options) -> GradcompState:
-    """``gradcomp.register`` for a ``fully_shard``-ed model (see the module doc)."""
+    """``gradcomp.register`` for a ``fully_shard``-ed model (see the module doc): validate
+    and agree, the process groups, the state built once from its plan (hooks/plan.py), FSDP's
+    hooks, then the optimizer. ``lanes`` has no effect (one lane: module doc)."""
     units, info, hsdp, everyone = check_model(model)  # (register checked it on every rank)
-    mesh = info.mesh
-    backend = dist.get_backend(info.shard_process_group)
-    made = []
+    groups = Groups(dist.get_backend(info.shard_process_group))
+    world = groups.new(everyone)  # registration's agreement; HSDP: the warm-up's statistics
+    group = _exchange_group(info, hsdp, groups)
+    writes = log_all_ranks or dist.get_rank(world) == 0
+    (name, config, names, numels, layouts, pieces), _ = agree(
+        world, everyone, lambda: _validate(model, units, info, hsdp, method, optimizer, scaler,
+                                           writes, log_dir, options),
+        lambda _: discard(None, groups.made))
+    with groups.undone_on_error():
+        plan = Plan(sharding=Sharding.HSDP if hsdp else Sharding.FSDP,
+                    stats_group=world if hsdp else None,
+                    load_group=load_group(everyone, groups.made))
+        # FSDP's own all-reduce under HSDP goes on a group of one (every rank creates every
+        # one-rank group, in the same order)
+        alone = ([groups.new([r]) for r in everyone][everyone.index(dist.get_rank())]
+                 if hsdp else None)
+        state = GradcompState(name, config, group=group, param_names=names, param_numels=numels,
+                              plan=dataclasses.replace(plan, owned_groups=tuple(groups.made)))
+    _install(model, state, units, layouts, alone)
+    optimizer_binding.bind(state, optimizer, module=model, bucket_bytes=_ONE_OUTER_BUCKET,
+                           pieces=pieces, warn=dist.get_rank(world) == 0, stacklevel=5)
+    if log_dir is not None and writes:
+        from torch.utils.tensorboard import SummaryWriter
+        state.attach(SummaryWriter(log_dir), details=log_details)
+    _REGISTERED.add(model)  # last: a registration that raised leaves no mark
+    state.on_close(lambda: _REGISTERED.discard(model))
+    return state
 
-    def new_group(members):
-        g = dist.new_group(ranks=members, backend=backend)
-        made.append(g)
-        return g
 
-    world = new_group(everyone)  # registration's agreement; HSDP: the warm-up's statistics
-    grid = mesh.mesh.reshape(-1, info.shard_mesh_size) if hsdp else mesh.mesh.reshape(1, -1)
-    me = dist.get_rank()
-    # the exchange's group: the whole mesh (1-D), this shard's replicas across nodes (HSDP);
-    # every rank creates every group, in the same order
-    replicas = [new_group(grid[:, s].tolist()) for s in range(grid.shape[1])] if hsdp else None
-    shard_index = info.shard_mesh_rank
-    group = replicas[shard_index] if hsdp else world
-    W = info.shard_mesh_size
+def _exchange_group(info, hsdp: bool, groups):
+    """The exchange's group: the whole mesh (1-D: the agreement's group, made first), or
+    this shard's replicas across nodes (HSDP; every rank creates every group, in order)."""
+    if not hsdp:
+        return groups.made[0]
+    grid = info.mesh.mesh.reshape(-1, info.shard_mesh_size)
+    replicas = [groups.new(grid[:, s].tolist()) for s in range(grid.shape[1])]
+    return replicas[info.shard_mesh_rank]
 
-    def build():
-        if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= 32:
-            raise ValueError(f"invalid lanes={lanes!r}: allowed an integer in [1, 32] (FSDP "
-                             f"runs its exchanges in its own reduce step: one lane)")
-        if is_auto(method):
-            raise ValueError("method='auto' under FSDP/HSDP: not supported (its probe times "
-                             "DDP's exchange); name a method, e.g. 'terngrad' with AdamW")
-        # before anything is attached
-        check_log_dir(log_dir, log_all_ranks or dist.get_rank(world) == 0)
-        if model in _REGISTERED:
-            raise ValueError("this FSDP model is registered already: call state.close() on "
-                             "its state first (one gradcomp state per model; closing an "
-                             "older one puts FSDP's own collectives back)")
-        name, config = for_optimizer(method, options, optimizer)
-        optimizer_binding.check_method(name, config, optimizer)
-        _refuse(name, config, scaler, hsdp, optimizer)
-        names, numels = trainable(model)
-        layouts = [_Layout(g, names, W, shard_index, hsdp) for _, _, g in units]
-        if hsdp:  # the memory holds this rank's pieces: their sizes are what a checkpoint holds
-            numels.update({s.name: s.numel for lay in layouts for s in lay.piece})
-        state = GradcompState(name, config, group=group, param_names=names, param_numels=numels)
-        built.append((layouts, _outer_pieces(units, names, shard_index, W, config)))
-        return state, {"method": name, **config.to_dict(), "mesh": list(mesh.mesh.shape),
-                       **fingerprint(model, optimizer, scaler)}
 
-    built: list = []  # build()'s layouts (agree returns the state alone)
-    state, _ = agree(world, everyone, build, lambda st: discard(st, made))
-    layouts, pieces = built[-1]
-    state.owned_groups = made
-    state.load_group = load_group(everyone, made)
-    adapter = _Adapter(state, hsdp)
-    # no GradScaler here: a step with inf/NaN is not run again under the same index (under
-    # HSDP only the affected shard's replicas would know of it)
-    state.reuse_skipped = False
+def _validate(model, units, info, hsdp, method, optimizer, scaler, writes, log_dir, options):
+    """Registration's checks on this rank (agree() compares the result on every rank):
+    (name, config, parameter names, numels, each unit's layout, HSDP's outer pieces)."""
+    if is_auto(method):
+        raise ValueError("method='auto' under FSDP/HSDP: not supported (its probe times "
+                         "DDP's exchange); name a method, e.g. 'terngrad' with AdamW")
+    check_log_dir(log_dir, writes)  # before anything is attached
+    if model in _REGISTERED:
+        raise ValueError("this FSDP model is registered already: call state.close() on "
+                         "its state first (one gradcomp state per model; closing an "
+                         "older one puts FSDP's own collectives back)")
+    name, config = for_optimizer(method, options, optimizer)
+    optimizer_binding.check_method(name, config, optimizer)
+    _refuse(name, config, scaler, hsdp, optimizer)
+    names, numels = trainable(model)
+    W, me = info.shard_mesh_size, info.shard_mesh_rank
+    layouts = [_Layout(g, names, W, me, hsdp) for _, _, g in units]
+    if hsdp:  # the memory holds this rank's pieces: their sizes are what a checkpoint holds
+        numels.update({s.name: s.numel for lay in layouts for s in lay.piece})
+    pieces = _outer_pieces(units, names, me, W, config)
+    return (name, config, names, numels, layouts, pieces), {
+        "method": name, **config.to_dict(), "mesh": list(info.mesh.mesh.shape),
+        **fingerprint(model, optimizer, scaler)}
+
+
+def _install(model, state, units, layouts, alone) -> None:
+    """FSDP's hooks (each undone at ``state.close()``): the step's start and the frozen-
+    parameter check before each forward, every parameter in every reduction, and the
+    exchange: the all-reduce hook on a group of one (HSDP) or the reduce-scatter (1-D)."""
+    adapter = _Adapter(state, alone is not None)
     handle = model.register_forward_pre_hook(adapter.begin_forward)
     state.on_close(handle.remove)
     # before FSDP's own pre-forward (prepend): raised there, FSDP has not started the step
@@ -392,46 +411,33 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
         old = g.reduce_scatter_unused_params
         g.reduce_scatter_unused_params = True
         state.on_close(lambda g=g, old=old: setattr(g, "reduce_scatter_unused_params", old))
-    if hsdp:
-        state.stats_group = world
-        # the inf/NaN flag and the step check of every exchange go round the whole mesh (a
-        # shard's replicas alone would leave the other shards waiting)
-        state.flat_comm.rider = Rider(world)
-        # FSDP's own all-reduce on a group of one (a no-op), as a sum (FSDP divides by the
-        # node's size after the hook); ours runs from the hook. Every rank creates every
-        # one-rank group, in the same order.
-        alone = [new_group([r]) for r in everyone][everyone.index(me)]
-        for (_, mod, g), lay in zip(units, layouts):
-            old = (g.mesh_info.replicate_process_group, g.force_sum_reduction_for_comms,
-                   g._all_reduce_hook)
-            g.mesh_info.replicate_process_group = alone
-            g.force_sum_reduction_for_comms = True
-            tensors = [fp.sharded_param for fp in g.fsdp_params
-                       if fp.sharded_param.requires_grad and fp.sharded_size.numel()]
-
-            def params(tensors=tensors):  # this rank's shards (dgc's weight decay reads them)
-                return [t.to_local() for t in tensors]
-            mod.set_all_reduce_hook(lambda out, lay=lay, g=g, params=params:
-                                    adapter.shard(lay, g, out, params))
-
-            def undo(g=g, old=old):
-                g.mesh_info.replicate_process_group, g.force_sum_reduction_for_comms, \
-                    g._all_reduce_hook = old
-            state.on_close(undo)
-    else:
-        for (_, mod, g), lay in zip(units, layouts):
+    for (_, mod, g), lay in zip(units, layouts):
+        if alone is None:
             old = g._reduce_scatter_comm
             mod.set_custom_reduce_scatter(_reduce_scatter(adapter, lay, g))
             state.on_close(lambda g=g, old=old: setattr(g, "_reduce_scatter_comm", old))
-    state.sharded = "HSDP" if hsdp else "FSDP"
-    optimizer_binding.bind(state, optimizer, module=model, bucket_bytes=_ONE_OUTER_BUCKET,
-                           pieces=pieces, warn=dist.get_rank(world) == 0, stacklevel=5)
-    if log_dir is not None and (log_all_ranks or dist.get_rank(world) == 0):
-        from torch.utils.tensorboard import SummaryWriter
-        state.attach(SummaryWriter(log_dir), details=log_details)
-    _REGISTERED.add(model)  # last: a registration that raised leaves no mark
-    state.on_close(lambda: _REGISTERED.discard(model))
-    return state
+        else:
+            _install_hsdp(state, adapter, mod, g, lay, alone)
+
+
+def _install_hsdp(state, adapter, mod, g, lay, alone) -> None:
+    """HSDP: FSDP's own all-reduce on a group of one (a no-op), as a sum (FSDP divides by the
+    node's size after the hook); ours runs from the hook."""
+    old = (g.mesh_info.replicate_process_group, g.force_sum_reduction_for_comms,
+           g._all_reduce_hook)
+    g.mesh_info.replicate_process_group = alone
+    g.force_sum_reduction_for_comms = True
+    tensors = [fp.sharded_param for fp in g.fsdp_params
+               if fp.sharded_param.requires_grad and fp.sharded_size.numel()]
+
+    def params():  # this rank's shards (dgc's weight decay reads them)
+        return [t.to_local() for t in tensors]
+    mod.set_all_reduce_hook(lambda out: adapter.shard(lay, g, out, params))
+
+    def undo():
+        g.mesh_info.replicate_process_group, g.force_sum_reduction_for_comms, \
+            g._all_reduce_hook = old
+    state.on_close(undo)
 
 
 # under HSDP the rounds send one outer bucket of every piece a rank holds: the same number

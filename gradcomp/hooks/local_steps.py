@@ -90,9 +90,9 @@ class _Round:
                    ready(buffers_avg) if buffers_avg is not None else None, buffers_sent)
 
 
-def check_local(state, optimizer, scaler) -> None:
+def check_local(config, optimizer, scaler) -> None:
     """Registration-time refusals of ``local_steps > 1`` (raise ValueError naming what)."""
-    H = state.config.local_steps
+    H = config.local_steps
     if H == 1:
         return
     if optimizer is None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import time
 import weakref
 import zlib
@@ -42,6 +43,7 @@ from .delayed import Delayed, flat_slices
 from .engine import Exchange, Lane, Sequencer, Ticket
 from .guard import Guard
 from .local_steps import LocalSteps, node_average
+from .plan import Plan, Sharding
 from .telemetry import Telemetry, sq_norm
 from .topology import Hierarchy, base_name
 from .warmup import Warmup
@@ -145,8 +147,10 @@ class GradcompState:
 
     def __init__(self, method: str, config: MethodConfig | None = None, *, group=None,
                  lane_groups: Sequence = (), param_names: dict[int, str] | None = None,
-                 param_numels: dict[str, int] | None = None, model=None):
-        """``model``: the module (DDP-wrapped or not) whose parameters the state will see;
+                 param_numels: dict[str, int] | None = None, model=None,
+                 plan: Plan | None = None):
+        """``plan``: what a registration decided (hooks/plan.py; its ``lane_groups`` and
+        ``owned_groups`` join these). ``model``: the module (DDP-wrapped or not) whose parameters the state will see;
         their names key its memory. Needed where the hook is registered by hand
         (``ddp.register_comm_hook(gradcomp.State("onebit", model=net), gradcomp.hook)``),
         which then also creates the state's own process group (collective: on every rank).
@@ -177,19 +181,15 @@ class GradcompState:
         self.param_names = param_names or {}    # id(parameter) -> name: the memory's keys
         self.param_numels = param_numels or {}  # name -> elements (checkpoints check them)
         self.group = group
-        self.stats_group = None  # the warm-up's statistics, where not ``group`` (HSDP: the mesh)
-        self.owned_groups = owned  # process groups created for this state: destroyed at close()
-        self.load_group = None  # the loads' agreement, where an adapter made one (agree.py)
+        plan = plan if plan is not None else Plan()
+        # the plan's process groups and the scaler are runtime (dropped when pickled)
+        self.plan = dataclasses.replace(plan, owned_groups=(*plan.owned_groups, *owned))
         self._detach: list = []  # undo an adapter's hooks at close() (on_close)
-        self._lane_groups = list(lane_groups)  # more process groups: more buckets in flight
+        # more process groups: more buckets in flight
+        self._lane_groups = [*plan.lane_groups, *lane_groups]
         self._step = -1                 # index of the step in flight
         self._layouts: dict[int, tuple] = {}
         self.trace: list | None = None  # set to [] to record (event, bucket, start, end) times
-        self.scaler = None  # a torch.amp.GradScaler whose scale the gradients carry
-        self.reuse_skipped = True  # a skipped step's index is taken again (not under FSDP)
-        self.topology_probe = None  # topology=auto's measurement (hooks/ddp.py), if it ran
-        self.method_probe = None  # method="auto"'s measurement (hooks/auto.py), if it ran
-        self.sharded = ""  # "FSDP"/"HSDP" when the FSDP adapter serves this state
         # the components
         self.memory = ParamMemory()
         self.guard = Guard(self.memory)
@@ -200,10 +200,34 @@ class GradcompState:
         self.hierarchy = Hierarchy()
         self.adam = None  # the Adam binding (hooks/optimizer.py), once bound
         self._setup_runtime()
+        if plan.topology is not None:
+            self.set_topology(*plan.topology)
+
+    # ------------------------------------------------------------------ the plan's parts
+    scaler = property(lambda self: self.plan.scaler,
+                      doc="A torch.amp.GradScaler whose loss scale the gradients carry.")
+    stats_group = property(lambda self: self.plan.stats_group,
+                           doc="The warm-up's statistics' group where not ``group`` (HSDP).")
+    owned_groups = property(lambda self: self.plan.owned_groups,
+                            doc="Process groups created for this state: destroyed at close().")
+    load_group = property(lambda self: self.plan.load_group,
+                          doc="The loads' agreement, where an adapter made one (agree.py).")
+    sharded = property(lambda self: self.plan.sharding,
+                       doc="The Sharding the state serves (false for DDP).")
+    reuse_skipped = property(lambda self: self.plan.reuse_skipped,
+                             doc="Whether a skipped step's index is taken again.")
+    topology_probe = property(lambda self: self.plan.topology_probe,
+                              doc="topology=auto's measurement (hooks/ddp.py), if it ran.")
+    method_probe = property(lambda self: self.plan.method_probe,
+                            doc="method=auto's measurement (hooks/auto.py), if it ran.")
 
     # ------------------------------------------------------------------ runtime
     def _setup_runtime(self):
-        self._lanes = [Lane(self._worker, g) for g in [self.group, *self._lane_groups]]
+        # under HSDP the first lane's inf/NaN flag goes round the whole mesh (a shard's
+        # replicas alone would leave the other shards waiting)
+        flags = self.plan.stats_group if self.plan.sharding == Sharding.HSDP else None
+        self._lanes = [Lane(self._worker, g, flags if i == 0 else None)
+                       for i, g in enumerate([self.group, *self._lane_groups])]
         self._seq = Sequencer(len(self._lanes))
         self._error: BaseException | None = None
 
@@ -212,16 +236,16 @@ class GradcompState:
         optimizer's hooks): the exchanges in flight are waited for first."""
         self.drain()
         d = self.__dict__.copy()
-        for k in ("group", "stats_group", "_lane_groups", "_lanes", "_seq", "_error",
-                  "param_names", "scaler", "adam", "owned_groups", "_detach", "load_group"):
+        for k in ("group", "_lane_groups", "_lanes", "_seq", "_error", "param_names", "adam",
+                  "_detach"):
             d.pop(k, None)
+        d["plan"] = self.plan.portable()
         return d
 
     def __setstate__(self, d):
         self.__dict__.update(d)
-        self.group, self.stats_group, self.param_names, self.scaler = None, None, {}, None
-        self.load_group = None
-        self._lane_groups, self._detach, self.owned_groups, self.adam = [], [], [], None
+        self.group, self.param_names = None, {}
+        self._lane_groups, self._detach, self.adam = [], [], None
         self._setup_runtime()  # (the hierarchy unpickles flat: hooks/topology.py)
 
     @property
@@ -728,6 +752,8 @@ class GradcompState:
             lane.close()
         self.guard.settle()
         destroy_groups(self.owned_groups)
+        self.plan = dataclasses.replace(self.plan, owned_groups=(), stats_group=None,
+                                        load_group=None)
         self.compressor.unbind()
         if self.adam is not None:
             self.adam.close()
@@ -736,7 +762,7 @@ class GradcompState:
         for undo in self._detach:  # an adapter's own hooks (hooks/fsdp.py)
             undo()
         self._detach = []
-        self.group = self.stats_group = None
+        self.group = None
         self.telemetry.close(self._step, self.memory, self.warmup.compressing)
 
     def _put(self, lane: Lane, job) -> None:
@@ -789,4 +815,5 @@ def destroy_groups(groups) -> None:
                 dist.destroy_process_group(g)
             except (RuntimeError, ValueError, KeyError):
                 pass  # already gone with the default group
-    groups.clear()
+    if isinstance(groups, list):  # a registration's list: not destroyed twice
+        groups.clear()
