@@ -135,3 +135,25 @@ def test_one_module_touches_the_users_optimizer():
            for node in ast.walk(ast.parse(p.read_text()))
            if isinstance(node, ast.Attribute) and node.attr in OPTIMIZER_TOUCHES]
     assert not bad, bad
+
+
+def test_no_module_assigns_attributes_on_the_state():
+    """The state is built once from its plan (hooks/plan.py): outside hooks/state.py no
+    ``state.x = ...`` (nor on its flat comm), and each adapter's ``register`` is short (the
+    validation, the plan and FSDP's hooks are functions of their own)."""
+    bad = []
+    for p in ROOT.rglob("*.py"):
+        if p.name == "state.py":
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            targets = (node.targets if isinstance(node, ast.Assign) else
+                       [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            for t in targets:
+                if isinstance(t, ast.Attribute) and ast.unparse(t.value).split(".")[0] in (
+                        "state", "st"):
+                    bad.append(f"{p.relative_to(ROOT.parent)}:{node.lineno} {ast.unparse(t)}")
+    assert not bad, bad
+    for adapter in ("ddp.py", "fsdp.py"):
+        tree = ast.parse((ROOT / "hooks" / adapter).read_text())
+        (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "register"]
+        assert fn.end_lineno - fn.lineno + 1 < 40, adapter
