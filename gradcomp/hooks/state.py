@@ -25,7 +25,6 @@ import contextlib
 import dataclasses
 import time
 import weakref
-import zlib
 from typing import Sequence
 
 import torch
@@ -43,8 +42,9 @@ from .delayed import Delayed, flat_slices
 from .engine import Exchange, Lane, Sequencer, Ticket
 from .guard import Guard
 from .local_steps import LocalSteps, node_average
+from . import stages
 from .plan import Plan, Sharding
-from .telemetry import Telemetry, sq_norm
+from .telemetry import Telemetry
 from .topology import Hierarchy, base_name
 from .warmup import Warmup
 
@@ -52,7 +52,6 @@ from .warmup import Warmup
 # waits for buckets DDP has not submitted yet, or for earlier exchanges to issue theirs).
 TURN_TIMEOUT_S = 600.0
 
-_MIX = 0x9E3779B97F4A7C15
 _LIVE: "weakref.WeakSet[GradcompState]" = weakref.WeakSet()
 
 
@@ -60,85 +59,6 @@ _LIVE: "weakref.WeakSet[GradcompState]" = weakref.WeakSet()
 def _close_all() -> None:
     for state in list(_LIVE):
         state.close()
-
-
-def _mix(*parts: int) -> int:
-    h = 0
-    for p in parts:
-        h = ((h ^ (p & 0xFFFFFFFFFFFFFFFF)) * _MIX + 0x632BE59BD9B4E019) & 0xFFFFFFFFFFFFFFFF
-    return h >> 1
-
-
-class _Ctx:
-    """BucketContext for one bucket at one step (see compressors.base.BucketContext)."""
-
-    def __init__(self, state: "GradcompState", comm: Comm, bucket: int, params: list[ParamSlice],
-                 param_tensors, device, step: int, live=None):
-        self.state, self.bucket, self.params = state, bucket, params
-        self.comm, self.step, self.device, self.live = comm, step, device, live
-        self.grad_dtype = torch.float32  # the gradient's own dtype (set by _reduce)
-        self.logging = state.telemetry.logging
-        self.details = self.logging and state.telemetry.details
-        self._tensors = param_tensors
-        self.snapshot = None  # the inf/NaN guard's, while it runs the exchange
-        self._next = {}       # slot -> (current, next) of memory_next, until finish()
-
-    def memory(self, slot):
-        buf = self.state.memory.flat(slot, self.bucket, [p.name for p in self.params],
-                                     [p.numel for p in self.params], self.device)
-        if self.snapshot is not None:  # the guard's: copied before its first write
-            self.state.memory.cover(self.snapshot, slot)
-        return buf
-
-    def memory_next(self, slot):
-        hit = self._next.get(slot)
-        if hit is None:
-            hit = self._next[slot] = self.state.memory.next_flat(
-                slot, self.bucket, [p.name for p in self.params], [p.numel for p in self.params],
-                self.device)
-        return hit
-
-    def replaced(self) -> list:
-        """(slot, its buffer now) for each slot :meth:`memory_next` will replace at
-        :meth:`finish`: what puts the memory back after a commit (the guard's)."""
-        return [(slot, cur) for slot, (cur, _) in self._next.items()]
-
-    def finish(self, ok: bool) -> None:
-        """The exchange is over: the buffers of :meth:`memory_next` become the memory (ok) or
-        go back unused (the step is dropped)."""
-        pending, self._next = self._next, {}
-        for slot, (_, nxt) in pending.items():
-            if ok:
-                self.state.memory.commit(slot, self.bucket, nxt)
-            else:
-                self.state.memory.discard(slot, self.bucket, nxt)
-
-    def scalars(self, slot):
-        buf = self.state.memory.flat(slot, self.bucket, [p.name for p in self.params],
-                                     [1] * len(self.params), self.device)
-        if self.snapshot is not None:
-            self.state.memory.cover(self.snapshot, slot)
-        return buf
-
-    def tensor(self, slot, name, init):
-        return self.state.memory.tensor(slot, name, init)
-
-    def segment_ids(self):
-        return torch.repeat_interleave(
-            torch.arange(len(self.params), device=self.device),
-            torch.tensor([p.numel for p in self.params], device=self.device))
-
-    def param_values(self):
-        if self._tensors is None:
-            raise RuntimeError("this bucket was reduced without its parameters")
-        return torch.cat([t.detach().reshape(-1).float() for t in self._tensors])
-
-    def seed(self, stream, name):
-        return _mix(self.state.config.seed, self.step, zlib.crc32(name.encode()), self.comm.rank,
-                    stream)
-
-    def log(self, key, value):
-        self.state.telemetry.log(self.step, key, value)  # (nothing without a writer)
 
 
 class GradcompState:
@@ -349,12 +269,12 @@ class GradcompState:
                                                      params=param_tensors, live=live))
 
     def _reduce(self, lane, ex: Exchange):
-        """One bucket's exchange on ``lane``. ``ex.plain``: a reduce(x, ctx) run instead of
-        the method's, without memory or guard (local_steps: an inner step's node average, the
-        buffers' average)."""
-        buf, params, bucket, param_tensors = ex.buf, ex.slices, ex.bucket, ex.params
-        step, scale, live, plain = ex.step, ex.scale, ex.live, ex.plain
-        if bucket == 0 and self.telemetry.logging:
+        """One bucket's exchange on ``lane``, as stages (hooks/stages.py): unscale, the
+        topology's split, the method (the warm-up's choice, Adam's transforms, the guard),
+        rescale. ``ex.plain``: a reduce(x, ctx) run instead of the method's, without memory
+        or guard (local_steps: an inner step's node average, the buffers' average)."""
+        buf, step, scale = ex.buf, ex.step, ex.scale
+        if ex.bucket == 0 and self.telemetry.logging:
             # the last step every exchange of which has finished by now
             self._write(step - 1 - self.config.delay)
         traffic = Traffic()
@@ -364,59 +284,13 @@ class GradcompState:
         if scale is not None:  # memory holds unscaled values: the loss scale may change
             x = x / scale
         t0, c0 = time.perf_counter(), time.thread_time()
-        if lane.inter is not None:  # hierarchical: the method runs on this rank's shard
-            shards = self.hierarchy.shards(params, lane.intra.rank, buf.device)
-            ctx = _Ctx(self, lane.inter, bucket, shards.mine, shards.pieces(param_tensors),
-                       buf.device, step, shards.live(live))
-            L, real = lane.intra.world_size, shards.real
-
-            def run(y, method):
-                node = lane.intra.reduce_scatter(shards.gather(y)).div_(L)
-                if real:  # the method sees this rank's pieces, not the shard's padding; ranks
-                    # of one local index hold the same pieces, so they agree on skipping
-                    node[:real] = method(node[:real], ctx)
-                node[real:] = 0
-                return shards.scatter(lane.intra.allgather(node).reshape(-1))
-        else:
-            ctx = _Ctx(self, lane.comm, bucket, params, param_tensors, buf.device, step, live)
-
-            def run(y, method):
-                return method(y, ctx)
-        ctx.grad_dtype = buf.dtype
-        if plain is not None:
-            out = run(x, plain)
+        ctx, run = stages.split(self, lane, ex)
+        if ex.plain is not None:
+            out = run(x, ex.plain)
         elif self.compressor.stateless:
             out = run(x, self.compressor.reduce)
         else:
-            dense = self.warmup.dense(step)
-            # the residual diagnostic: compressed steps, flat topology (not measured per shard)
-            slot = (self.compressor.residual_slot if ctx.details and self.config.error_feedback
-                    and not dense and lane.inter is None else None)
-            if slot:
-                names = [p.name for p in params]
-                owed = sq_norm(x, params, self.memory.peek(slot, names))
-            # warm-up: uncompressed (DGC's dense step still moves its velocity: guarded too),
-            # in bf16 or int8 on the wire with dense_wire (bf16: Adam's warm-up by default)
-            ctx.dense_wire = self.dense_wire() if dense else None
-            method = self.compressor.dense if dense else self.compressor.reduce
-            # Adam: compressed in the update's own scale, g / sqrt(v) (hooks/optimizer.py)
-            pre = None if dense or self.adam is None else self.adam.scale(params, buf.device)
-            mom = None if dense or self.adam is None else self.adam.momentum(params, buf.device)
-            if mom is not None:  # Adam's next first moment, a g + b (hooks/optimizer.py)
-                x = torch.addcmul(mom[1], x, mom[0])
-            if pre is not None:
-                x = x * pre
-            # a step's (or an outer round's) exchanges all over before the next one begins:
-            # its flags read then
-            late = not self.config.delay
-            out = self.guard.run(x, ctx, lane.comm, lambda y: run(y, method), late=late)
-            if pre is not None:
-                out = out / pre
-            if mom is not None:
-                out = (out - mom[1]).div_(mom[0])
-            if slot and self.guard.skipped != step:
-                kept = sq_norm(None, params, self.memory.peek(slot, names))
-                self.telemetry.log_ratio(step, "residual_energy", kept, owed)
+            out = stages.method(self, ctx, lane, x, run)
         ctx.finish(True)  # unguarded paths' memory_next buffers (the guard finished its own)
         if scale is not None:
             out = out * scale

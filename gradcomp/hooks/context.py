@@ -1,0 +1,93 @@
+"""A bucket's context at one step: what a compressor sees of it (the ``BucketContext`` of
+compressors/base.py), backed by the state's memory and telemetry."""
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+from ..comm import Comm
+from ..compressors.base import ParamSlice
+
+_MIX = 0x9E3779B97F4A7C15
+
+
+def mix(*parts: int) -> int:
+    """A 63-bit hash of integers (a seed per step, parameter, rank and stream)."""
+    h = 0
+    for p in parts:
+        h = ((h ^ (p & 0xFFFFFFFFFFFFFFFF)) * _MIX + 0x632BE59BD9B4E019) & 0xFFFFFFFFFFFFFFFF
+    return h >> 1
+
+
+class BucketCtx:
+    """BucketContext for one bucket at one step (see compressors.base.BucketContext)."""
+
+    def __init__(self, state, comm: Comm, bucket: int, params: list[ParamSlice],
+                 param_tensors, device, step: int, live=None):
+        self.state, self.bucket, self.params = state, bucket, params
+        self.comm, self.step, self.device, self.live = comm, step, device, live
+        self.grad_dtype = torch.float32  # the gradient's own dtype (set by stages.split)
+        self.dense_wire = None  # a dense step's wire, "bfloat16" or "int8" (stages.method)
+        self.logging = state.telemetry.logging
+        self.details = self.logging and state.telemetry.details
+        self._tensors = param_tensors
+        self.snapshot = None  # the inf/NaN guard's, while it runs the exchange
+        self._next = {}       # slot -> (current, next) of memory_next, until finish()
+
+    def memory(self, slot):
+        buf = self.state.memory.flat(slot, self.bucket, [p.name for p in self.params],
+                                     [p.numel for p in self.params], self.device)
+        if self.snapshot is not None:  # the guard's: copied before its first write
+            self.state.memory.cover(self.snapshot, slot)
+        return buf
+
+    def memory_next(self, slot):
+        hit = self._next.get(slot)
+        if hit is None:
+            hit = self._next[slot] = self.state.memory.next_flat(
+                slot, self.bucket, [p.name for p in self.params], [p.numel for p in self.params],
+                self.device)
+        return hit
+
+    def replaced(self) -> list:
+        """(slot, its buffer now) for each slot :meth:`memory_next` will replace at
+        :meth:`finish`: what puts the memory back after a commit (the guard's)."""
+        return [(slot, cur) for slot, (cur, _) in self._next.items()]
+
+    def finish(self, ok: bool) -> None:
+        """The exchange is over: the buffers of :meth:`memory_next` become the memory (ok) or
+        go back unused (the step is dropped)."""
+        pending, self._next = self._next, {}
+        for slot, (_, nxt) in pending.items():
+            if ok:
+                self.state.memory.commit(slot, self.bucket, nxt)
+            else:
+                self.state.memory.discard(slot, self.bucket, nxt)
+
+    def scalars(self, slot):
+        buf = self.state.memory.flat(slot, self.bucket, [p.name for p in self.params],
+                                     [1] * len(self.params), self.device)
+        if self.snapshot is not None:
+            self.state.memory.cover(self.snapshot, slot)
+        return buf
+
+    def tensor(self, slot, name, init):
+        return self.state.memory.tensor(slot, name, init)
+
+    def segment_ids(self):
+        return torch.repeat_interleave(
+            torch.arange(len(self.params), device=self.device),
+            torch.tensor([p.numel for p in self.params], device=self.device))
+
+    def param_values(self):
+        if self._tensors is None:
+            raise RuntimeError("this bucket was reduced without its parameters")
+        return torch.cat([t.detach().reshape(-1).float() for t in self._tensors])
+
+    def seed(self, stream, name):
+        return mix(self.state.config.seed, self.step, zlib.crc32(name.encode()), self.comm.rank,
+                    stream)
+
+    def log(self, key, value):
+        self.state.telemetry.log(self.step, key, value)  # (nothing without a writer)
