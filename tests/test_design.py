@@ -157,3 +157,15 @@ def test_no_module_assigns_attributes_on_the_state():
         tree = ast.parse((ROOT / "hooks" / adapter).read_text())
         (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "register"]
         assert fn.end_lineno - fn.lineno + 1 < 40, adapter
+
+
+def test_no_function_is_over_sixty_lines():
+    """Small functions: none in the library over 60 lines (docstring included)."""
+    long = []
+    for p in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > 60:
+                    long.append(f"{p.relative_to(ROOT.parent)}:{node.lineno} {node.name} ({n})")
+    assert not long, long

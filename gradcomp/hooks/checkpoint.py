@@ -144,11 +144,21 @@ def check_checkpoint(sd, state) -> None:
     if sd.get("exchanges") is not None and sd["exchanges"] not in EXCHANGES:
         raise _bad("exchanges", sd["exchanges"], f"None or one of {', '.join(EXCHANGES)}")
     _check_int("step", sd["step"])
-    mem = sd["memory"]
+    known = set(state.param_names.values())
+    _check_memory(sd["memory"], state)
+    _check_pending(sd, state, known)
+    _check_warmup(sd.get("warmup"))
+    if state.rounds.active:
+        _check_local(sd.get("local"), state)
+    _check_compatible(state, sd)
+
+
+def _check_memory(mem, state) -> None:
+    """A checkpoint's per-parameter memory: its slots, names, tensors, and the shapes of what
+    the state holds already."""
     if not isinstance(mem, dict) or not isinstance(mem.get("flat"), dict) \
             or not isinstance(mem.get("tensors"), dict):
         raise _bad("memory", type(mem).__name__, "a dict with 'flat' and 'tensors' dicts")
-    known = set(state.param_names.values())
     for part in ("flat", "tensors"):
         for slot, d in mem[part].items():
             if not isinstance(slot, str):
@@ -168,11 +178,6 @@ def check_checkpoint(sd, state) -> None:
                                  f"{tuple(t.shape)} for parameter {name!r}; this state's is "
                                  f"{mine.dtype} of shape {tuple(mine.shape)}: a checkpoint of "
                                  f"another model (other shapes) or options")
-    _check_pending(sd, state, known)
-    _check_warmup(sd.get("warmup"))
-    if state.rounds.active:
-        _check_local(sd.get("local"), state)
-    _check_compatible(state, sd)
 
 
 def _check_pending(sd, state, known) -> None:
@@ -414,6 +419,12 @@ def _check_compatible(state, sd: dict) -> None:
         raise ValueError(f"checkpoint was saved with topology {topo(saved_local)}; this job "
                          f"runs {topo(state.local_size)}: its memory is kept per shard of "
                          f"that topology; set topology=/local_size= as when it was saved")
+    _check_model_names(state, sd)
+
+
+def _check_model_names(state, sd: dict) -> None:
+    """The checkpoint's memory names this model's parameters (or this rank's HSDP shards of
+    them), kept as this state keeps them, with their sizes."""
     known = set(state.param_names.values())
     unknown = memory_names(sd) - known if known else set()
     pieces = {n for n in state.param_numels if SEP in n}  # HSDP: this rank's shards

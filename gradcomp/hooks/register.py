@@ -42,29 +42,16 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
         state = gradcomp.register(model, "dgc", ratio=0.001, optimizer=opt)
     """
     sharded = fsdp.is_fsdp(model)
-
-    def check_model():
-        if not sharded and not isinstance(model, DistributedDataParallel):
-            raise TypeError(f"register() needs a torch.nn.parallel.DistributedDataParallel "
-                            f"model or a model sharded with torch.distributed.fsdp.fully_shard,"
-                            f" got {type(model).__name__}")
-
     if not dist.is_available() or not dist.is_initialized():
-        check_model()
+        _check_model(model, sharded)
         raise RuntimeError("gradcomp.register needs torch.distributed initialized (it is not, or "
                            "destroy_process_group() was called): call "
                            "torch.distributed.init_process_group() first, on every rank")
 
     def check():  # every argument, on every rank, before anything else is collective
-        check_model()
+        _check_model(model, sharded)
         check_arguments(method, options, optimizer, scaler, lanes, log_all_ranks, log_details)
-        if sharded:
-            if process_group is not None:
-                raise ValueError("process_group= with an FSDP model: allowed None (the groups "
-                                 "come from the model's device mesh)")
-            fsdp.check_model(model)
-        else:
-            ddp.check_group(model, process_group)
+        _check_groups(model, sharded, process_group)
         return None, {}
 
     # A rank given something wrong still joins the others and every rank raises: the first
@@ -77,6 +64,25 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
     if sharded:
         return fsdp.register(model, method, **common)
     return ddp.register(model, method, process_group=process_group, **common)
+
+
+def _check_model(model, sharded: bool) -> None:
+    """The model register() takes: a DDP model or a fully_shard-ed one (TypeError)."""
+    if not sharded and not isinstance(model, DistributedDataParallel):
+        raise TypeError(f"register() needs a torch.nn.parallel.DistributedDataParallel "
+                        f"model or a model sharded with torch.distributed.fsdp.fully_shard,"
+                        f" got {type(model).__name__}")
+
+
+def _check_groups(model, sharded: bool, process_group) -> None:
+    """The model's process groups or mesh, and ``process_group=`` (ValueError naming what)."""
+    if sharded:
+        if process_group is not None:
+            raise ValueError("process_group= with an FSDP model: allowed None (the groups "
+                             "come from the model's device mesh)")
+        fsdp.check_model(model)
+    else:
+        ddp.check_group(model, process_group)
 
 
 def check_arguments(method, options: dict, optimizer, scaler, lanes, log_all_ranks,

@@ -334,7 +334,9 @@ class GradcompState:
                ) -> torch.futures.Future:
         """Queue one bucket's exchange; the returned future completes with the average.
         ``last``: DDP's last bucket of this backward pass (it closes the round of the
-        collective order)."""
+        collective order). One of three ways, fixed by the config: an inner step of local
+        steps (:meth:`_submit_inner`), an exchange the step waits for (:meth:`_submit_now`),
+        delayed averaging (:meth:`_submit_delayed`)."""
         names = []
         for p in params:
             name = self.param_names.get(id(p))
@@ -345,67 +347,74 @@ class GradcompState:
                     "gradcomp.register(ddp_model, method, optimizer=opt)")
             names.append(name)
         slices = flat_slices(zip(names, params))
-        devices = [buf.device] if buf.is_cuda else None
-        if self.rounds.active:  # an inner step: this rank's gradient, or a hierarchy's node's
-            if not self.rounds.bound:
-                raise RuntimeError(f"local_steps={self.config.local_steps}: no optimizer to run "
-                                   f"the outer step from; build the state with gradcomp.register"
-                                   f"(model, ..., optimizer=opt) or call gradcomp.hooks.optimizer."
-                                   f"bind(state, opt, module=model.module, bucket_bytes="
-                                   f"model.bucket_bytes_cap) before training")
-            fut = torch.futures.Future(devices=devices)
-            if not self.local_size:
-                fut.set_result(buf)
-                return fut
-            lane = self._lanes[bucket % len(self._lanes)]
-            self._enqueue(lane, Exchange(bucket, buf, slices, self.step, plain=node_average,
-                                         fut=fut), last)
-            return fut
+        if self.rounds.active:
+            return self._submit_inner(bucket, buf, slices, last)
         try:
             step = self.begin(bucket)  # (the previous step's flags are read here)
         except Exception as exc:  # noqa: BLE001  (handed to DDP, as a lane's error is)
             self._error = exc
-            fut = torch.futures.Future(devices=devices)
+            fut = _future(buf)
             fut.set_exception(exc)
             return fut
         scale = self._scale()
         self.warmup.observe(step, buf, slices, scale)
         if self.adam is not None and not self.warmup.dense(step):
             self.adam.scale(slices, buf.device)  # built here, while the optimizer is idle
-        live = self.compressor.live(names)
+        ex = Exchange(bucket, buf, slices, step, params=list(params), scale=scale,
+                      live=self.compressor.live(names), fut=_future(buf))
+        if self.trace is not None:
+            now = time.perf_counter()
+            self.trace.append(("submit", bucket, now, now))
+        if not self.config.delay:
+            return self._submit_now(ex, last)
+        return self._submit_delayed(ex, names, last)
+
+    def _submit_inner(self, bucket, buf, slices, last):
+        """An inner step of local steps: this rank's gradient, or a hierarchy's node's."""
+        if not self.rounds.bound:
+            raise RuntimeError(f"local_steps={self.config.local_steps}: no optimizer to run "
+                               f"the outer step from; build the state with gradcomp.register"
+                               f"(model, ..., optimizer=opt) or call gradcomp.hooks.optimizer."
+                               f"bind(state, opt, module=model.module, bucket_bytes="
+                               f"model.bucket_bytes_cap) before training")
+        fut = _future(buf)
+        if not self.local_size:
+            fut.set_result(buf)
+            return fut
         lane = self._lanes[bucket % len(self._lanes)]
-        D = self.config.delay
+        self._enqueue(lane, Exchange(bucket, buf, slices, self.step, plain=node_average,
+                                     fut=fut), last)
+        return fut
+
+    def _submit_now(self, ex: Exchange, last: bool):
+        """The exchange on its lane; DDP waits for its future."""
+        self._enqueue(self._lanes[ex.bucket % len(self._lanes)], ex, last)
+        return ex.fut
+
+    def _submit_delayed(self, ex: Exchange, names, last: bool):
+        """Delayed averaging: exchange a copy in the background, apply the local gradient now
+        plus the correction (average - local) of step - D. The copy, and the parameters
+        where the method reads them (DGC's weight decay), are taken now: the optimizer
+        updates the parameters while the exchange runs."""
+        buf, step, params = ex.buf, ex.step, ex.params
         layout = tuple(names)
-        if D and self._layouts.get(bucket) != layout and len(self._lanes) > 1:
+        if self._layouts.get(ex.bucket) != layout and len(self._lanes) > 1:
             # DDP moved parameters between buckets (its rebuild): a parameter's previous
             # exchange may sit on another lane and must finish before its next one starts
             # (without delay every exchange of the previous step has finished already). Only
             # earlier steps': this step's may wait for this very bucket's turn.
             self.drain(before=step)
-        self._layouts[bucket] = layout
-        if self.trace is not None:
-            now = time.perf_counter()
-            self.trace.append(("submit", bucket, now, now))
-        if D == 0:
-            fut = torch.futures.Future(devices=devices)
-            self._enqueue(lane, Exchange(bucket, buf, slices, step, params=list(params),
-                                         scale=scale, live=live, fut=fut), last)
-            return fut
-        # Delayed averaging: exchange a copy in the background, apply the local gradient now
-        # plus the correction (average - local) of step - D. The copy, and the parameters
-        # where the method reads them (DGC's weight decay), are taken now: the optimizer
-        # updates the parameters while the exchange runs.
-        tensors = list(params)
-        if self.compressor.reads_params(live):
-            tensors = [p.detach().clone() for p in params]
-        job = torch.futures.Future(devices=devices)  # its wait orders after the lane's stream
-        self._enqueue(lane, Exchange(bucket, buf.clone(), slices, step, params=tensors, live=live,
-                                     fut=job, delayed=True), last)
-        self.delay.add(step, slices, job, zip(names, params))
-        corr = self.delay.take(step - D, slices, buf)
+        self._layouts[ex.bucket] = layout
+        if self.compressor.reads_params(ex.live):
+            ex.params = [p.detach().clone() for p in params]
+        ex.buf, ex.delayed, ex.scale = buf.clone(), True, None
+        self._enqueue(self._lanes[ex.bucket % len(self._lanes)], ex, last)
+        # (the job's wait orders after the lane's stream)
+        self.delay.add(step, ex.slices, ex.fut, zip(names, params))
+        corr = self.delay.take(step - self.config.delay, ex.slices, buf)
         if corr is not None:
             buf.add_(corr)
-        fut = torch.futures.Future(devices=devices)
+        fut = _future(buf)
         fut.set_result(buf)
         return fut
 
@@ -679,6 +688,11 @@ class GradcompState:
             finally:
                 ticket.close()
                 lane.set_ticket(None)
+
+
+def _future(buf: torch.Tensor) -> torch.futures.Future:
+    """A future for a bucket's result (on CUDA it records the buffer's device)."""
+    return torch.futures.Future(devices=[buf.device] if buf.is_cuda else None)
 
 
 def destroy_groups(groups) -> None:
