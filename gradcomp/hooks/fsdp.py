@@ -172,13 +172,19 @@ class _Adapter:
 
     def begin_forward(self, *_):
         self.calls = 0
+        if self.pending:  # a backward that stopped before its end: its exchanges waited for
+            self.finish()
 
     def later(self, fut, put) -> None:
         """An exchange runs on the state's lane while backward goes on; ``put(average)``
         writes its result where FSDP keeps the gradient, at the end of this backward (an
         autograd callback, before anything reads the gradients)."""
         if not self.pending:
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+            except RuntimeError:  # not inside a backward pass: nothing to overlap with
+                put(fut.wait())
+                return
         self.pending.append((fut, put))
 
     def finish(self) -> None:
