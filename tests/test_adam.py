@@ -602,8 +602,9 @@ def _adamw_warning(method, options, sharded, monkeypatch):
     from gradcomp.hooks.options import for_optimizer
     monkeypatch.setattr(binding, "_warned", set())
     opt = torch.optim.AdamW([nn.Parameter(torch.zeros(4))], lr=1e-3)
-    state = gradcomp.GradcompState(*for_optimizer(method, options, opt))
-    state.sharded = sharded
+    from gradcomp.hooks.plan import Plan, Sharding
+    state = gradcomp.GradcompState(*for_optimizer(method, options, opt),
+                                   plan=Plan(sharding=Sharding(sharded)))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         binding.warn_measured(state, opt)
