@@ -388,6 +388,7 @@ class GradcompState:
 
     def _submit_now(self, ex: Exchange, last: bool):
         """The exchange on its lane; DDP waits for its future."""
+        self._layouts[ex.bucket] = tuple(p.name for p in ex.slices)  # DDP's buckets, as seen
         self._enqueue(self._lanes[ex.bucket % len(self._lanes)], ex, last)
         return ex.fut
 
