@@ -85,7 +85,7 @@ def test_a_new_gpt_run_is_a_new_row_without_code(tmp_path):
     gpt = root / "bench" / "results" / "gpt"
     _gpt(gpt / "gpt2000_s0_newcomer.json", 0, 2000,
          [{"method": "newcomer", "val_loss": 1.6, "wire_MB": 100.0}])
-    _gpt(gpt / "gpt600_s1_allreduce_newcomer2.json", 1, 600,
+    _gpt(gpt / "gpt600_s7_allreduce_newcomer2.json", 7, 600,  # (a seed no stored run has)
          [{"method": "allreduce", "val_loss": 2.0, "wire_MB": 900.0},
           {"method": "newcomer2", "val_loss": 2.1, "wire_MB": 90.0},
           {"method": "newcomer2:outer_lr=0.5", "val_loss": 1.9, "wire_MB": 90.0}])
@@ -100,7 +100,7 @@ def test_a_new_gpt_run_is_a_new_row_without_code(tmp_path):
     base = json.loads((gpt / "gpt2000_s0_allreduce.json").read_text())["rows"][0]["val_loss"]
     assert f"| `newcomer` | 0 | 1.6000 | 1.6000 | {100 * (1.6 / base - 1):+.2f} |" in (
         tables["2000 steps, every method at its defaults"])
-    assert "| `newcomer2` | 1 | 2.1000 | 2.1000 | +5.00 |" in (
+    assert "| `newcomer2` | 7 | 2.1000 | 2.1000 | +5.00 |" in (
         tables["600 steps, every method at its defaults"])
     assert "`newcomer2:outer_lr=0.5`" in tables["600 steps, with options"]
     assert "newcomer2" not in tables["2000 steps, every method at its defaults"]
