@@ -26,6 +26,7 @@ import torch
 
 from ..config import MethodConfig
 from ..kernels.work import scratch  # noqa: F401  (the compressors' work buffers)
+from .rows import dense_rows, sum_ranks
 
 
 class Collectives(Protocol):
@@ -196,8 +197,7 @@ class Compressor(ABC):
         wire = getattr(ctx, "dense_wire", None)
         if wire == "bfloat16":
             return dense_bf16(x, ctx.comm)
-        if wire == "int8":
-            from .rows import dense_rows  # rows.py: the int8 rows DiLoCo sends too
+        if wire == "int8":  # rows.py: the int8 rows DiLoCo sends too
             return dense_rows(x, ctx.params, ctx.comm, 8)
         return ctx.comm.allreduce(x).div_(ctx.comm.world_size)
 
@@ -327,9 +327,7 @@ def put_dense(rows: torch.Tensor, params, out: torch.Tensor) -> None:
     if not params:
         return
     rows = rows.contiguous().view(torch.float32)
-    total = rows[0].clone()
-    for r in rows[1:]:  # a loop over ranks, in rank order (not over parameters)
-        total += r
+    total = sum_ranks(rows)  # in rank order
     out.index_copy_(0, _positions(params, out.device), total.div_(rows.shape[0]))
 
 

@@ -61,6 +61,11 @@ def _close_all() -> None:
         state.close()
 
 
+def _planned(field: str, doc: str) -> property:
+    """A read-only attribute of the state that is a field of its plan (hooks/plan.py)."""
+    return property(lambda self: getattr(self.plan, field), doc=doc)
+
+
 class GradcompState:
     """Everything one registered hook owns. Build it with :func:`gradcomp.register`, or
     directly to call ``register_comm_hook(state, gradcomp.hook)`` yourself."""
@@ -124,22 +129,19 @@ class GradcompState:
             self.set_topology(*plan.topology)
 
     # ------------------------------------------------------------------ the plan's parts
-    scaler = property(lambda self: self.plan.scaler,
-                      doc="A torch.amp.GradScaler whose loss scale the gradients carry.")
-    stats_group = property(lambda self: self.plan.stats_group,
-                           doc="The warm-up's statistics' group where not ``group`` (HSDP).")
-    owned_groups = property(lambda self: self.plan.owned_groups,
-                            doc="Process groups created for this state: destroyed at close().")
-    load_group = property(lambda self: self.plan.load_group,
-                          doc="The loads' agreement, where an adapter made one (agree.py).")
-    sharded = property(lambda self: self.plan.sharding,
-                       doc="The Sharding the state serves (false for DDP).")
-    reuse_skipped = property(lambda self: self.plan.reuse_skipped,
-                             doc="Whether a skipped step's index is taken again.")
-    topology_probe = property(lambda self: self.plan.topology_probe,
-                              doc="topology=auto's measurement (hooks/ddp.py), if it ran.")
-    method_probe = property(lambda self: self.plan.method_probe,
-                            doc="method=auto's measurement (hooks/auto.py), if it ran.")
+    scaler = _planned("scaler", "A torch.amp.GradScaler whose loss scale the gradients carry.")
+    stats_group = _planned("stats_group", "The warm-up's statistics' group where not ``group`` "
+                                          "(HSDP).")
+    owned_groups = _planned("owned_groups", "Process groups created for this state: destroyed "
+                                            "at close().")
+    load_group = _planned("load_group", "The loads' agreement, where an adapter made one "
+                                        "(agree.py).")
+    sharded = _planned("sharding", "The Sharding the state serves (false for DDP).")
+    reuse_skipped = _planned("reuse_skipped", "Whether a skipped step's index is taken again.")
+    topology_probe = _planned("topology_probe", "topology=auto's measurement (hooks/ddp.py), "
+                                                "if it ran.")
+    method_probe = _planned("method_probe", "method=auto's measurement (hooks/auto.py), if it "
+                                            "ran.")
 
     # ------------------------------------------------------------------ runtime
     def _setup_runtime(self):
@@ -195,12 +197,6 @@ class GradcompState:
         """The next step is ``step`` (a checkpoint's: ``state.step`` when it was written)."""
         self._step = step - 1
         self.telemetry.mark_written(self._step)
-
-    def add_lanes(self, groups: Sequence) -> None:
-        """More process groups, one lane each (before the first exchange)."""
-        self._lane_groups += list(groups)
-        self._lanes += [Lane(self._worker, g) for g in groups]
-        self._seq = Sequencer(len(self._lanes))
 
     @property
     def ordered(self) -> bool | None:
@@ -317,17 +313,23 @@ class GradcompState:
         of the collective order; the future completes with the average, in ``buf``. What
         :meth:`reduce` does on the caller's thread, done on the lane's (the FSDP adapter's
         overlapped exchanges, which FSDP refuses delay and local steps for)."""
-        fut = torch.futures.Future(devices=[buf.device] if buf.is_cuda else None)
         try:
             step = self.begin(bucket)
         except Exception as exc:  # noqa: BLE001  (the caller's wait raises it)
-            self._error = exc
-            fut.set_exception(exc)
-            return fut
+            return self._failed(buf, exc)
         self.warmup.observe(step, buf, slices)
         live = self.compressor.live([base_name(p.name) for p in slices])
-        self._enqueue(self._lanes[0], Exchange(bucket, buf, list(slices), step, params=tensors,
-                                               live=live, fut=fut), True)
+        ex = Exchange(bucket, buf, list(slices), step, params=tensors, live=live,
+                      fut=_future(buf))
+        self._enqueue(self._lanes[0], ex, True)
+        return ex.fut
+
+    def _failed(self, buf, exc: BaseException) -> torch.futures.Future:
+        """A bucket's future that fails with ``exc`` (begin() raised: a step mismatch read
+        late); every later exchange fails with it too."""
+        self._error = exc
+        fut = _future(buf)
+        fut.set_exception(exc)
         return fut
 
     def submit(self, bucket: int, buf: torch.Tensor, params, last: bool = True
@@ -352,10 +354,7 @@ class GradcompState:
         try:
             step = self.begin(bucket)  # (the previous step's flags are read here)
         except Exception as exc:  # noqa: BLE001  (handed to DDP, as a lane's error is)
-            self._error = exc
-            fut = _future(buf)
-            fut.set_exception(exc)
-            return fut
+            return self._failed(buf, exc)
         scale = self._scale()
         self.warmup.observe(step, buf, slices, scale)
         if self.adam is not None and not self.warmup.dense(step):
