@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import typing
 from dataclasses import dataclass
@@ -12,7 +13,19 @@ from dataclasses import dataclass
 DEFAULT_MIN_NUMEL = 4096
 TOPOLOGIES = ("auto", "flat", "hierarchical")
 WARMUPS = ("auto", "adaptive", "none")
-ADAMS = ("auto", "precondition", "momentum", "freeze", "off")
+
+
+class Adam(enum.StrEnum):
+    """The ``adam`` option's values (the config holds the member; it equals its string)."""
+
+    AUTO = "auto"
+    PRECONDITION = "precondition"
+    MOMENTUM = "momentum"
+    FREEZE = "freeze"
+    OFF = "off"
+
+
+ADAMS = tuple(a.value for a in Adam)
 DENSE_WIRES = ("auto", "float32", "bfloat16", "int8")
 # bounds on what an option costs, checked before anything is allocated or sent: a value past
 # them is a typo far more often than a plan (each delayed step holds a copy of the gradients
@@ -159,13 +172,14 @@ class MethodConfig:
               f"local_delay=1 overlaps the outer exchange instead)")
         check(self.dense_wire in DENSE_WIRES, "dense_wire", self.dense_wire,
               "auto (bfloat16 with Adam/AdamW, float32 otherwise), float32, bfloat16 or int8")
-        check(self.adam != "momentum" or self.delay == 0, "delay", self.delay,
-              "0 with adam='momentum' (the late average would be applied to a later first "
-              "moment than the one it was built from); adam='auto' or 'freeze' with delay")
         check(self.adam in ADAMS, "adam", self.adam,
               "auto (momentum or freeze with Adam/AdamW), momentum (Adam's second moment "
               "frozen once compression starts, its first moment exchanged), freeze (frozen, "
               "the gradient exchanged), precondition (frozen, g / sqrt(v) exchanged) or off")
+        object.__setattr__(self, "adam", Adam(self.adam))
+        check(self.adam != Adam.MOMENTUM or self.delay == 0, "delay", self.delay,
+              "0 with adam='momentum' (the late average would be applied to a later first "
+              "moment than the one it was built from); adam='auto' or 'freeze' with delay")
         self.validate()
 
     @property
@@ -179,7 +193,9 @@ class MethodConfig:
         """Method-specific checks; raise ValueError naming the bad value."""
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Plain values (an enum's as its string: checkpoints load with weights_only)."""
+        return {k: v.value if isinstance(v, enum.Enum) else v
+                for k, v in dataclasses.asdict(self).items()}
 
     @classmethod
     def from_dict(cls, d: dict) -> "MethodConfig":

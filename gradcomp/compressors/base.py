@@ -24,7 +24,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from ..config import MethodConfig
+from ..config import Adam, MethodConfig
 from ..kernels.work import scratch  # noqa: F401  (the compressors' work buffers)
 from .rows import dense_rows, sum_ranks
 
@@ -129,7 +129,7 @@ class Compressor(ABC):
     # with Adam/AdamW and adam="auto" (hooks/optimizer.py): what the method exchanges once
     # Adam's second moment is frozen, "momentum" (Adam's first moment, 1-bit Adam's way) or
     # "freeze" (the gradient), as measured on the GPT workload (bench/RESULTS.md, "Accuracy with AdamW")
-    adam_exchange: str = "momentum"
+    adam_exchange: Adam = Adam.MOMENTUM
     # with Adam/AdamW: option defaults of their own where the measurements asked for them
     # (hooks/options.py's for_optimizer; the user's options win)
     adam_defaults: dict = {}

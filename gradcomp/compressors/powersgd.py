@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import MethodConfig, check
+from ..config import Adam, MethodConfig, check
 from ..kernels import backend, lowrank
 from .base import MAX_RUNS, Compressor, ParamSlice, Runs, name_seed, register_method, scratch
 from .wire import Field, Message
@@ -91,7 +91,7 @@ class PowerSGD(Compressor):
     name = "powersgd"
     # with AdamW the low-rank gradient held better than the low-rank first moment (600-step
     # GPT probe, seed 0: +2.6% against +4.4% above allreduce)
-    adam_exchange = "freeze"
+    adam_exchange = Adam.FREEZE
     measured = {"sgd_points": -1.2, "adamw_gap_pct": {"freeze": 4.58}}  # (Compressor.measured)
     # no residual_slot: its residual is M_i - P P^T (average of the M_j), so it also holds this
     # rank's deviation from the average, which is never sent; approx_error is its own measure

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from .. import kernels
-from ..config import MethodConfig, check
+from ..config import Adam, MethodConfig, check
 from ..kernels.host import to_device
 from .base import Compressor, Runs, dense_values, put_dense, register_method, scratch
 from .wire import DENSE, Field, Message
@@ -196,7 +196,7 @@ class TernGrad(Compressor):
     residual_slot = "residual"
     # unbiased, no residual: with AdamW its gradient held better than its first moment
     # (600-step GPT probe, seed 0: -1.2% against +0.6% from allreduce)
-    adam_exchange = "freeze"
+    adam_exchange = Adam.FREEZE
     measured = {"sgd_points": -0.9, "adamw_gap_pct": {"freeze": -1.90}}  # (Compressor.measured)
     description = "TernGrad: unbiased stochastic ternary {-1,0,+1} x per-layer scaler, 2 bits"
     messages = (MESSAGE,)

@@ -7,10 +7,11 @@ import contextlib
 import hashlib
 import os
 
+import torch.distributed as dist
+
 from .. import comm
 from . import optimizer as optimizer_binding
 from .options import MAX_QUOTED, clip, quote
-from .state import destroy_groups
 
 
 REGISTER = ("gradcomp.register", "ranks registered different gradcomp methods or options, or "
@@ -127,8 +128,6 @@ def load_group(members: list, made: list):
     watchdog would end the process), with ``checkpoint.LOAD_TIMEOUT_S``."""
     import datetime
 
-    import torch.distributed as dist
-
     from .checkpoint import LOAD_TIMEOUT_S
     g = dist.new_group(ranks=members, backend="gloo" if dist.is_gloo_available() else None,
                        timeout=datetime.timedelta(seconds=LOAD_TIMEOUT_S))
@@ -144,7 +143,6 @@ class Groups:
         self.backend, self.made = backend, []
 
     def new(self, members):
-        import torch.distributed as dist
         g = dist.new_group(ranks=members, backend=self.backend)
         self.made.append(g)
         return g
@@ -185,3 +183,15 @@ def fingerprint(module, optimizer, scaler) -> dict:
     if optimizer is not None:
         out.update(optimizer_binding.fingerprint(optimizer))
     return out
+
+
+def destroy_groups(groups) -> None:
+    """Destroy the process groups register created (a refusal, or the state's close())."""
+    for g in groups:
+        if isinstance(g, dist.ProcessGroup) and dist.is_initialized():
+            try:
+                dist.destroy_process_group(g)
+            except (RuntimeError, ValueError, KeyError):
+                pass  # already gone with the default group
+    if isinstance(groups, list):  # a registration's list: not destroyed twice
+        groups.clear()

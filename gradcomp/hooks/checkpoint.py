@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..config import Adam
+from . import optimizer as optimizer_binding
 from .optimizer import FROZEN_SLOT
 from .options import quote
 from .topology import SEP, base_name
@@ -456,8 +458,8 @@ def _check_model_names(state, sd: dict) -> None:
 def exchanged(state) -> str:
     """What the method's residuals are made of: "gradient", or with Adam bound Adam's first
     moment ("momentum") or the preconditioned gradient ("precondition")."""
-    mode = state.adam_mode() if state.adam is not None else "off"
-    return mode if mode in ("momentum", "precondition") else "gradient"
+    mode = optimizer_binding.adam_mode(state) if state.adam is not None else Adam.OFF
+    return mode.value if mode in (Adam.MOMENTUM, Adam.PRECONDITION) else "gradient"
 
 
 def _check_adam(state, sd: dict) -> None:
@@ -475,8 +477,9 @@ def _check_adam(state, sd: dict) -> None:
         how = {"gradient": "'freeze' (or without Adam: any)", "momentum": "'momentum'",
                "precondition": "'precondition'"}
         raise ValueError(f"checkpoint's residuals are of the {saved} (its job exchanged "
-                         f"that); this job exchanges the {mine} (adam={state.config.adam!r}, "
-                         f"running {state.adam_mode()!r}): register with adam={how[saved]} "
+                         f"that); this job exchanges the {mine} (adam="
+                         f"{state.config.adam.value!r}, running "
+                         f"{optimizer_binding.adam_mode(state).value!r}): register with adam={how[saved]} "
                          f"to resume it")
 
 
@@ -563,3 +566,27 @@ class AllRanksCheckpoint:
                                  f"global rank 0 wrote")
             return ranks[rank]
         load(self.state, read)
+
+
+def stateful(state) -> "DistributedCheckpoint":
+    """This state for ``torch.distributed.checkpoint`` (a ``Stateful``)::
+
+        dcp.save({"model": model, "optim": opt, "gradcomp": state.stateful()}, ...)
+
+    Each rank's state is its own (residuals of its own gradients), so it goes in under a
+    key of its rank, as one opaque entry (the bytes of ``state_dict()``): DCP would
+    otherwise keep one rank's copy of equal keys, and could not load memory a fresh state
+    has not created yet."""
+    return DistributedCheckpoint(state)
+
+
+def all_ranks(state) -> "AllRanksCheckpoint":
+    """This state for a framework's checkpoint that one rank writes and every rank
+    loads (Lightning's, Accelerate's ``save_state``, the HF Trainer's)::
+
+        accelerator.register_for_checkpointing(state.all_ranks())
+
+    Its ``state_dict()`` is collective (every rank calls it, as those frameworks do):
+    each rank's state is gathered onto global rank 0, whose copy holds all of them;
+    ``load_state_dict()`` on every rank takes its own rank's from that copy."""
+    return AllRanksCheckpoint(state)

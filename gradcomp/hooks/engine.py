@@ -38,8 +38,10 @@ other backend (NCCL) takes them in key order.
 """
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -212,3 +214,100 @@ class Lane:
             self.thread = None
         for c in self.comms():
             c.group = None
+
+
+# A collective waiting longer than this for its turn raises instead of hanging (its turn
+# waits for buckets DDP has not submitted yet, or for earlier exchanges to issue theirs).
+TURN_TIMEOUT_S = 600.0
+
+
+class Engine:
+    """A state's lanes (one per process group), the order their collectives take, and the
+    first error an exchange raised (every later exchange fails with it). ``reduce(lane, ex)``
+    runs one exchange on a lane's thread; ``on_start()`` is called when a lane's thread
+    starts (the state registers itself to be closed at exit)."""
+
+    def __init__(self, reduce, label: str, groups, flag_group=None, on_start=None):
+        """``groups``: a process group per lane; ``flag_group``: where the first lane's inf/NaN
+        flag goes round, if not its group (HSDP: the whole mesh)."""
+        self.reduce, self.label, self.on_start = reduce, label, on_start
+        self.lanes = [Lane(self._worker, g, flag_group if i == 0 else None)
+                      for i, g in enumerate(groups)]
+        self.seq = Sequencer(len(self.lanes))
+        self.error: BaseException | None = None
+        self.trace: list | None = None  # [] records (event, bucket, start, end) times
+
+    def lane(self, bucket: int) -> Lane:
+        return self.lanes[bucket % len(self.lanes)]
+
+    def set_topology(self, groups) -> None:
+        """Per lane, (the node's group, the group of this local index across nodes)."""
+        for lane, (intra, inter) in zip(self.lanes, groups):
+            lane.set_hierarchy(intra, inter)
+
+    def enqueue(self, lane: Lane, ex: Exchange, last: bool) -> None:
+        """Open the exchange's place in the order and queue it, after everything it reads was
+        enqueued on this stream (the ready event is recorded last). ``last``: DDP's last
+        bucket of this backward pass (it closes the round)."""
+        if ex.buf.is_cuda:
+            ex.event = torch.cuda.Event()
+            ex.event.record()
+        ex.rnd = self.seq.open(ex.bucket, last)
+        if lane.put(ex) and self.on_start is not None:
+            self.on_start()
+
+    def failed(self, buf, exc: BaseException) -> torch.futures.Future:
+        """A bucket's future that fails with ``exc``; every later exchange fails with it too."""
+        self.error = exc
+        fut = future(buf)
+        fut.set_exception(exc)
+        return fut
+
+    def close(self) -> None:
+        for lane in self.lanes:
+            lane.close()
+
+    def _worker(self, lane: Lane):
+        while True:
+            ex = lane.queue.get()
+            if ex is None:
+                return
+            if self.seq.ordered is None:  # decided once, before any collective is issued
+                self.seq.ordered = not all(ln.gloo() for ln in self.lanes)
+            ticket = Ticket(self.seq, ex.rnd, ex.bucket, TURN_TIMEOUT_S)
+            if self.error is not None:
+                ticket.close()
+                ex.fut.set_exception(
+                    RuntimeError(f"gradcomp: an earlier exchange failed: {self.error}"))
+                continue
+            try:
+                self._run(lane, ex, ticket)
+            except BaseException as exc:  # noqa: BLE001  (handed to DDP, which re-raises)
+                self.error = exc
+                ex.fut.set_exception(exc)
+            finally:
+                ticket.close()
+                lane.set_ticket(None)
+
+    def _run(self, lane: Lane, ex: Exchange, ticket: Ticket) -> None:
+        buf = ex.buf
+        stream = lane.stream(buf.device)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if stream is not None:  # the codec runs after backward made the bucket
+                stream.wait_event(ex.event)
+                buf.record_stream(stream)
+            local = buf.clone() if ex.delayed else None
+            t0 = time.perf_counter()
+            lane.set_ticket(ticket)
+            with torch.profiler.record_function(f"gradcomp.{self.label}.bucket{ex.bucket}"):
+                out = self.reduce(lane, ex)
+            ticket.close()  # as soon as it issues no more (again in finally: a no-op)
+            if self.trace is not None:
+                self.trace.append(("exchange", ex.bucket, t0, time.perf_counter()))
+            # on CUDA the future records the lane stream's work: DDP's wait orders after it
+            ex.fut.set_result(out.sub_(local) if ex.delayed else out)
+
+
+def future(buf: torch.Tensor) -> torch.futures.Future:
+    """A future for a bucket's result (on CUDA it records the buffer's device)."""
+    return torch.futures.Future(devices=[buf.device] if buf.is_cuda else None)

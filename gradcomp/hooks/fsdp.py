@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from ..compressors.base import METHODS, ParamSlice
+from ..config import Adam
 from . import optimizer as optimizer_binding
 from .options import for_optimizer, is_auto
 from .. import comm
@@ -506,8 +507,8 @@ def _refuse(name, config, scaler, hsdp, optimizer) -> None:
     if scaler is not None:
         raise ValueError(f"scaler= under {kind}: allowed None; train with "
                          f"MixedPrecisionPolicy(param_dtype=torch.bfloat16) (no loss scale)")
-    if config.adam in ("precondition", "momentum"):
-        raise ValueError(f"adam={config.adam!r} under {kind}: a rank holds only its shard of "
+    if config.adam in (Adam.PRECONDITION, Adam.MOMENTUM):
+        raise ValueError(f"adam={config.adam.value!r} under {kind}: a rank holds only its shard of "
                          f"Adam's state; allowed 'auto' (freeze here), 'freeze' or 'off'")
     why = None if hsdp else METHODS[name].compressor.sharded_refusal(
         config, optimizer_binding.has_weight_decay(optimizer))

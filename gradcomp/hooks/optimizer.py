@@ -75,6 +75,7 @@ from __future__ import annotations
 import torch
 
 from ..compressors import METHODS
+from ..config import Adam
 from ..compressors.dgc import MOMENTUM_KEYS, MOMENTUM_OFF
 
 ADAM_TYPES = (torch.optim.Adam, torch.optim.AdamW)
@@ -134,8 +135,8 @@ def warn_measured(state, optimizer, stacklevel: int = 3) -> None:
     Adam/AdamW, run at those defaults with Adam/AdamW (``stacklevel``: the user's call)."""
     method, config = state.method, state.config
     local = config.local_steps > 1  # Adam's own inner steps, the pseudo-gradient sent
-    mode = LOCAL if local else state.adam_mode()
-    if method in _warned or not is_adam(optimizer) or config.adam == "off":
+    mode = LOCAL if local else adam_mode(state)
+    if method in _warned or not is_adam(optimizer) or config.adam == Adam.OFF:
         return
     gap = adam_gap(method, mode)
     if gap is None or gap <= HOLDS_PCT:
@@ -145,7 +146,7 @@ def warn_measured(state, optimizer, stacklevel: int = 3) -> None:
         return  # the user chose other settings: not what was measured
     _warned.add(method)
     ok = held(mode)
-    how = "with local steps" if local else f"with adam={mode!r}"
+    how = "with local steps" if local else f"with adam={str(mode)!r}"
     alternatives = (f"held within {HOLDS_PCT:g}% there {how}: "
                     f"{', '.join(repr(m) for m in ok)}, e.g. gradcomp.register(model, "
                     f"{ok[0]!r}, optimizer=opt)" if ok else
@@ -161,17 +162,17 @@ def warn_measured(state, optimizer, stacklevel: int = 3) -> None:
 def check_method(name, config, optimizer) -> None:
     """At registration, before anything is attached: what the method's ``adam`` setting
     needs from the optimizer (the frozen-variance step below)."""
-    if METHODS[name].compressor.stateless or config.adam == "off":
+    if METHODS[name].compressor.stateless or config.adam == Adam.OFF:
         return
     adam = optimizer is not None and is_adam(optimizer)
-    if config.adam in ("freeze", "precondition", "momentum") and not adam:
-        raise ValueError(f"adam={config.adam!r} needs optimizer=torch.optim.Adam or AdamW, got "
+    if config.adam != Adam.AUTO and not adam:
+        raise ValueError(f"adam={config.adam.value!r} needs optimizer=torch.optim.Adam or AdamW, got "
                          f"{type(optimizer).__name__}: allowed adam='auto' or 'off' here")
     if not adam:
         return
     if config.local_steps > 1:
-        if config.adam != "auto":
-            raise ValueError(f"adam={config.adam!r} with local_steps={config.local_steps}: the inner "
+        if config.adam != Adam.AUTO:
+            raise ValueError(f"adam={config.adam.value!r} with local_steps={config.local_steps}: the inner "
                              f"steps are Adam's own and the pseudo-gradient goes through the "
                              f"method; allowed adam='auto' or 'off'")
         return
@@ -298,11 +299,14 @@ def bind(state, optimizer, *, module=None, bucket_bytes=None, pieces=None, warn:
     agreed (the adapters call this last): with ``local_steps`` the rounds' step hooks
     (hooks/local_steps.py); else the SGD momentum a method applies itself (DGC), the Adam binding
     (:class:`FrozenVariance`) and, with ``warn``, the measured-accuracy warning. ``pieces``:
-    what the rounds average under HSDP (``GradcompState.bind_local``)."""
+    what the rounds average under HSDP: (name, tensor) pairs of this rank's rows."""
     if optimizer is None:
         return
     if state.rounds.active:  # inner steps are the optimizer's own; the rounds end in its hooks
-        state.bind_local(module, bucket_bytes, pieces)
+        if pieces is None:  # every trainable parameter of ``module`` in module order
+            names = state.param_names
+            pieces = [(names[id(p)], p) for p in module.parameters() if id(p) in names]
+        state.rounds.bind(pieces, module.named_buffers(), bucket_bytes, state.send_outer)
         # the steps that run (not a wrapper's skips)
         state.rounds.hook(step_hooks(optimizer, "local", state.rounds.inner_pre,
                                      state.rounds.inner_post))
@@ -673,3 +677,50 @@ class SGDMomentum:
             for g, s in zip(self.optimizer.param_groups, self._saved):
                 g.update(s)
             self._saved = None
+
+
+def loss_scale(scaler):
+    """The loss scale the current gradients carry (a copy: the scaler updates it in place
+    after the step), or None without an enabled GradScaler."""
+    if scaler is None or not scaler.is_enabled() or getattr(scaler, "_scale", None) is None:
+        return None
+    return scaler._scale.detach().clone()
+
+
+def frozen_variance(state, optimizer):
+    """With Adam/AdamW and ``adam`` "auto"/"freeze"/"momentum"/"precondition": the binding that
+    freezes Adam's second moment for the compressed parameters once compression starts
+    (:class:`FrozenVariance`); None where there is none to make."""
+    if (state.compressor.stateless or state.config.adam == Adam.OFF or state.rounds.active
+            or not is_adam(optimizer)):
+        return None
+    names, comp, warmup = state.param_names, state.compressor, state.warmup
+    mode = adam_mode(state)
+    return FrozenVariance(
+        optimizer, lambda p: id(p) in names and comp.compresses(names[id(p)], tuple(p.shape)),
+        lambda: not warmup.dense(max(state.step - 1, 0)), names,
+        precondition=mode == Adam.PRECONDITION, momentum=mode == Adam.MOMENTUM,
+        store=state.memory)
+
+
+def adam_mode(state) -> "Adam":
+    """What ``adam`` runs with Adam/AdamW. "auto": the method's measured choice
+    (``Compressor.adam_exchange``: "momentum", the first moment exchanged, for onebit,
+    topk, threshold, dgc; "freeze" for powersgd, terngrad) under DDP without ``delay``
+    and with error feedback on, else "freeze" (FSDP/HSDP: a rank holds only its shard
+    of the moment; ``delay``: the moment read at the exchange is not the one the late
+    average is applied to)."""
+    c = state.config
+    if c.adam != Adam.AUTO:
+        return Adam(c.adam)
+    ok = c.error_feedback and not c.delay and not state.sharded
+    return Adam(state.compressor.adam_exchange) if ok else Adam.FREEZE
+
+
+def dense_wire(state) -> str:
+    """What the warm-up's dense steps put on the wire (``dense_wire``; "auto": bfloat16
+    with Adam/AdamW bound, else float32)."""
+    w = state.config.dense_wire
+    if w == "auto":
+        return "bfloat16" if state.adam is not None else "float32"
+    return w

@@ -7,6 +7,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+import torch
+import torch.distributed as dist
+
 
 class Sharding(str, enum.Enum):
     """Which parallelism the state serves. ``NONE`` (DDP, or a state built by hand) is the
@@ -49,3 +52,22 @@ class Plan:
         keeps."""
         return Plan(sharding=self.sharding, topology_probe=self.topology_probe,
                     method_probe=self.method_probe)
+
+
+def from_model(model, group=None):
+    """A state built by hand from ``model`` (DDP-wrapped or not): its trainable parameters'
+    names by id and sizes by name, and the process group the state issues on: ``group``,
+    else (under torch.distributed) a new one over the model's ranks, collective (every rank
+    builds its state), so DDP's own collectives on the default group never interleave with
+    the exchanges. Returns (names, numels, group, the groups created here)."""
+    module = getattr(model, "module", model)
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"model= must be a torch.nn.Module, got {type(model).__name__}")
+    trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    owned = []
+    if group is None and dist.is_initialized():
+        group = dist.new_group(ranks=dist.get_process_group_ranks(
+            getattr(model, "process_group", None) or dist.group.WORLD))
+        owned = [group]
+    return ({id(p): n for n, p in trainable}, {n: p.numel() for n, p in trainable}, group,
+            owned)

@@ -1,13 +1,53 @@
-"""One bucket's exchange, in stages (``GradcompState._reduce`` runs them on a lane): the
+"""One bucket's exchange, in stages (:func:`exchange` runs them on a lane): the
 topology's split (:func:`split`), then the method's stage (:func:`method`): the warm-up's
 choice between the dense and the compressed exchange, Adam's transforms in and out, the
 inf/NaN guard around the exchange, and the residual diagnostic."""
 from __future__ import annotations
 
+import time
+
 import torch
 
+from ..comm import Traffic
+from . import optimizer as optimizer_binding
 from .context import BucketCtx
 from .telemetry import sq_norm
+
+
+def exchange(state, lane, ex):
+    """One bucket's exchange on ``lane`` (the state's engine runs it), as stages: unscale,
+    the topology's split, the method (the warm-up's choice, Adam's transforms, the guard),
+    rescale. ``ex.plain``: a reduce(x, ctx) run instead of the method's, without memory
+    or guard (local_steps: an inner step's node average, the buffers' average)."""
+    buf, step, scale = ex.buf, ex.step, ex.scale
+    if ex.bucket == 0 and state.telemetry.logging:
+        # the last step every exchange of which has finished by now
+        last = step - 1 - state.config.delay
+        state.telemetry.write(last, state.memory, state.warmup.compressing(last))
+    traffic = Traffic()
+    for c in lane.comms():
+        c.traffic = traffic
+    x = buf if buf.dtype == torch.float32 else buf.float()
+    if scale is not None:  # memory holds unscaled values: the loss scale may change
+        x = x / scale
+    t0, c0 = time.perf_counter(), time.thread_time()
+    ctx, run = split(state, lane, ex)
+    if ex.plain is not None:
+        out = run(x, ex.plain)
+    elif state.compressor.stateless:
+        out = run(x, state.compressor.reduce)
+    else:
+        out = method(state, ctx, lane, x, run)
+    ctx.finish(True)  # unguarded paths' memory_next buffers (the guard finished its own)
+    if scale is not None:
+        out = out * scale
+    if out is not buf:
+        buf.copy_(out)
+    traffic.total_s += time.perf_counter() - t0
+    traffic.total_cpu_s += time.thread_time() - c0
+    state.telemetry.add(step, traffic, buf.numel() * buf.element_size(),
+                        keep=step - state.config.delay - 4)
+    return buf
 
 
 def split(state, lane, ex):
@@ -48,7 +88,7 @@ def method(state, ctx, lane, x, run):
     if slot:
         names = [p.name for p in params]
         owed = sq_norm(x, params, state.memory.peek(slot, names))
-    ctx.dense_wire = state.dense_wire() if dense else None
+    ctx.dense_wire = optimizer_binding.dense_wire(state) if dense else None
     fn = state.compressor.dense if dense else state.compressor.reduce
     x, back = (x, None) if dense or state.adam is None else _adam_in(state.adam, params, x)
     # a step's (or an outer round's) exchanges all over before the next one begins: its

@@ -147,3 +147,70 @@ class Telemetry:
             self.write(step, memory, compressing(step))
         if hasattr(self.writer, "flush"):
             self.writer.flush()
+
+
+def state_stats(state) -> dict:
+    """Bytes of the latest step: ``raw_bytes`` (the gradients' own size, what a plain
+    allreduce hands over), ``sent_bytes`` (the messages this rank handed to collectives),
+    ``wire_bytes`` / ``raw_wire_bytes`` (what ring-style collectives put on this rank's
+    link for those two; ``intra_node_wire_bytes`` the part that stayed inside a node
+    under a hierarchical topology, ``inter_node_wire_bytes`` the rest, which crossed
+    between nodes (under a flat topology all of it may), their ``ratio``, the number of
+    ``collectives``, and the seconds spent inside collectives (``comm_s``) and
+    compressing/decompressing (``codec_s``), summed over the step's buckets, and
+    ``codec_cpu_s``: the exchanging threads' CPU time outside collectives (``codec_s``
+    is wall time: on cores shared with backward it also counts the waits for a core;
+    this is what the codec took from them; on a GPU, the host's time). With
+    ``delay=D`` the latest step whose exchanges have all finished is D steps back. The
+    warm-up's schedule: ``compressing`` (whether the step in flight is compressed; False
+    for plain allreduce), ``warmup_switch_step`` (the first compressed step; None while
+    the adaptive rule has not decided) and ``warmup_norm_change`` (the adaptive rule's last
+    window ratio r, None before two windows). ``topology``: "flat" or "hierarchical";
+    ``topology_probe``: what ``topology=auto`` measured on several nodes (seconds per
+    exchange of one bucket each way, the slowest rank's, and the choice), None where it
+    did not run; ``method_probe``: what ``method="auto"`` measured (each candidate's
+    seconds per exchange of the probe bucket, the choice, the predicted exchange seconds
+    per step), None where it did not run.
+
+    Over the run so far (every exchange recorded since this state was created: a
+    checkpoint does not carry them, so a resumed job counts from its resumption):
+    ``run_raw_bytes``, ``run_sent_bytes``, ``run_wire_bytes`` and ``run_ratio`` (raw /
+    sent: the dense warm-up's steps weigh in), and
+    ``compressing_since``: the first compressed step once the step in flight has
+    reached it (None before the switch, and for plain allreduce)."""
+    tel, step = state.telemetry, state.step - 1
+    t, raw = tel.record(step - state.config.delay)
+    run, run_raw = tel.totals()
+    switch = state.warmup.switch_step()
+    W = state.world_size
+    return {
+        "step": state.step, "raw_bytes": raw, "sent_bytes": t.sent,
+        "wire_bytes": t.wire, "raw_wire_bytes": raw * 2 * (W - 1) / W,
+        "intra_node_wire_bytes": t.intra, "inter_node_wire_bytes": t.wire - t.intra,
+        "ratio": raw / t.sent if t.sent else float("inf"),
+        "collectives": t.collectives,
+        "comm_s": t.comm_s, "codec_s": t.total_s - t.comm_s,
+        "codec_cpu_s": t.total_cpu_s - t.comm_cpu_s,
+        "compressing": bool(state.warmup.compressing(max(step, 0))),
+        "warmup_switch_step": switch, "warmup_norm_change": state.warmup.ratio,
+        "run_raw_bytes": run_raw, "run_sent_bytes": run.sent, "run_wire_bytes": run.wire,
+        "run_ratio": run_raw / run.sent if run.sent else float("inf"),
+        "compressing_since": switch if switch is not None and step >= switch else None,
+        "topology": "hierarchical" if state.local_size else "flat",
+        "topology_probe": state.topology_probe, "method_probe": state.method_probe,
+    }
+
+
+def attach_writer(state, writer, details: bool = False) -> None:
+    """Log per-step scalars to a TensorBoard ``SummaryWriter`` (or anything with
+    ``add_scalar``): compression ratio, wire and sent bytes, the norm of each memory slot
+    (residuals, velocities) and what the method records (DGC's sparsity and mean sampled
+    threshold; with ``details`` also PowerSGD's relative approximation error and, for a
+    method whose residual is its own message's error (``Compressor.residual_slot``:
+    onebit's first stage, terngrad, topk, threshold), ``residual_energy``: ||residual after
+    the step||^2 / ||gradient + residual before||^2, summed over the step's buckets, i.e.
+    1 - delta of error feedback's contraction (at or above 1 the residual does not
+    shrink); both cost passes over the gradient). Written from the communication thread
+    when a step's exchanges have all finished; nothing is computed while no writer is
+    attached."""
+    state.telemetry.attach(writer, details, state.step - 1)

@@ -41,6 +41,10 @@ import collections
 import math
 
 import torch
+import torch.distributed as dist
+
+from .. import comm as collectives
+from ..comm import Traffic
 
 
 class Warmup:
@@ -158,3 +162,17 @@ class Warmup:
         self._entries = [(s, list(names), sq.clone()) for s, names, sq in sd["entries"]]
         self._next, self._prev = sd["next"], sd["prev"]
         self.ratio, self._switch = sd["ratio"], sd["switch"]
+
+
+def window_sum(state, acc: torch.Tensor, step: int) -> int:
+    """The warm-up's one collective: its window's values summed over every rank (under
+    HSDP the whole mesh, so the job switches at one step), issued while no exchange is in
+    flight (the same program point on every rank). Returns how many ranks."""
+    state.drain()
+    group = state.stats_group if state.stats_group is not None else state.group
+    world = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+    if world > 1:
+        t = Traffic()
+        collectives.all_reduce_now(acc, "sum", group, traffic=t)
+        state.telemetry.add(step, t)
+    return world

@@ -1,0 +1,159 @@
+"""The three ways a bucket reaches a lane, one chosen at the state's construction from its
+config (``GradcompState.submit`` names the bucket's parameters, then calls it):
+
+  Inner     ``local_steps`` > 1: an inner step (this rank's gradient, or its node's average
+            under a hierarchical topology); the rounds' outer exchange goes through
+            :meth:`GradcompState.send_outer` from hooks/local_steps.py
+  Now       the exchange on its lane; DDP waits for its future
+  Delayed   ``delay=D``: a copy exchanged in the background, the local gradient applied now
+            plus the correction (average - local) of step t - D (hooks/delayed.py)
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from . import optimizer as optimizer_binding, stages
+from .engine import Exchange, future
+from .topology import base_name
+from .local_steps import node_average
+
+
+class Inner:
+    """An inner step of local steps: this rank's gradient, or a hierarchy's node's."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def __call__(self, bucket, buf, slices, params, names, last):
+        st = self.state
+        if not st.rounds.bound:
+            raise RuntimeError(f"local_steps={st.config.local_steps}: no optimizer to run "
+                               f"the outer step from; build the state with gradcomp.register"
+                               f"(model, ..., optimizer=opt) or call gradcomp.hooks.optimizer."
+                               f"bind(state, opt, module=model.module, bucket_bytes="
+                               f"model.bucket_bytes_cap) before training")
+        fut = future(buf)
+        if not st.local_size:
+            fut.set_result(buf)
+            return fut
+        st.engine.enqueue(st.engine.lane(bucket), Exchange(
+            bucket, buf, slices, st.step, plain=node_average, fut=fut), last)
+        return fut
+
+
+class Now:
+    """The exchange on its lane; DDP waits for its future."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def __call__(self, bucket, buf, slices, params, names, last):
+        st = self.state
+        try:
+            step = st.begin(bucket)  # (the previous step's flags are read here)
+        except Exception as exc:  # noqa: BLE001  (handed to DDP, as a lane's error is)
+            return st.engine.failed(buf, exc)
+        scale = optimizer_binding.loss_scale(st.scaler)
+        st.warmup.observe(step, buf, slices, scale)
+        if st.adam is not None and not st.warmup.dense(step):
+            st.adam.scale(slices, buf.device)  # built here, while the optimizer is idle
+        ex = Exchange(bucket, buf, slices, step, params=list(params), scale=scale,
+                      live=st.compressor.live(names), fut=future(buf))
+        if st.trace is not None:
+            now = time.perf_counter()
+            st.trace.append(("submit", bucket, now, now))
+        return self.send(ex, names, last)
+
+    def send(self, ex: Exchange, names, last: bool):
+        self.state.engine.enqueue(self.state.engine.lane(ex.bucket), ex, last)
+        return ex.fut
+
+
+class Delayed(Now):
+    """Delayed averaging: exchange a copy in the background, apply the local gradient now
+    plus the correction (average - local) of step - D. The copy, and the parameters where
+    the method reads them (DGC's weight decay), are taken now: the optimizer updates the
+    parameters while the exchange runs."""
+
+    def __init__(self, state):
+        super().__init__(state)
+        self.layouts: dict[int, tuple] = {}  # bucket -> its parameters' names, as last seen
+
+    def send(self, ex: Exchange, names, last: bool):
+        st, buf, step, params = self.state, ex.buf, ex.step, ex.params
+        layout = tuple(names)
+        if self.layouts.get(ex.bucket) != layout and st.lanes > 1:
+            # DDP moved parameters between buckets (its rebuild): a parameter's previous
+            # exchange may sit on another lane and must finish before its next one starts
+            # (without delay every exchange of the previous step has finished already). Only
+            # earlier steps': this step's may wait for this very bucket's turn.
+            st.drain(before=step)
+        self.layouts[ex.bucket] = layout
+        if st.compressor.reads_params(ex.live):
+            ex.params = [p.detach().clone() for p in params]
+        ex.buf, ex.delayed, ex.scale = buf.clone(), True, None
+        st.engine.enqueue(st.engine.lane(ex.bucket), ex, last)
+        # (the job's wait orders after the lane's stream)
+        st.delay.add(step, ex.slices, ex.fut, zip(names, params))
+        corr = st.delay.take(step - st.config.delay, ex.slices, buf)
+        if corr is not None:
+            buf.add_(corr)
+        fut = future(buf)
+        fut.set_result(buf)
+        return fut
+
+
+# the other ways in: FSDP's (a bucket laid out by FSDP, synchronous or on the first lane),
+# local steps' outer exchanges
+
+def reduce(state, x: torch.Tensor, params, bucket: int = 0, param_tensors=None) -> torch.Tensor:
+    """Synchronously reduce one flat bucket (any float dtype); returns the average in
+    x's dtype. The DDP hook runs exactly this, on the communication thread."""
+    step = state.begin(bucket)
+    state.warmup.observe(step, x, params)
+    live = state.compressor.live([base_name(p.name) for p in params])  # (HSDP: pieces)
+    return stages.exchange(state, state.engine.lanes[0], Exchange(
+        bucket, x, list(params), step, params=param_tensors, live=live))
+
+
+def submit_slices(state, bucket: int, buf: torch.Tensor, slices, tensors=None
+                  ) -> torch.futures.Future:
+    """Queue the exchange of a bucket laid out by ``slices`` (ParamSlices; ``tensors``:
+    the parameters, where the method reads them) on the first lane, each its own round
+    of the collective order; the future completes with the average, in ``buf``. What
+    :meth:`reduce` does on the caller's thread, done on the lane's (the FSDP adapter's
+    overlapped exchanges, which FSDP refuses delay and local steps for)."""
+    try:
+        step = state.begin(bucket)
+    except Exception as exc:  # noqa: BLE001  (the caller's wait raises it)
+        return state.engine.failed(buf, exc)
+    state.warmup.observe(step, buf, slices)
+    live = state.compressor.live([base_name(p.name) for p in slices])
+    ex = Exchange(bucket, buf, list(slices), step, params=tensors, live=live,
+                  fut=future(buf))
+    state.engine.enqueue(state.engine.lanes[0], ex, True)
+    return ex.fut
+
+
+def outer(state, bucket, x, slices, tensors, last, plain):
+    """Local steps' outer exchange of one bucket (hooks/local_steps.py) in the global
+    order: the method's (a step of its own), or ``plain``: the buffers' plain average.
+    Returns (its future, its step)."""
+    step = state.begin(bucket) if not plain else max(state.step - 1, 0)
+    if not plain:
+        state.warmup.observe(step, x, slices)
+    live = state.compressor.live([s.name for s in slices]) if not plain else None
+    fut = future(x)
+    state.engine.enqueue(state.engine.lane(bucket), Exchange(
+        bucket, x, slices, step, params=tensors, live=live,
+        plain=state.compressor.dense if plain else None, fut=fut), last)
+    return fut, step
+
+
+def choose(config):
+    """The way a state with ``config`` submits its buckets."""
+    if config.local_steps > 1:
+        return Inner
+    return Delayed if config.delay else Now
