@@ -5,6 +5,7 @@ import dataclasses
 import enum
 import math
 import typing
+from typing import Final
 from dataclasses import dataclass
 
 # Tensors with fewer elements than this go uncompressed: below it the compressed message plus
@@ -27,6 +28,13 @@ class Adam(enum.StrEnum):
 
 ADAMS = tuple(a.value for a in Adam)
 DENSE_WIRES = ("auto", "float32", "bfloat16", "int8")
+# The slots the methods keep (memory.py; typed constants: a checkpoint's memory is keyed
+# by them)
+RESIDUAL: Final = "residual"                # error feedback's residual (every EF method)
+SERVER_RESIDUAL: Final = "server_residual"  # onebit: the residual of its second stage
+VELOCITY: Final = "velocity"                # dgc: its momentum-corrected velocity
+TAU: Final = "tau"                          # threshold: each parameter's adaptive threshold
+
 # bounds on what an option costs, checked before anything is allocated or sent: a value past
 # them is a typo far more often than a plan (each delayed step holds a copy of the gradients
 # in flight; a run syncs once per local_steps steps; a window's norms are kept until it ends)

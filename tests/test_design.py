@@ -169,3 +169,11 @@ def test_no_function_is_over_sixty_lines():
                 if n > 60:
                     long.append(f"{p.relative_to(ROOT.parent)}:{node.lineno} {node.name} ({n})")
     assert not long, long
+
+
+def test_the_state_module_stays_small():
+    """hooks/state.py ties the components together and holds nothing else: the ways a bucket
+    is submitted (hooks/submit.py), the exchange's stages (hooks/stages.py), the lanes
+    (hooks/engine.py), telemetry, the Adam binding and checkpoints live in their modules."""
+    lines = (ROOT / "hooks" / "state.py").read_text().count("\n")
+    assert lines < 300, lines

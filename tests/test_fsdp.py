@@ -228,7 +228,7 @@ def _refusals(rank, world, hsdp):
     for spec, kw in (("onebit:delay=1", {}), ("onebit:local_steps=2", {}),
                      ("onebit:topology=hierarchical", {}), ("onebit:adam=precondition", {}),
                      ("onebit:adam=momentum", {}), ("dgc", {"wd": 1e-4}), ("onebit", {"scaler": True}),
-                     ("onebit", {"differ": True})):
+                     ("onebit", {"differ": True}), ("threshold", {"lanes": 2})):
         net = _net(world, hsdp)
         opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9,
                               weight_decay=kw.get("wd", 0.0))
@@ -240,6 +240,8 @@ def _refusals(rank, world, hsdp):
         if kw.get("differ"):
             extra["ratio"] = 0.01 if rank == 0 else 0.02
             spec = "topk"
+        if kw.get("lanes"):
+            extra["lanes"] = 2  # no effect under FSDP: refused, not ignored
         try:
             gradcomp.register(net, spec, optimizer=opt, **extra)
             out.append((spec, None))
@@ -349,7 +351,7 @@ def test_unsupported_settings_are_refused_on_every_rank(spawn):
     want = {"onebit:delay=1": "delay=1", "onebit:local_steps=2": "local_steps=2",
             "onebit:topology=hierarchical": "HSDP", "onebit:adam=precondition": "precondition",
             "onebit:adam=momentum": "only its shard", "dgc": "weight decay", "onebit": "scaler",
-            "topk": "ratio", "auto": "freeze"}
+            "topk": "ratio", "threshold": "lanes=2 with an FSDP model", "auto": "freeze"}
     for r in results:
         assert [s for s, _ in r] == list(want)
         for spec, msg in r:

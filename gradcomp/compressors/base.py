@@ -24,7 +24,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from ..config import Adam, MethodConfig
+from ..config import Adam, MethodConfig, RESIDUAL
 from ..kernels.work import scratch  # noqa: F401  (the compressors' work buffers)
 from .rows import dense_rows, sum_ranks
 
@@ -202,7 +202,7 @@ class Compressor(ABC):
         return ctx.comm.allreduce(x).div_(ctx.comm.world_size)
 
     def add_residual(self, x: torch.Tensor, ctx: BucketContext,
-                     slot: str = "residual") -> torch.Tensor:
+                     slot: str = RESIDUAL) -> torch.Tensor:
         """Error feedback's input: y = x + this rank's memory ``slot``, written into the
         next memory's buffer (``memory_next``), which then keeps y less what is sent
         (:func:`keep_unsent`, or the method's encoder); x itself, unchanged, with
@@ -370,3 +370,16 @@ def register_method(cls: type[Compressor]) -> type[Compressor]:
                         f"momentum_options for reads_momentum); remove it")
     METHODS[cls.name] = MethodSpec(cls.name, cls.Config, cls, cls.description)
     return cls
+
+
+def build(method: str, config: MethodConfig | None = None) -> tuple[MethodConfig, Compressor]:
+    """``method``'s config (its defaults where None) and a compressor built from it; a
+    ValueError names an unknown method, a TypeError a config of another method's class."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}: allowed {', '.join(sorted(METHODS))}")
+    spec = METHODS[method]
+    config = config if config is not None else spec.config()
+    if not isinstance(config, spec.config):
+        raise TypeError(f"method {method!r} takes a {spec.config.__name__}, "
+                        f"got {type(config).__name__}")
+    return config, spec.compressor(config)

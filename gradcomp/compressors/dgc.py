@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import MethodConfig, check
+from ..config import MethodConfig, VELOCITY, check
 from .base import Compressor, keep_unsent, register_method
 from .topk import SPARSE, check_value_dtype, exchange_sparse, round_values, select, value_dtype
 
@@ -212,7 +212,7 @@ class DGC(Compressor):
             x.mul_(torch.repeat_interleave(factor, lengths, output_size=x.numel()))
         if not isinstance(m, torch.Tensor) and not m:
             return None
-        u, nxt = ctx.memory_next("velocity")  # rewritten whole: u m + x
+        u, nxt = ctx.memory_next(VELOCITY)  # rewritten whole: u m + x
         u = torch.mul(u, m, out=nxt).add_(x)
         if not nesterov:
             x.copy_(u)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import MethodConfig, check
+from ..config import MethodConfig, RESIDUAL, check
 from ..kernels.chunks import chunk_plan
 from .base import Compressor, dense_values, positions, register_method, zero_dense
 from .rows import BITS, ROWS, dequantize, gathered, quantize, two_phase
@@ -66,7 +66,7 @@ class DiLoCoConfig(MethodConfig):
 class DiLoCo(Compressor):
     Config = DiLoCoConfig
     name = "diloco"
-    residual_slot = "residual"
+    residual_slot = RESIDUAL
     # (Compressor.measured) AdamW, the GPT, 2000 steps, seed 0: 1.6725 against allreduce's
     # mean 1.6139 (5 seeds), 19x fewer bytes (bench/RESULTS.md, "Accuracy with AdamW"): the
     # quality of plain averaging every 5 steps

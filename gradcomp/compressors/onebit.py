@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
-from ..config import MethodConfig, check
+from ..config import MethodConfig, RESIDUAL, SERVER_RESIDUAL, check
 from .base import MAX_RUNS, Compressor, Runs, dense_values, put_dense, register_method, scratch
 from .wire import DENSE, Field, Message
 
@@ -99,7 +99,7 @@ class OneBit(Compressor):
     # at 256 (allreduce 1.6083), and 1.6348 against 1.6411 at 600 steps; the bf16 warm-up pays
     # for the bytes: 9.8x fewer than allreduce over the run (bench/RESULTS.md section 8)
     adam_defaults = {"chunk": 64}
-    residual_slot = "residual"
+    residual_slot = RESIDUAL
     # (Compressor.measured) AdamW: "freeze" measured at chunk 256 with the fp32 warm-up
     measured = {"sgd_points": -0.4, "adamw_gap_pct": {"freeze": 4.26, "momentum": 0.15}}
     description = "1-bit SGD: sign bits + 2 scales per chunk, error feedback, two-phase reduce"
@@ -113,7 +113,7 @@ class OneBit(Compressor):
         y = lay.spread(x, "onebit.y")
         res = None
         if ef:  # the residual is rewritten whole (gather writes every element of the bucket)
-            e_now, e_next = ctx.memory_next("residual")
+            e_now, e_next = ctx.memory_next(RESIDUAL)
             res = lay.spread(e_now, "onebit.res")
         msg = self._encode_parts(y[:-1], None if res is None else res[:-1], W, part, chunk,
                                  lay.pad)
@@ -128,9 +128,9 @@ class OneBit(Compressor):
         if ef:  # the second memory holds, per parameter, what this rank owns (its part);
             # rewritten whole where own_back writes every element, else in place
             if lay.writes_all(x):
-                e2, e2_next = ctx.memory_next("server_residual")
+                e2, e2_next = ctx.memory_next(SERVER_RESIDUAL)
             else:
-                e2 = e2_next = ctx.memory("server_residual")
+                e2 = e2_next = ctx.memory(SERVER_RESIDUAL)
             res2 = lay.own_part(e2, scratch("onebit.res2", part, torch.float32, x.device))
         bits2, scales2 = compress(mine, res2, chunk, lay.own_pad)
         d = dense_values(x, dense)

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import Adam, MethodConfig, check
+from ..config import Adam, MethodConfig, RESIDUAL, check
 from ..kernels import backend, lowrank
 from .base import MAX_RUNS, Compressor, ParamSlice, Runs, name_seed, register_method, scratch
 from .wire import Field, Message
@@ -125,7 +125,7 @@ class PowerSGD(Compressor):
         if not lay.groups:
             return self.dense(x, ctx)
         if cfg.error_feedback:  # the residual is rewritten whole (E = M - M'), into e
-            e_now, e = ctx.memory_next("residual")
+            e_now, e = ctx.memory_next(RESIDUAL)
             x.add_(e_now)
         qs = [[ctx.tensor("q", p.name, lambda p=p, g=g: _init_q(cfg.seed, p.name, g.m, g.r, x.device))
                for p in g.params] for g in lay.groups]

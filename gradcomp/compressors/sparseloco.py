@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
-from ..config import MethodConfig, check
+from ..config import MethodConfig, RESIDUAL, check
 from ..kernels.chunks import chunk_plan
 from .base import Compressor, dense_values, put_dense, register_method, zero_dense
 from .rows import pack_signs, unpack_signs
@@ -86,7 +86,7 @@ class SparseLoCoConfig(MethodConfig):
 class SparseLoCo(Compressor):
     Config = SparseLoCoConfig
     name = "sparseloco"
-    residual_slot = "residual"
+    residual_slot = RESIDUAL
     # (Compressor.measured) AdamW, the GPT, 2000 steps, seeds 0-2: 1.6254 / 1.6103 / 1.6366
     # against allreduce's 1.6083 / 1.6027 / 1.6227 (+0.80% on the mean), 156x fewer bytes
     # (bench/RESULTS.md, "Accuracy with AdamW")
@@ -98,7 +98,7 @@ class SparseLoCo(Compressor):
     def exchange(self, x, ctx, big, dense):
         cfg, W = self.config, ctx.comm.world_size
         if cfg.error_feedback:
-            e, y = ctx.memory_next("residual")
+            e, y = ctx.memory_next(RESIDUAL)
             torch.add(x, e, alpha=cfg.decay, out=y)
         else:
             y = x

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from .. import kernels
-from ..config import Adam, MethodConfig, check
+from ..config import Adam, MethodConfig, RESIDUAL, check
 from ..kernels.host import to_device
 from .base import Compressor, Runs, dense_values, put_dense, register_method, scratch
 from .wire import DENSE, Field, Message
@@ -193,7 +193,7 @@ MESSAGE = Message(
 class TernGrad(Compressor):
     Config = TernGradConfig
     name = "terngrad"
-    residual_slot = "residual"
+    residual_slot = RESIDUAL
     # unbiased, no residual: with AdamW its gradient held better than its first moment
     # (600-step GPT probe, seed 0: -1.2% against +0.6% from allreduce)
     adam_exchange = Adam.FREEZE
@@ -210,7 +210,7 @@ class TernGrad(Compressor):
         lay = self._layout(ctx.params, big, dense, x.device)
         y = lay.spread(x, "terngrad.y")
         # the residual is rewritten whole (gather, then the dense parameters' zeros)
-        e_now, e = ctx.memory_next("residual") if cfg.error_feedback else (None, None)
+        e_now, e = ctx.memory_next(RESIDUAL) if cfg.error_feedback else (None, None)
         res = None
         if e is not None:
             res = lay.spread(e_now, "terngrad.res")

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
-from ..config import MethodConfig, check
+from ..config import MethodConfig, RESIDUAL, TAU, check
 from ..kernels import segmented
 from ..kernels.host import to_device
 from ..kernels.segmented import CAPACITY_FACTOR, MIN_SAMPLE_HITS, TARGET_FACTOR
@@ -165,7 +165,7 @@ MESSAGE = Message(
 class Threshold(Compressor):
     Config = ThresholdConfig
     name = "threshold"
-    residual_slot = "residual"
+    residual_slot = RESIDUAL
     scalar_slots = ("tau",)
     # (Compressor.measured) AdamW: "freeze" measured with the fp32 warm-up, 1 seed
     measured = {"sgd_points": -2.4, "adamw_gap_pct": {"freeze": 14.0, "momentum": 5.35}}
@@ -184,7 +184,7 @@ class Threshold(Compressor):
                            torch.int64, x.device)
         keys, mag, guard = segmented.sample(y, pl, shifts)
         # step 2 (see the module docstring); the cap guard raises each threshold (gaps: NaN)
-        taus = ctx.scalars("tau") if cfg.adaptive else None  # per parameter; 0: none yet
+        taus = ctx.scalars(TAU) if cfg.adaptive else None  # per parameter; 0: none yet
         # zeros sort last within a parameter: the estimate counts the non-zero ones
         nonzero_end = torch.searchsorted(keys, tb.zero_key) if cfg.adaptive else None
         sent_tau, thr = kernels.threshold_tau(mag, nonzero_end, tb.est_start, tb.est_end, taus,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
-from ..config import MethodConfig, check
+from ..config import MethodConfig, RESIDUAL, check
 from ..kernels import segmented
 from ..kernels.host import to_device
 from .base import Compressor, dense_values, keep_unsent, put_dense, register_method
@@ -136,7 +136,7 @@ class TopK(Compressor):
     adam_defaults = {"ratio": 0.025}
     # (Compressor.measured) AdamW: "freeze" measured at ratio 0.05 with the fp32 warm-up
     measured = {"sgd_points": -1.2, "adamw_gap_pct": {"freeze": 3.68, "momentum": 0.54}}
-    residual_slot = "residual"
+    residual_slot = RESIDUAL
     description = "top-k sparsification with error feedback (no momentum correction)"
     messages = (SPARSE,)
 

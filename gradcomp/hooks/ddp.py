@@ -13,6 +13,7 @@ from .state import GradcompState
 from .topology import node_size
 
 MAX_LANES = 32
+LANES = 4  # the default: process groups (and threads) exchanging buckets side by side
 
 
 def hook(state: GradcompState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -77,7 +78,7 @@ def check_group(model: DistributedDataParallel, process_group) -> list:
 
 
 def register(model: DistributedDataParallel, method: str, *, optimizer=None, scaler=None,
-             lanes: int = 4, process_group=None, log_dir=None, log_all_ranks=False,
+             lanes: int = LANES, process_group=None, log_dir=None, log_all_ranks=False,
              log_details=False, **options) -> GradcompState:
     """``gradcomp.register`` for a DDP model (hooks/register.py checked the model, the
     process group and ``lanes``): validate and agree, the process groups, the state built

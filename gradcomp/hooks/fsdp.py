@@ -330,11 +330,11 @@ def check_model(model):
     return units, info, isinstance(info, HSDPMeshInfo), everyone
 
 
-def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
-             log_dir=None, log_all_ranks=False, log_details=False, **options) -> GradcompState:
+def register(model, method: str, *, optimizer=None, scaler=None, log_dir=None,
+             log_all_ranks=False, log_details=False, **options) -> GradcompState:
     """``gradcomp.register`` for a ``fully_shard``-ed model (see the module doc): validate
     and agree, the process groups, the state built once from its plan (hooks/plan.py), FSDP's
-    hooks, then the optimizer. ``lanes`` has no effect (one lane: module doc)."""
+    hooks, then the optimizer."""
     units, info, hsdp, everyone = check_model(model)  # (register checked it on every rank)
     groups = Groups(dist.get_backend(info.shard_process_group))
     world = groups.new(everyone)  # registration's agreement; HSDP: the warm-up's statistics

@@ -15,7 +15,7 @@ OWN = ("optimizer", "scaler", "lanes", "process_group", "log_dir", "log_all_rank
        "log_details")
 
 
-def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
+def register(model, method: str, *, optimizer=None, scaler=None, lanes: int | None = None,
              process_group=None, log_dir=None, log_all_ranks=False, log_details=False,
              **options) -> GradcompState:
     """Register a gradcomp communication hook on a DDP model (or a ``fully_shard`` model:
@@ -30,7 +30,8 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
     scale changes do not corrupt it (not with ``delay``: a rank's overflow would reach the
     others only D steps later). With ``local_steps`` > 1 ``optimizer`` is required: the
     outer step runs from its step post-hook every ``local_steps`` steps (hooks/local_steps.py).
-    ``log_dir``: TensorBoard scalars per step (rank 0
+    ``lanes``: DDP only, how many buckets' exchanges run side by side (4 where None;
+    docs/topology.md). ``log_dir``: TensorBoard scalars per step (rank 0
     only unless ``log_all_ranks``; ``log_details`` adds costly diagnostics such as PowerSGD's
     approximation error: see :meth:`GradcompState.attach`). Must be called on every rank (it is collective):
     ranks that registered different methods or options all raise ValueError.
@@ -51,6 +52,10 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
     def check():  # every argument, on every rank, before anything else is collective
         _check_model(model, sharded)
         check_arguments(method, options, optimizer, scaler, lanes, log_all_ranks, log_details)
+        if sharded and lanes is not None:
+            raise ValueError(f"lanes={quote(lanes)} with an FSDP model: it has no effect there "
+                             f"(each exchange runs on one lane, overlapped with backward); "
+                             f"allowed None (leave it out)")
         _check_groups(model, sharded, process_group)
         return None, {}
 
@@ -59,11 +64,12 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int = 4,
     # rank), not one a refused rank would leave the others waiting in.
     group, ranks = _first_group(model, sharded, process_group)
     agree(group, ranks, check, lambda _: None)
-    common = dict(optimizer=optimizer, scaler=scaler, lanes=lanes, log_dir=log_dir,
+    common = dict(optimizer=optimizer, scaler=scaler, log_dir=log_dir,
                   log_all_ranks=log_all_ranks, log_details=log_details, **options)
     if sharded:
         return fsdp.register(model, method, **common)
-    return ddp.register(model, method, process_group=process_group, **common)
+    return ddp.register(model, method, process_group=process_group,
+                        lanes=ddp.LANES if lanes is None else lanes, **common)
 
 
 def _check_model(model, sharded: bool) -> None:
@@ -101,7 +107,8 @@ def check_arguments(method, options: dict, optimizer, scaler, lanes, log_all_ran
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
         raise TypeError(f"scaler={quote(scaler)} ({type(scaler).__name__}): allowed a "
                         f"torch.amp.GradScaler, or None")
-    if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= ddp.MAX_LANES:
+    if lanes is not None and (isinstance(lanes, bool) or not isinstance(lanes, int)
+                              or not 1 <= lanes <= ddp.MAX_LANES):
         raise ValueError(f"invalid lanes={quote(lanes)}: allowed an integer in "
                          f"[1, {ddp.MAX_LANES}] (each lane is a process group and a thread)")
     for key, v in (("log_all_ranks", log_all_ranks), ("log_details", log_details)):

@@ -30,7 +30,7 @@ from typing import Sequence
 import torch
 
 from ..comm import Comm
-from ..compressors import METHODS
+from ..compressors.base import build
 from ..config import MethodConfig
 from ..memory import ParamMemory
 from . import checkpoint, stages
@@ -69,23 +69,16 @@ class GradcompState:
                  param_numels: dict[str, int] | None = None, model=None,
                  plan: Plan | None = None):
         """``plan``: what a registration decided (hooks/plan.py; its ``lane_groups`` and
-        ``owned_groups`` join these). ``model``: the module (DDP-wrapped or not) whose parameters the state will see;
-        their names key its memory. Needed where the hook is registered by hand
+        ``owned_groups`` join these). ``model``: the module (DDP-wrapped or not) whose
+        parameters the state will see; their names key its memory. Needed where the hook is registered by hand
         (``ddp.register_comm_hook(gradcomp.State("onebit", model=net), gradcomp.hook)``),
         which then also creates the state's own process group (collective: on every rank).
         :func:`gradcomp.register` does both itself, and binds the optimizer (``dgc``, Adam)."""
         owned = []
         if model is not None:
             param_names, param_numels, group, owned = from_model(model, group)
-        if method not in METHODS:
-            raise ValueError(f"unknown method {method!r}: allowed {', '.join(sorted(METHODS))}")
-        spec = METHODS[method]
-        config = config if config is not None else spec.config()
-        if not isinstance(config, spec.config):
-            raise TypeError(f"method {method!r} takes a {spec.config.__name__}, "
-                            f"got {type(config).__name__}")
+        config, self.compressor = build(method, config)
         self.method, self.config = method, config
-        self.compressor = spec.compressor(config)
         self.param_names = param_names or {}    # id(parameter) -> name: the memory's keys
         self.param_numels = param_numels or {}  # name -> elements (checkpoints check them)
         self.group = group
@@ -111,19 +104,15 @@ class GradcompState:
             self.set_topology(*plan.topology)
 
     # ------------------------------------------------------------------ the plan's parts
-    scaler = _planned("scaler", "A torch.amp.GradScaler whose loss scale the gradients carry.")
-    stats_group = _planned("stats_group", "The warm-up's statistics' group where not ``group`` "
-                                          "(HSDP).")
-    owned_groups = _planned("owned_groups", "Process groups created for this state: destroyed "
-                                            "at close().")
-    load_group = _planned("load_group", "The loads' agreement, where an adapter made one "
-                                        "(agree.py).")
+    # (each documented on hooks/plan.py's Plan)
+    scaler = _planned("scaler", "The GradScaler whose loss scale the gradients carry.")
+    stats_group = _planned("stats_group", "The warm-up's statistics' group (HSDP).")
+    owned_groups = _planned("owned_groups", "Process groups destroyed at close().")
+    load_group = _planned("load_group", "The loads' agreement (agree.py).")
     sharded = _planned("sharding", "The Sharding the state serves (false for DDP).")
     reuse_skipped = _planned("reuse_skipped", "Whether a skipped step's index is taken again.")
-    topology_probe = _planned("topology_probe", "topology=auto's measurement (hooks/ddp.py), "
-                                                "if it ran.")
-    method_probe = _planned("method_probe", "method=auto's measurement (hooks/auto.py), if it "
-                                            "ran.")
+    topology_probe = _planned("topology_probe", "topology=auto's measurement, if it ran.")
+    method_probe = _planned("method_probe", "method=auto's measurement, if it ran.")
 
     # ------------------------------------------------------------------ runtime
     def _setup_runtime(self):
@@ -249,15 +238,7 @@ class GradcompState:
         ``last``: DDP's last bucket of this backward pass (it closes the round of the
         collective order). One of three ways, fixed by the config (hooks/submit.py): an
         inner step of local steps, an exchange the step waits for, delayed averaging."""
-        names = []
-        for p in params:
-            name = self.param_names.get(id(p))
-            if name is None:
-                raise RuntimeError(
-                    "a bucket holds a parameter the state does not know: build the state with "
-                    "the model it serves, gradcomp.State(method, config, model=net), or use "
-                    "gradcomp.register(ddp_model, method, optimizer=opt)")
-            names.append(name)
+        names = submitting.names_of(self.param_names, params)
         return self._submit(bucket, buf, flat_slices(zip(names, params)), params, names, last)
 
     def drain(self, before: int | None = None) -> None:
@@ -265,16 +246,7 @@ class GradcompState:
         self.rounds.drain(before)
         self.delay.drain(before)
 
-    def flush(self) -> dict:
-        """End of training. With ``delay``: wait for the exchanges still in flight and put the
-        sum of their corrections into each parameter's ``.grad``; call ``optimizer.step()``
-        once more after it and every averaged gradient has been applied. Returns the
-        corrections by parameter name. With ``local_steps`` and ``local_delay=1``: wait for
-        the outer exchange in flight and apply it to the parameters (and buffers) now;
-        called at a round's end, every rank then holds the global point (no
-        ``optimizer.step()`` after it). A no-op otherwise."""
-        self.rounds.flush()
-        return self.delay.flush()
+    flush = submitting.flush
 
     # ------------------------------------------------------------------ telemetry
     attach = attach_writer

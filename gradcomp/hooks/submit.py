@@ -20,6 +20,20 @@ from .topology import base_name
 from .local_steps import node_average
 
 
+def names_of(names: dict, params) -> list[str]:
+    """The names of a DDP bucket's parameters (``names``: by id)."""
+    out = []
+    for p in params:
+        name = names.get(id(p))
+        if name is None:
+            raise RuntimeError(
+                "a bucket holds a parameter the state does not know: build the state with "
+                "the model it serves, gradcomp.State(method, config, model=net), or use "
+                "gradcomp.register(ddp_model, method, optimizer=opt)")
+        out.append(name)
+    return out
+
+
 class Inner:
     """An inner step of local steps: this rank's gradient, or a hierarchy's node's."""
 
@@ -150,6 +164,18 @@ def outer(state, bucket, x, slices, tensors, last, plain):
         bucket, x, slices, step, params=tensors, live=live,
         plain=state.compressor.dense if plain else None, fut=fut), last)
     return fut, step
+
+
+def flush(state) -> dict:
+    """End of training. With ``delay``: wait for the exchanges still in flight and put the
+    sum of their corrections into each parameter's ``.grad``; call ``optimizer.step()``
+    once more after it and every averaged gradient has been applied. Returns the
+    corrections by parameter name. With ``local_steps`` and ``local_delay=1``: wait for
+    the outer exchange in flight and apply it to the parameters (and buffers) now;
+    called at a round's end, every rank then holds the global point (no
+    ``optimizer.step()`` after it). A no-op otherwise."""
+    state.rounds.flush()
+    return state.delay.flush()
 
 
 def choose(config):
