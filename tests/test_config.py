@@ -63,9 +63,9 @@ def test_config_round_trips_through_dict():
 def test_dgc_reads_momentum_from_the_optimizer_and_hides_it_only_during_step():
     p = torch.nn.Parameter(torch.ones(3))
     opt = torch.optim.SGD([p], lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4)
-    assert momentum_options({"ratio": 0.01}, opt) == {"ratio": 0.01}  # read live, not copied
+    assert momentum_options({"ratio": 0.01}, opt, "dgc") == {"ratio": 0.01}  # read live, not copied
     dgc = DGC(DGC.Config(ratio=0.01))
-    dgc.attach_momentum(SGDMomentum(opt, {id(p): "w"}, dgc.config.fixed()))
+    dgc.attach_momentum(SGDMomentum(opt, {id(p): "w"}, dgc.config.fixed(), "dgc"))
     g = opt.param_groups[0]
     assert (g["momentum"], g["nesterov"], g["weight_decay"]) == (0.9, True, 1e-4)
     assert dgc.live(["w"]) == (0.9, True, 1e-4)
@@ -81,7 +81,7 @@ def test_dgc_reads_momentum_from_the_optimizer_and_hides_it_only_during_step():
     assert opt.state_dict()["param_groups"][0]["momentum"] == 0.5  # the user's, after step()
     # registering again (a resumed job) keeps one pair of hooks
     dgc2 = DGC(DGC.Config(ratio=0.01))
-    dgc2.attach_momentum(SGDMomentum(opt, {id(p): "w"}, dgc2.config.fixed()))
+    dgc2.attach_momentum(SGDMomentum(opt, {id(p): "w"}, dgc2.config.fixed(), "dgc"))
     assert len(opt._optimizer_step_pre_hooks) == 2  # ours + the test's
     dgc2.unbind()
     assert opt.param_groups[0]["momentum"] == 0.5
@@ -90,22 +90,22 @@ def test_dgc_reads_momentum_from_the_optimizer_and_hides_it_only_during_step():
 def test_dgc_refuses_double_momentum_and_missing_optimizer():
     p = torch.nn.Parameter(torch.zeros(3))
     with pytest.raises(TypeError, match="optimizer="):
-        momentum_options({}, None)
+        momentum_options({}, None, "dgc")
     with pytest.raises(ValueError, match="applied twice"):
-        momentum_options({"momentum": 0.5}, torch.optim.SGD([p], lr=0.1, momentum=0.9))
+        momentum_options({"momentum": 0.5}, torch.optim.SGD([p], lr=0.1, momentum=0.9), "dgc")
     with pytest.raises(TypeError, match="torch.optim.SGD"):
-        momentum_options({"momentum": 0.9}, torch.optim.Adam([p]))
+        momentum_options({"momentum": 0.9}, torch.optim.Adam([p]), "dgc")
     with pytest.raises(ValueError, match="dampening=0.1"):
-        momentum_options({}, torch.optim.SGD([p], lr=0.1, momentum=0.9, dampening=0.1))
+        momentum_options({}, torch.optim.SGD([p], lr=0.1, momentum=0.9, dampening=0.1), "dgc")
     with pytest.raises(ValueError, match="maximize"):
-        momentum_options({}, torch.optim.SGD([p], lr=0.1, momentum=0.9, maximize=True))
+        momentum_options({}, torch.optim.SGD([p], lr=0.1, momentum=0.9, maximize=True), "dgc")
     # Adam without momentum in the hook is allowed: nothing to apply twice
-    assert momentum_options({"momentum": 0.0}, torch.optim.Adam([p])) == {"momentum": 0.0}
+    assert momentum_options({"momentum": 0.0}, torch.optim.Adam([p]), "dgc") == {"momentum": 0.0}
     # momentum given as an option with an optimizer that has none: fixed; a group that later
     # gains momentum (a cycling scheduler) raises at step() instead of applying it twice
     opt = torch.optim.SGD([p], lr=0.1)
-    dgc = DGC(DGC.Config(**momentum_options({"momentum": 0.9}, opt)))
-    dgc.attach_momentum(SGDMomentum(opt, {id(p): "w"}, dgc.config.fixed()))
+    dgc = DGC(DGC.Config(**momentum_options({"momentum": 0.9}, opt, "dgc")))
+    dgc.attach_momentum(SGDMomentum(opt, {id(p): "w"}, dgc.config.fixed(), "dgc"))
     assert dgc.live(["w"]) is None
     p.grad = torch.ones(3)
     opt.step()

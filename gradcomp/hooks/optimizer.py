@@ -222,13 +222,13 @@ def has_weight_decay(optimizer) -> bool:
     return any(g.get("weight_decay") for g in groups)
 
 
-def momentum_options(options: dict, optimizer) -> dict:
+def momentum_options(options: dict, optimizer, name: str) -> dict:
     """At registration, for a method that applies SGD's momentum itself (``reads_momentum``:
     DGC's momentum correction): check ``optimizer`` and return the options to build the
     config from (the momentum, nesterov and weight decay the optimizer holds are read from it
     at every step, never copied into the config)."""
     if optimizer is None:
-        raise TypeError("dgc applies momentum inside the hook (momentum correction): pass "
+        raise TypeError(f"{name} applies momentum inside the hook (momentum correction): pass "
                         "optimizer=your_SGD so gradcomp reads its momentum at every step and "
                         "it is never applied twice")
     optimizer = unwrap(optimizer)
@@ -238,30 +238,30 @@ def momentum_options(options: dict, optimizer) -> dict:
         # runs as top-k with its accumulation, Adam's variance frozen (adam='freeze')
         given = {k: options[k] for k in MOMENTUM_KEYS if options.get(k, MOMENTUM_OFF[k])}
         if given:
-            raise TypeError(f"dgc's momentum correction needs torch.optim.SGD, got "
+            raise TypeError(f"{name}'s momentum correction needs torch.optim.SGD, got "
                             f"{type(optimizer).__name__} with {given}: Adam keeps its own "
-                            f"momentum and weight decay; leave them out (dgc then runs as "
+                            f"momentum and weight decay; leave them out ({name} then runs as "
                             f"top-k with its accumulation), or use 'topk'")
         return options
     held = any(any(g.get(k, MOMENTUM_OFF[k]) for k in MOMENTUM_KEYS) for g in groups)
     if not isinstance(optimizer, torch.optim.SGD):
         if held or any(options.get(k, MOMENTUM_OFF[k]) for k in MOMENTUM_KEYS):
-            raise TypeError(f"dgc's momentum correction needs torch.optim.SGD, got "
+            raise TypeError(f"{name}'s momentum correction needs torch.optim.SGD, got "
                             f"{type(optimizer).__name__}; use 'topk' for other optimizers")
         return options
     for i, g in enumerate(groups):
         if g.get("maximize"):
-            raise ValueError(f"dgc with maximize=True (param group {i}): not supported; "
+            raise ValueError(f"{name} with maximize=True (param group {i}): not supported; "
                              f"minimize the negated loss")
         if g.get("dampening", 0):
-            raise ValueError(f"dgc with dampening={g['dampening']!r} (param group {i}): "
+            raise ValueError(f"{name} with dampening={g['dampening']!r} (param group {i}): "
                              f"allowed 0")
     if held:
         for k in MOMENTUM_KEYS:
             if k in options and any(g.get(k, MOMENTUM_OFF[k]) != options[k] for g in groups):
-                raise ValueError(f"{k}={options[k]!r} given to dgc while the optimizer has "
+                raise ValueError(f"{k}={options[k]!r} given to {name} while the optimizer has "
                                  f"{k}={groups[0].get(k)!r}: it would be applied twice; "
-                                 f"leave it out, dgc reads it from the optimizer")
+                                 f"leave it out, {name} reads it from the optimizer")
         options = {k: v for k, v in options.items() if k not in MOMENTUM_KEYS}
     return options
 
@@ -314,7 +314,8 @@ def bind(state, optimizer, *, module=None, bucket_bytes=None, pieces=None, warn:
     inner = unwrap(optimizer)
     if state.compressor.reads_momentum and isinstance(inner, torch.optim.SGD):
         state.compressor.attach_momentum(
-            SGDMomentum(inner, state.param_names, state.compressor.config.fixed()))
+            SGDMomentum(inner, state.param_names, state.compressor.config.fixed(),
+                        state.method))
     state.bind_adam(optimizer)
     if warn:
         warn_measured(state, optimizer, stacklevel=stacklevel)
@@ -611,8 +612,9 @@ class SGDMomentum:
     applying them itself: zero during ``step()`` (pre-hook), the user's values back after it
     (post-hook). With ``fixed`` options the groups must hold none: checked at every step."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, names: dict[int, str], fixed: bool):
-        self.optimizer, self.fixed = optimizer, fixed
+    def __init__(self, optimizer: torch.optim.Optimizer, names: dict[int, str], fixed: bool,
+                 method: str):
+        self.optimizer, self.fixed, self.method = optimizer, fixed, method
         # a parameter the optimizer does not hold is never updated: nothing to apply (-1)
         self._group_of = {n: -1 for n in names.values()}
         self._group_of.update({names[id(p)]: i for i, g in enumerate(optimizer.param_groups)
@@ -660,10 +662,10 @@ class SGDMomentum:
         if self.fixed:
             bad = [(i, dict(zip(MOMENTUM_KEYS, v))) for i, v in enumerate(groups) if any(v)]
             if bad:
-                raise ValueError(f"dgc applies the momentum/weight decay given in its options, "
+                raise ValueError(f"{self.method} applies the momentum/weight decay given in its options, "
                                  f"but param group {bad[0][0]} now holds {bad[0][1]} (a scheduler "
                                  f"cycling momentum, or your code): it would be applied twice. "
-                                 f"Leave the options out so dgc reads them from the optimizer")
+                                 f"Leave the options out so {self.method} reads them from the optimizer")
             return
         self._saved = [{k: g.get(k, MOMENTUM_OFF[k]) for k in MOMENTUM_KEYS} for g in optimizer.param_groups]
         for g in optimizer.param_groups:

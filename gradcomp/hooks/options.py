@@ -118,7 +118,7 @@ def for_optimizer(method: str, options: dict, optimizer):
     if is_adam(optimizer) and opts.get("adam", "auto") != "off":
         opts = {**comp.adam_defaults, **opts}
     if comp.reads_momentum:
-        opts = momentum_options(opts, optimizer)
+        opts = momentum_options(opts, optimizer, name)
     return name, _bounded(METHODS[name].config.from_dict, opts)
 
 
