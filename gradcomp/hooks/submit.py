@@ -34,11 +34,16 @@ def names_of(names: dict, params) -> list[str]:
     return out
 
 
-class Inner:
-    """An inner step of local steps: this rank's gradient, or a hierarchy's node's."""
+class Way:
+    """A way onto a lane: called with (bucket, buf, slices, params, names, last), returns
+    the bucket's future."""
 
     def __init__(self, state):
         self.state = state
+
+
+class Inner(Way):
+    """An inner step of local steps: this rank's gradient, or a hierarchy's node's."""
 
     def __call__(self, bucket, buf, slices, params, names, last):
         st = self.state
@@ -57,11 +62,8 @@ class Inner:
         return fut
 
 
-class Now:
+class Now(Way):
     """The exchange on its lane; DDP waits for its future."""
-
-    def __init__(self, state):
-        self.state = state
 
     def __call__(self, bucket, buf, slices, params, names, last):
         st = self.state
