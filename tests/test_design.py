@@ -177,3 +177,18 @@ def test_the_state_module_stays_small():
     (hooks/engine.py), telemetry, the Adam binding and checkpoints live in their modules."""
     lines = (ROOT / "hooks" / "state.py").read_text().count("\n")
     assert lines < 300, lines
+
+
+def test_hooks_compare_no_method_name():
+    """What a method needs from the hooks is an attribute of its compressor class (its
+    momentum binding, its measured accuracy, its FSDP refusals, its Adam exchange): no
+    module of hooks/ compares a method's name with a string."""
+    from gradcomp.compressors import METHODS
+    bad = []
+    for p in (ROOT / "hooks").rglob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Compare):
+                consts = [c for c in ast.walk(node) if isinstance(c, ast.Constant)]
+                if any(c.value in METHODS for c in consts if isinstance(c.value, str)):
+                    bad.append(f"{p.name}:{node.lineno} {ast.unparse(node)}")
+    assert not bad, bad
