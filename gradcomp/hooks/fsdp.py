@@ -486,30 +486,41 @@ def _check_frozen(flags, model) -> None:
                     f"state.close(), then gradcomp.register(model, ...) again")
 
 
+# What the FSDP adapter refuses, in the order it checks: (whether a setting is refused, given
+# the config ``c``, the scaler and whether the mesh is 2-D; the message, formatted with them
+# and ``kind``, "FSDP" or "HSDP"). The method's own refusals come after these
+# (``Compressor.sharded_refusal``, 1-D meshes).
+REFUSALS = (
+    (lambda c, scaler, hsdp: c.delay,
+     "delay={c.delay} under {kind}: FSDP reduces each gradient into the optimizer's shard in "
+     "the same backward; allowed delay=0"),
+    (lambda c, scaler, hsdp: c.local_steps > 1 and not hsdp,
+     "local_steps={c.local_steps} under FSDP (a 1-D mesh): a rank holds only its shard, whose "
+     "gradient needs every rank's each step; allowed 1, or HSDP (a 2-D mesh: local steps "
+     "across the replicas, the node's reduce-scatter every step)"),
+    (lambda c, scaler, hsdp: c.local_delay,
+     "local_delay={c.local_delay} under {kind}: allowed 0 (the outer exchange runs at the "
+     "round's end)"),
+    (lambda c, scaler, hsdp: c.topology == "hierarchical",
+     "topology='hierarchical' under {kind}: allowed 'flat' or 'auto'; for dense traffic "
+     "inside a node and compressed across nodes shard with a 2-D mesh (HSDP), which is that "
+     "hierarchy"),
+    (lambda c, scaler, hsdp: scaler is not None,
+     "scaler= under {kind}: allowed None; train with "
+     "MixedPrecisionPolicy(param_dtype=torch.bfloat16) (no loss scale)"),
+    (lambda c, scaler, hsdp: c.adam in (Adam.PRECONDITION, Adam.MOMENTUM),
+     "adam={c.adam.value!r} under {kind}: a rank holds only its shard of Adam's state; "
+     "allowed 'auto' (freeze here), 'freeze' or 'off'"),
+)
+
+
 def _refuse(name, config, scaler, hsdp, optimizer) -> None:
-    """What the FSDP adapter does not do, named (ValueError) at registration."""
+    """What the FSDP adapter does not do (:data:`REFUSALS`, then the method's own on a 1-D
+    mesh), named (ValueError) at registration."""
     kind = "HSDP" if hsdp else "FSDP"
-    if config.delay:
-        raise ValueError(f"delay={config.delay} under {kind}: FSDP reduces each gradient into "
-                         f"the optimizer's shard in the same backward; allowed delay=0")
-    if config.local_steps > 1 and not hsdp:
-        raise ValueError(f"local_steps={config.local_steps} under FSDP (a 1-D mesh): a rank holds "
-                         f"only its shard, whose gradient needs every rank's each step; allowed "
-                         f"1, or HSDP (a 2-D mesh: local steps across the replicas, the node's "
-                         f"reduce-scatter every step)")
-    if config.local_delay:
-        raise ValueError(f"local_delay={config.local_delay} under {kind}: allowed 0 (the outer "
-                         f"exchange runs at the round's end)")
-    if config.topology == "hierarchical":
-        raise ValueError(f"topology='hierarchical' under {kind}: allowed 'flat' or 'auto'; for "
-                         f"dense traffic inside a node and compressed across nodes shard with a "
-                         f"2-D mesh (HSDP), which is that hierarchy")
-    if scaler is not None:
-        raise ValueError(f"scaler= under {kind}: allowed None; train with "
-                         f"MixedPrecisionPolicy(param_dtype=torch.bfloat16) (no loss scale)")
-    if config.adam in (Adam.PRECONDITION, Adam.MOMENTUM):
-        raise ValueError(f"adam={config.adam.value!r} under {kind}: a rank holds only its shard of "
-                         f"Adam's state; allowed 'auto' (freeze here), 'freeze' or 'off'")
+    for refused, message in REFUSALS:
+        if refused(config, scaler, hsdp):
+            raise ValueError(message.format(c=config, kind=kind))
     why = None if hsdp else METHODS[name].compressor.sharded_refusal(
         config, optimizer_binding.has_weight_decay(optimizer))
     if why:
