@@ -27,8 +27,6 @@ import weakref
 from functools import partial
 from typing import Sequence
 
-import torch
-
 from ..comm import Comm
 from ..compressors.base import build
 from ..config import MethodConfig
@@ -37,7 +35,7 @@ from . import checkpoint, stages
 from . import optimizer as optimizer_binding
 from . import submit as submitting
 from .agree import destroy_groups
-from .delayed import Delayed, flat_slices
+from .delayed import Delayed
 from .engine import Engine
 from .guard import Guard
 from .local_steps import LocalSteps
@@ -89,7 +87,7 @@ class GradcompState:
         # more process groups: more buckets in flight
         self._lane_groups = [*plan.lane_groups, *lane_groups]
         self._step = -1                 # index of the step in flight
-        self._submit = submitting.choose(config)(self)
+        self.way = submitting.choose(config)(self)  # how a DDP bucket reaches a lane
         # the components
         self.memory = ParamMemory()
         self.guard = Guard(self.memory)
@@ -104,7 +102,6 @@ class GradcompState:
             self.set_topology(*plan.topology)
 
     # ------------------------------------------------------------------ the plan's parts
-    # (each documented on hooks/plan.py's Plan)
     scaler = _planned("scaler", "The GradScaler whose loss scale the gradients carry.")
     stats_group = _planned("stats_group", "The warm-up's statistics' group (HSDP).")
     owned_groups = _planned("owned_groups", "Process groups destroyed at close().")
@@ -128,7 +125,7 @@ class GradcompState:
         self.drain()
         d = self.__dict__.copy()
         for k in ("group", "_lane_groups", "engine", "param_names", "adam", "_detach",
-                  "_submit"):
+                  "way"):
             d.pop(k, None)
         d["plan"] = self.plan.portable()
         return d
@@ -137,7 +134,7 @@ class GradcompState:
         self.__dict__.update(d)
         self.group, self.param_names = None, {}
         self._lane_groups, self._detach, self.adam = [], [], None
-        self._submit = submitting.choose(self.config)(self)
+        self.way = submitting.choose(self.config)(self)
         self._setup_runtime()  # (the hierarchy unpickles flat: hooks/topology.py)
 
     @property
@@ -197,6 +194,11 @@ class GradcompState:
         self.engine.trace = value
 
     @property
+    def layouts(self) -> dict[int, tuple]:
+        """DDP's buckets as the state last saw them: bucket index -> its parameters' names."""
+        return self.way.layouts
+
+    @property
     def step(self) -> int:
         """Optimizer steps whose communication has started."""
         return self._step + 1
@@ -232,14 +234,7 @@ class GradcompState:
         self.engine.set_topology(groups)
 
     # ------------------------------------------------------------------ DDP side
-    def submit(self, bucket: int, buf: torch.Tensor, params, last: bool = True
-               ) -> torch.futures.Future:
-        """Queue one bucket's exchange; the returned future completes with the average.
-        ``last``: DDP's last bucket of this backward pass (it closes the round of the
-        collective order). One of three ways, fixed by the config (hooks/submit.py): an
-        inner step of local steps, an exchange the step waits for, delayed averaging."""
-        names = submitting.names_of(self.param_names, params)
-        return self._submit(bucket, buf, flat_slices(zip(names, params)), params, names, last)
+    submit = submitting.submit
 
     def drain(self, before: int | None = None) -> None:
         """Wait until every queued exchange (of the steps before ``before``) has finished."""

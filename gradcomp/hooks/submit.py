@@ -15,9 +15,20 @@ import time
 import torch
 
 from . import optimizer as optimizer_binding, stages
+from .delayed import flat_slices
 from .engine import Exchange, future
 from .topology import base_name
 from .local_steps import node_average
+
+
+def submit(state, bucket: int, buf: torch.Tensor, params, last: bool = True
+           ) -> torch.futures.Future:
+    """Queue one bucket's exchange; the returned future completes with the average.
+    ``last``: DDP's last bucket of this backward pass (it closes the round of the
+    collective order). One of three ways, fixed by the config (``state.way``): an
+    inner step of local steps, an exchange the step waits for, delayed averaging."""
+    names = names_of(state.param_names, params)
+    return state.way(bucket, buf, flat_slices(zip(names, params)), params, names, last)
 
 
 def names_of(names: dict, params) -> list[str]:
@@ -40,6 +51,7 @@ class Way:
 
     def __init__(self, state):
         self.state = state
+        self.layouts: dict[int, tuple] = {}  # bucket -> its parameters' names, as last seen
 
 
 class Inner(Way):
@@ -83,6 +95,7 @@ class Now(Way):
         return self.send(ex, names, last)
 
     def send(self, ex: Exchange, names, last: bool):
+        self.layouts[ex.bucket] = tuple(names)  # DDP's buckets, as seen
         self.state.engine.enqueue(self.state.engine.lane(ex.bucket), ex, last)
         return ex.fut
 
@@ -92,10 +105,6 @@ class Delayed(Now):
     plus the correction (average - local) of step - D. The copy, and the parameters where
     the method reads them (DGC's weight decay), are taken now: the optimizer updates the
     parameters while the exchange runs."""
-
-    def __init__(self, state):
-        super().__init__(state)
-        self.layouts: dict[int, tuple] = {}  # bucket -> its parameters' names, as last seen
 
     def send(self, ex: Exchange, names, last: bool):
         st, buf, step, params = self.state, ex.buf, ex.step, ex.params
