@@ -96,7 +96,7 @@ def test_sparseloco_error_feedback_keeps_what_was_not_sent_with_its_decay(decay)
         assert left[n].abs().sum() > 0
 
 
-@pytest.mark.parametrize("bits", [4, 2, 1])
+@pytest.mark.parametrize("bits", [4, 1])
 def test_diloco_error_feedback_conserves_in_one_process(bits):
     seen, state = _run(f"diloco:chunk=16,bits={bits}", steps=4)
     left = _residual(state, NAMES)
@@ -108,8 +108,7 @@ def test_diloco_error_feedback_conserves_in_one_process(bits):
 
 
 @pytest.mark.parametrize("spec", ["sparseloco:chunk=64,k=8", "diloco:chunk=16,bits=4",
-                                  "diloco:chunk=32", "diloco:chunk=64,bits=1",
-                                  "diloco:chunk=64,bits=2"])
+                                  "diloco:chunk=32", "diloco:chunk=64,bits=1"])
 def test_a_parameters_result_does_not_depend_on_its_bucket_neighbours(spec):
     """Each parameter's inputs fixed by name; three layouts give bit-identical outputs."""
     g = torch.Generator().manual_seed(3)
@@ -136,20 +135,6 @@ def test_diloco_one_bit_rows_are_signs_times_their_mean_magnitude():
             torch.testing.assert_close(o, r.sign() * r.abs().mean())
 
 
-def test_diloco_two_bit_rows_take_four_levels_of_their_mean_magnitude():
-    """Each value goes to the level (-1.5, -0.5, 0.5, 1.5) x d of its step, d = 1.25 x the
-    row's mean magnitude (values past the outer levels clamped to them); 4 codes a byte."""
-    seen, state = _run("diloco:chunk=64,bits=2", steps=1)
-    for name, (x, out) in seen[0].items():
-        for r, o in zip(x.split(64), out.split(64)):
-            d = 1.25 * r.abs().mean()
-            want = (torch.floor(r / d).clamp(-2, 1) + 0.5) * d
-            torch.testing.assert_close(o, want)
-    # one allgather of every rank's rows: a byte holds 4 values, an fp32 scale per row
-    rows = sum(-(-math.prod(s) // 64) for s in SHAPES.values())
-    assert state.stats()["sent_bytes"] == rows * (64 // 4 + 4) + 12
-
-
 def test_message_sizes_are_as_documented():
     shapes = [("w", (300, 100)), ("b", (40,))]  # 30000 elements: rows of the chunk, one short
     params = lay_out(shapes)
@@ -173,7 +158,7 @@ def test_message_sizes_are_as_documented():
                                         ("sparseloco:k=64,levels=3", "levels=3"),
                                         ("sparseloco:chunk=65536", "chunk=65536"),
                                         ("sparseloco:decay=0", "decay=0"),
-                                        ("diloco:bits=3", "bits=3"),
+                                        ("diloco:bits=2", "bits=2"),
                                         ("diloco:chunk=12", "chunk=12"),
                                         ("diloco:chunk=7", "chunk=7")])
 def test_bad_options_are_named(spec, word):

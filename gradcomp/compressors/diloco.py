@@ -35,9 +35,9 @@ from .rows import BITS, ROWS, dequantize, gathered, quantize, two_phase
 
 @dataclass(frozen=True)
 class DiLoCoConfig(MethodConfig):
-    """bits: 8 (int8), 4, 2 or 1 per value (1: the sign, each row's mean magnitude as its
-    scale; 2: four levels scaled by the row's mean magnitude; with 1 and 2 every rank's rows
-    go by allgather and are averaged as they arrive, no second rounding). chunk: elements per row (one fp32 scale each), each parameter cut from its own
+    """bits: 8 (int8), 4, or 1 per value (1: the sign, each row's mean magnitude as its
+    scale; every rank's rows go by allgather and are averaged as they arrive, no second
+    rounding). chunk: elements per row (one fp32 scale each), each parameter cut from its own
     first element; a multiple of 8.
     min_numel: 0 (every parameter quantized: a row's scale fits a small one too).
     bits=8 (int8, as INTELLECT-1): on 2 ranks with AdamW the parameters after two rounds
@@ -57,7 +57,7 @@ class DiLoCoConfig(MethodConfig):
     chunk: int = 1024
 
     def validate(self):
-        check(self.bits in BITS, "bits", self.bits, "1, 2, 4 or 8")
+        check(self.bits in BITS, "bits", self.bits, "1, 4 or 8")
         check(8 <= self.chunk <= 2**20 and self.chunk % 8 == 0, "chunk", self.chunk,
               "a multiple of 8 in [8, 2**20]")
 
@@ -83,14 +83,14 @@ class DiLoCo(Compressor):
         rows, W = plan.rows, comm.world_size
         share = -(-rows // W)  # the two-phase exchange's rows per rank
         m = plan.rows_of(y)
-        if cfg.bits > 2:  # every rank's share whole
+        if cfg.bits != 1:  # every rank's share whole
             m = torch.cat([m, m.new_zeros(W * share - rows, cfg.chunk)])
         codes, scale = quantize(m, cfg.bits, _counts(plan, m.shape[0]))
         if y is not x:
             plan.put(m[:rows] - dequantize(codes[:rows], scale[:rows], cfg.bits), y)
             zero_dense(y, dense)
-        if cfg.bits <= 2:
-            avg = gathered(comm, codes, scale, cfg.bits)
+        if cfg.bits == 1:
+            avg = gathered(comm, codes, scale)
         else:
             avg = two_phase(comm, codes, scale, cfg.bits, share)
         dense_avg = comm.allreduce(dense_values(x, dense)).div_(W) if dense else None

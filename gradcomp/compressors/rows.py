@@ -11,10 +11,7 @@ import torch
 from ..kernels.chunks import chunk_plan
 from .wire import Field, Message
 
-BITS = (1, 2, 4, 8)
-# 2 bits: the levels (-1.5, -0.5, 0.5, 1.5) steps of STEP_2BIT x the row's mean magnitude
-# (about the minimum-error 4 levels of a Gaussian: 1.25 x its mean magnitude is 1.0 sigma)
-STEP_2BIT = 1.25
+BITS = (1, 4, 8)
 
 
 def pack_signs(neg: torch.Tensor) -> torch.Tensor:
@@ -35,17 +32,10 @@ def quantize(m: torch.Tensor, bits: int, count=None) -> tuple[torch.Tensor, torc
     """rows (R, c) -> (codes (R, c * bits / 8) uint8, scales (R,) fp32): round to nearest of
     2^(bits-1) - 1 levels each side of 0 (4 bits: two codes per byte, low nibble first);
     1 bit: the sign, the row's scale its mean magnitude over ``count`` (R,) real elements
-    (1-bit SGD's reconstruction, Seide et al. 2014); 2 bits: four levels, (-1.5, -0.5, 0.5,
-    1.5) x the scale, :data:`STEP_2BIT` x that mean magnitude (four codes per byte, the
-    lowest bits first; a value past the outer levels is clamped to them)."""
+    (1-bit SGD's reconstruction, Seide et al. 2014)."""
     if bits == 1:
         scale = m.abs().sum(1) / count.clamp(min=1)
         return pack_signs(m < 0), scale
-    if bits == 2:
-        scale = m.abs().sum(1) / count.clamp(min=1) * STEP_2BIT
-        q = torch.floor(m / scale.clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(1))
-        u = (q.clamp_(-2, 1) + 2).to(torch.uint8).view(m.shape[0], -1, 4)
-        return u[..., 0] | (u[..., 1] << 2) | (u[..., 2] << 4) | (u[..., 3] << 6), scale
     top = 2 ** (bits - 1) - 1
     scale = m.abs().amax(1) / top
     q = torch.round(m / scale.clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(1))
@@ -60,9 +50,6 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Ten
     """The inverse of :func:`quantize`: (..., R, bytes), (..., R) -> (..., R, c) fp32."""
     if bits == 1:
         return unpack_signs(codes) * scale.unsqueeze(-1)
-    if bits == 2:
-        q = torch.stack([(codes >> s) & 3 for s in (0, 2, 4, 6)], -1).flatten(-2).float() - 1.5
-        return q * scale.unsqueeze(-1)
     if bits == 8:
         q = codes.view(torch.int8).float()
     else:
@@ -73,16 +60,14 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Ten
 ROWS = Message(
     "rows",
     Field("scales", torch.float32, "rows", "each row's scale (8 and 4 bits: its largest "
-          "magnitude over the levels each side of 0; 2 bits: 1.25 x its mean magnitude, the "
-          "step between levels; 1 bit: its mean magnitude)"),
+          "magnitude over the levels each side of 0; 1 bit: its mean magnitude)"),
     Field("codes", torch.uint8, "rows * chunk * bits // 8", "each row's values rounded to "
           "their level: int8; or two 4-bit codes per byte (offset by 8, low nibble first); or "
-          "four 2-bit codes per byte (0-3 for -1.5 .. 1.5 steps, lowest bits first); or "
           "sign bits (bit b of byte j: value 8j + b is negative)"),
     note="8 and 4 bits: an all-to-all gives each rank every rank's copy of its share of the "
          "rows (`rows` = the share, one message per destination rank); it averages them in "
-         "fp32, rounds again and an allgather returns every share (one message each). 1 and 2 "
-         "bits: one allgather of every rank's rows (no second rounding). The parameters under `min_numel` go by an "
+         "fp32, rounds again and an allgather returns every share (one message each). 1 bit: "
+         "one allgather of every rank's rows. The parameters under `min_numel` go by an "
          "fp32 allreduce of their own.")
 
 
@@ -107,10 +92,10 @@ def sum_ranks(rows: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def gathered(comm, codes, scale, bits: int = 1) -> torch.Tensor:
+def gathered(comm, codes, scale) -> torch.Tensor:
     """Every rank's rows by allgather, averaged as they arrive."""
-    got = comm.allgather(row_bytes(codes, scale, bits))
-    return sum_ranks(rows_of(got, codes.shape[0], codes.shape[1], bits)).div_(comm.world_size)
+    got = comm.allgather(row_bytes(codes, scale, 1))
+    return sum_ranks(rows_of(got, codes.shape[0], codes.shape[1], 1)).div_(comm.world_size)
 
 
 def two_phase(comm, codes, scale, bits: int, share: int) -> torch.Tensor:
