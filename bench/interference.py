@@ -59,7 +59,7 @@ def run(rank: int, world: int, kind: str, ns: float, steps: int, warmup: int) ->
         from gradcomp.hooks.delayed import flat_slices
         alone = [dist.new_group([r]) for r in range(world)][rank]
         names = {id(p): n for n, p in net.module.named_parameters()}
-        from gradcomp.hooks.state import METHODS
+        from gradcomp.compressors import METHODS
         cfg = METHODS[kind[6:]].config(warmup="none")
         state = gradcomp.State(kind[6:], cfg, group=alone, param_names=names,
                                param_numels={n: p.numel() for n, p in net.module.named_parameters()})

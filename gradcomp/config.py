@@ -16,8 +16,13 @@ TOPOLOGIES = ("auto", "flat", "hierarchical")
 WARMUPS = ("auto", "adaptive", "none")
 
 
-class Adam(enum.StrEnum):
-    """The ``adam`` option's values (the config holds the member; it equals its string)."""
+class Adam(str, enum.Enum):
+    """The ``adam`` option's values (the config holds the member; it equals, hashes, prints
+    and formats as its string, so dict keys and messages take either)."""
+
+    __hash__ = str.__hash__
+    __str__ = str.__str__
+    __format__ = str.__format__
 
     AUTO = "auto"
     PRECONDITION = "precondition"

@@ -294,10 +294,12 @@ AFTER = -1  # the round of compute-only's closing run (``ddp`` with one round)
 
 
 def _delay_opts(method, args):
-    """Options for register(): --delay and --lanes, for gradcomp methods only."""
+    """Options for register(): --delay and --lanes (DDP only: FSDP refuses it), for gradcomp
+    methods only."""
     if not _is_gradcomp(method):
         return {}
-    return {"lanes": args.lanes, **({"delay": args.delay} if args.delay else {})}
+    lanes = {"lanes": args.lanes} if getattr(args, "parallel", "ddp") == "ddp" else {}
+    return {**lanes, **({"delay": args.delay} if args.delay else {})}
 
 
 def _steady(method, model=None) -> dict:

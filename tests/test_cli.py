@@ -461,3 +461,13 @@ def test_ddp_one_round_runs_compute_only_again_after_the_others(tmp_path, monkey
     assert rows["ddp"]["at_100mbit_s"] > 0  # what left the table stays in the JSON
     out = capsys.readouterr().out
     assert "1.21*" in out and "1.80 " in out and "30% (W 2, loopback)" in out
+
+
+def test_lanes_go_to_ddp_runs_only():
+    """--lanes reaches register() under DDP; under FSDP/HSDP, which refuses it (no effect
+    there), it is left out, so --parallel fsdp/hsdp runs register."""
+    import argparse
+    for parallel, want in (("ddp", {"lanes": 4}), ("fsdp", {}), ("hsdp", {})):
+        args = argparse.Namespace(lanes=4, delay=0, parallel=parallel)
+        assert cli._delay_opts("onebit", args) == want, parallel
+    assert cli._delay_opts("ddp", argparse.Namespace(lanes=4, delay=0, parallel="ddp")) == {}

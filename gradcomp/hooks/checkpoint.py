@@ -478,7 +478,7 @@ def _check_adam(state, sd: dict) -> None:
                "precondition": "'precondition'"}
         raise ValueError(f"checkpoint's residuals are of the {saved} (its job exchanged "
                          f"that); this job exchanges the {mine} (adam="
-                         f"{state.config.adam.value!r}, running "
+                         f"{str(state.config.adam)!r}, running "
                          f"{optimizer_binding.adam_mode(state).value!r}): register with adam={how[saved]} "
                          f"to resume it")
 

@@ -56,7 +56,7 @@ from ..comm import Comm, Rider
 class Exchange:
     """One bucket's exchange: what a lane reduces and how. Built by the state's ``submit``
     (DDP's hook), ``reduce`` (the synchronous path: FSDP, the topology probe) and local
-    steps' outer round; ``_enqueue`` fills in ``event`` and ``rnd``."""
+    steps' outer round; ``Engine.enqueue`` fills in ``event`` and ``rnd``."""
 
     bucket: int
     buf: torch.Tensor              # the flat bucket (a copy of it under ``delay``)

@@ -509,7 +509,7 @@ REFUSALS = (
      "scaler= under {kind}: allowed None; train with "
      "MixedPrecisionPolicy(param_dtype=torch.bfloat16) (no loss scale)"),
     (lambda c, scaler, hsdp: c.adam in (Adam.PRECONDITION, Adam.MOMENTUM),
-     "adam={c.adam.value!r} under {kind}: a rank holds only its shard of Adam's state; "
+     "adam={adam!r} under {kind}: a rank holds only its shard of Adam's state; "
      "allowed 'auto' (freeze here), 'freeze' or 'off'"),
 )
 
@@ -520,7 +520,7 @@ def _refuse(name, config, scaler, hsdp, optimizer) -> None:
     kind = "HSDP" if hsdp else "FSDP"
     for refused, message in REFUSALS:
         if refused(config, scaler, hsdp):
-            raise ValueError(message.format(c=config, kind=kind))
+            raise ValueError(message.format(c=config, kind=kind, adam=str(config.adam)))
     why = None if hsdp else METHODS[name].compressor.sharded_refusal(
         config, optimizer_binding.has_weight_decay(optimizer))
     if why:

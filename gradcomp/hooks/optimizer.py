@@ -166,13 +166,13 @@ def check_method(name, config, optimizer) -> None:
         return
     adam = optimizer is not None and is_adam(optimizer)
     if config.adam != Adam.AUTO and not adam:
-        raise ValueError(f"adam={config.adam.value!r} needs optimizer=torch.optim.Adam or AdamW, got "
+        raise ValueError(f"adam={str(config.adam)!r} needs optimizer=torch.optim.Adam or AdamW, got "
                          f"{type(optimizer).__name__}: allowed adam='auto' or 'off' here")
     if not adam:
         return
     if config.local_steps > 1:
         if config.adam != Adam.AUTO:
-            raise ValueError(f"adam={config.adam.value!r} with local_steps={config.local_steps}: the inner "
+            raise ValueError(f"adam={str(config.adam)!r} with local_steps={config.local_steps}: the inner "
                              f"steps are Adam's own and the pseudo-gradient goes through the "
                              f"method; allowed adam='auto' or 'off'")
         return

@@ -15,7 +15,7 @@ another's private attributes, tests/test_design.py checks):
 
 ``checkpoint.py`` assembles the checkpoint from the components' own ``state_dict()``.
 This module ties them together: ``submit`` (DDP's thread: the step counter, then one of
-hooks/submit.py's three ways onto a lane) and ``_reduce`` (a lane: the stages of
+hooks/submit.py's three ways onto a lane) and ``stages.exchange`` (a lane: the stages of
 hooks/stages.py on one bucket). The hook returns a future at once: backward never waits on
 the network.
 """
@@ -266,8 +266,10 @@ class GradcompState:
 
     def bind_adam(self, optimizer) -> None:
         """With Adam/AdamW and ``adam`` on: freeze Adam's second moment for the compressed
-        parameters once compression starts (hooks/optimizer.py)."""
-        self.adam = optimizer_binding.frozen_variance(self, optimizer)
+        parameters once compression starts (hooks/optimizer.py); else nothing changes."""
+        adam = optimizer_binding.frozen_variance(self, optimizer)
+        if adam is not None:
+            self.adam = adam
 
     def close(self) -> None:
         """Stop the communication threads (after the exchanges queued so far). Called at
