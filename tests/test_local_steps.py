@@ -331,7 +331,7 @@ def test_error_feedback_conserves_the_pseudo_gradients(spec, runs):
 K = 4  # mid-round (H=3): inner step 1 of round 2, with local_delay=1 an exchange in flight
 RESUME = [f"topk:ratio=0.05,local_steps={H}", f"topk:ratio=0.05,local_steps={H},local_delay=1",
           f"powersgd:rank=1,local_steps={H},local_delay=1",
-          f"diloco:chunk=16,bits=4,local_steps={H}", f"diloco:chunk=16,bits=1,local_steps={H}",
+          f"diloco:chunk=16,bits=4,local_steps={H}", f"diloco:chunk=16,bits=3,local_steps={H}",
           f"sparseloco:chunk=64,k=8,local_steps={H}",
           f"sparseloco:chunk=64,k=8,local_steps={H},local_delay=1"]
 EDGE = 2 * H  # the named methods resume at a round's edge too

@@ -31,7 +31,7 @@ import torch
 from ..config import MethodConfig, RESIDUAL, check
 from ..kernels.chunks import chunk_plan
 from .base import Compressor, dense_values, positions, register_method, zero_dense
-from .rows import BITS, ROWS, dequantize, gathered, quantize, two_phase
+from .rows import BITS, LEVEL_BITS, ROWS, dequantize, gathered, quantize, two_phase
 
 @dataclass(frozen=True)
 class DiLoCoConfig(MethodConfig):
@@ -57,7 +57,7 @@ class DiLoCoConfig(MethodConfig):
     chunk: int = 1024
 
     def validate(self):
-        check(self.bits in BITS, "bits", self.bits, "1, 4 or 8")
+        check(self.bits in BITS, "bits", self.bits, "1, 2, 3, 4 or 8")
         check(8 <= self.chunk <= 2**20 and self.chunk % 8 == 0, "chunk", self.chunk,
               "a multiple of 8 in [8, 2**20]")
 
@@ -83,14 +83,14 @@ class DiLoCo(Compressor):
         rows, W = plan.rows, comm.world_size
         share = -(-rows // W)  # the two-phase exchange's rows per rank
         m = plan.rows_of(y)
-        if cfg.bits != 1:  # every rank's share whole
+        if cfg.bits not in LEVEL_BITS:  # the two-phase exchange: every rank's share whole
             m = torch.cat([m, m.new_zeros(W * share - rows, cfg.chunk)])
         codes, scale = quantize(m, cfg.bits, _counts(plan, m.shape[0]))
         if y is not x:
             plan.put(m[:rows] - dequantize(codes[:rows], scale[:rows], cfg.bits), y)
             zero_dense(y, dense)
-        if cfg.bits == 1:
-            avg = gathered(comm, codes, scale)
+        if cfg.bits in LEVEL_BITS:
+            avg = gathered(comm, codes, scale, cfg.bits)
         else:
             avg = two_phase(comm, codes, scale, cfg.bits, share)
         dense_avg = comm.allreduce(dense_values(x, dense)).div_(W) if dense else None
