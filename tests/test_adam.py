@@ -812,4 +812,4 @@ def test_a_local_steps_method_that_did_not_hold_warns_naming_one_that_did(monkey
     assert "(local steps)" in msg and "there with local steps: 'sparseloco'" in msg
     assert "adam=" not in msg
     # the same method with other settings is not what was measured: no warning
-    assert _adamw_warning("diloco", {"local_steps": 2}, "", monkeypatch) == []
+    assert _adamw_warning("diloco", {"local_steps": 3}, "", monkeypatch) == []

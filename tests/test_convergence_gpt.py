@@ -76,13 +76,15 @@ def test_hsdp_gpt_terngrad_holds(corpus):
 # The local-steps methods at their defaults on the same recipe (300 steps; seeds 0 / 1 / 2):
 #   sparseloco  2.2762 / 2.2734 / 2.3327  (+0.045 / +0.038 / +0.120 over allreduce); its rounds
 #               sent 20x fewer bytes than their dense size (run_ratio), once every 4 steps
-#   diloco      2.5012 / 2.4372 / 2.4547: its int8 rows cost nothing measurable against plain
-#               averaging at the same rounds (allreduce:local_steps=5,outer_lr=1.5,
-#               outer_momentum=0: 2.5053 on seed 0; at 4 steps 2.4705 against 2.4703); plain
-#               averaging itself loses here (+0.24 nats at 4 steps), and sparseloco's top-k
-#               with error feedback does far better than averaging at the same rounds
+#   diloco      2.4028 / 2.4177 / 2.2998 (3 bits every 2 steps; 9.0x fewer bytes per round,
+#               the tiny parameters' rows padded to 1024); plain averaging at the same rounds
+#               (allreduce:local_steps=2,outer_lr=1.5,outer_momentum=0) 2.4119 / 2.2969 /
+#               2.3112: the rows cost -0.009 / +0.121 / -0.011 against it. Plain averaging
+#               itself loses here (+0.12 to +0.18 nats), and sparseloco's top-k with error
+#               feedback does better than averaging every 4 steps
 # The test takes seeds 0 and 1 and asks, on their mean, sparseloco within 0.08 of allreduce,
-# with the rounds compressed at least 15x; and diloco within 0.02 of plain averaging on seed 0.
+# with the rounds compressed at least 15x; and diloco within 0.1 of plain averaging at the
+# same rounds (measured +0.056), its rounds compressed at least 8x.
 LOCAL_MARGIN = 0.08
 
 
@@ -96,11 +98,14 @@ def test_adamw_gpt_sparseloco_holds_in_one_line(corpus, method):
         assert r["stats"]["run_ratio"] > 15, r["stats"]
 
 
-def test_adamw_gpt_diloco_int8_rows_cost_nothing_against_plain_averaging(corpus):
+def test_adamw_gpt_diloco_rows_cost_little_against_plain_averaging(corpus):
     import gradcomp
     cfg = gradcomp.build_config("diloco")[1]
     plain = (f"allreduce:local_steps={cfg.local_steps},outer_lr={cfg.outer_lr},"
              f"outer_momentum={cfg.outer_momentum}")
-    got, ref = _val(corpus, "diloco", 0), _val(corpus, plain, 0)
-    assert abs(got["val_loss"] - ref["val_loss"]) < 0.02, (got["val_loss"], ref["val_loss"])
-    assert got["stats"]["run_ratio"] > 2, got["stats"]  # int8: ~4x per round, less padding
+    got = [_val(corpus, "diloco", s) for s in (0, 1)]
+    ref = [_val(corpus, plain, s) for s in (0, 1)]
+    mean = lambda rs: sum(r["val_loss"] for r in rs) / len(rs)  # noqa: E731
+    assert mean(got) - mean(ref) < 0.1, (mean(got), mean(ref))
+    for r in got:  # 3 bits and a scale per group: about 9x per round on this model
+        assert r["stats"]["run_ratio"] > 8, r["stats"]

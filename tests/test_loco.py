@@ -180,8 +180,14 @@ def test_message_sizes_are_as_documented():
     st = gradcomp.GradcompState(name, cfg)
     st.reduce(torch.randn(n), params)
     rows = -(-30000 // cfg.chunk) + 1  # the bias is a row of its own (min_numel=0)
+    # one allgather of the rows' sign and magnitude-group planes and 2^(bits-1) fp32 means
+    assert cfg.bits == 3
+    assert st.stats()["sent_bytes"] == rows * (cfg.chunk * 3 // 8 + 4 * 4) + flag
+    name, cfg = gradcomp.build_config("diloco:bits=8", warmup="none")
+    st = gradcomp.GradcompState(name, cfg)
+    st.reduce(torch.randn(n), params)
     # two phases (all-to-all, allgather), each the rows' codes and an fp32 scale per row
-    assert st.stats()["sent_bytes"] == 2 * rows * (cfg.chunk * cfg.bits // 8 + 4) + flag
+    assert st.stats()["sent_bytes"] == 2 * rows * (cfg.chunk + 4) + flag
 
 
 @pytest.mark.parametrize("spec, word", [("sparseloco:k=12", "k=12"),
