@@ -70,7 +70,7 @@ def magnitudes(a: torch.Tensor, levels: int, count: torch.Tensor):
     mean = a.sum(1) / count.clamp(min=1)
     if levels == 1:
         return torch.zeros(a.shape, dtype=torch.long, device=a.device), mean.unsqueeze(1)
-    lev = torch.stack([mean * (v / _START[1][0]) for v in _START[levels]], 1)
+    lev = torch.stack([mean * v for v in _START[levels]], 1) / _START[1][0]
     pad = (a.shape[1] - count).unsqueeze(1)
     ones = torch.ones_like(a)
     for _ in range(LLOYD_ROUNDS):
