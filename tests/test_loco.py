@@ -1,7 +1,8 @@
 """The local-steps methods' codecs in one process (world size 1: the collectives are the
 identity): sparseloco's chunk-wise top-k with 1-bit values and group means under decayed error
-feedback, diloco's int8 / 4-bit rows and its 1-3 bit signs and magnitude groups. Their rounds, resume and conservation on two ranks:
-tests/test_local_steps.py; on a transformer with AdamW: tests/test_convergence_gpt.py."""
+feedback, diloco's int8 / 4-bit rows and its 1-3 bit signs and magnitude groups. Their
+rounds, resume and conservation on two ranks: tests/test_local_steps.py; on a transformer
+with AdamW: tests/test_convergence_gpt.py."""
 import math
 
 import pytest

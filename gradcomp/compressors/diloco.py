@@ -22,8 +22,8 @@ round its pseudo-gradient D (hooks/local_steps.py) comes here, per parameter, in
 Every rank decodes the same bytes: the average is the same on every rank. Bytes sent per
 rank and value: 2 (W - 1) / W * bits / 8 by the two phases (a ring allreduce of the
 quantized rows), (W - 1) * bits / 8 by the allgather: the same at W = 2, and the two-phase
-exchange cheaper from W = 3 on. Parameters named in ``exact`` (or below ``min_numel``, 0 by default: every
-parameter goes quantized) go in a plain fp32 allreduce of their own.
+exchange cheaper from W = 3 on. Parameters named in ``exact`` (or below ``min_numel``, 0 by
+default: every parameter goes quantized) go in a plain fp32 allreduce of their own.
 The outer step (``outer_lr``, ``outer_momentum``: torch's SGD with Nesterov,
 hooks/local_steps.py) applies the average.
 """
@@ -50,9 +50,9 @@ class DiLoCoConfig(MethodConfig):
     +1.24% on the mean of 3 seeds at 20x fewer bytes than allreduce over the run. The steps
     per round set the loss: 5 per round in int8 (19x) ended 4.0% above allreduce, 2 per
     round 0.7-2.4% on single seeds with 1, 3 or 4 bits; the bits set the bytes (1 bit: 60x,
-    +1.88% on 3 seeds). ``outer_lr`` 1.5 without
-    ``outer_momentum``: each rank's Adam takes shorter steps in noisy coordinates than DDP's,
-    about 1/sqrt(W); DiLoCo's 0.7 and 0.9 were tuned for hundreds of steps per round."""
+    +1.88% on 3 seeds). ``outer_lr`` 1.5 without ``outer_momentum``: each rank's Adam takes
+    shorter steps in noisy coordinates than DDP's, about 1/sqrt(W); DiLoCo's 0.7 and 0.9 were
+    tuned for hundreds of steps per round."""
 
     min_numel: int = 0
     local_steps: int = 2

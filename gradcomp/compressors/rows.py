@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import unpack_bits
 from ..kernels.chunks import chunk_plan
 from .wire import Field, Message
 
@@ -43,15 +44,7 @@ def pack_signs(neg: torch.Tensor) -> torch.Tensor:
 
 def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
     """(..., m) uint8 -> (..., 8m) float: -1 where the bit is set, +1 elsewhere."""
-    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
-    bits = (packed.unsqueeze(-1) >> shifts) & 1
-    return (1.0 - 2.0 * bits.float()).reshape(*packed.shape[:-1], -1)
-
-
-def unpack_bits(packed: torch.Tensor) -> torch.Tensor:
-    """(..., m) uint8 -> (..., 8m) int64, bit b of byte j at 8j + b."""
-    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
-    return ((packed.unsqueeze(-1) >> shifts) & 1).reshape(*packed.shape[:-1], -1).long()
+    return 1.0 - 2.0 * unpack_bits(packed).float()
 
 
 def _group(a: torch.Tensor, cuts: torch.Tensor) -> torch.Tensor:
@@ -64,12 +57,13 @@ def _group(a: torch.Tensor, cuts: torch.Tensor) -> torch.Tensor:
 
 def magnitudes(a: torch.Tensor, levels: int, count: torch.Tensor):
     """Lloyd's rounds on each row's magnitudes ``a`` (R, c), of which ``count`` (R,) are
-    real (the rest, padding zeros, are not counted) -> (each value's group (R, c), each
-    group's mean magnitude (R, levels)). A group left empty keeps its previous magnitude."""
+    real (the rest, padding zeros, are not counted) -> (each value's group (R, c), None for
+    one level; each group's mean magnitude (R, levels)). A group left empty keeps its
+    previous magnitude."""
     R = a.shape[0]
     mean = a.sum(1) / count.clamp(min=1)
     if levels == 1:
-        return torch.zeros(a.shape, dtype=torch.long, device=a.device), mean.unsqueeze(1)
+        return None, mean.unsqueeze(1)
     lev = torch.stack([mean * v for v in _START[levels]], 1) / _START[1][0]
     pad = (a.shape[1] - count).unsqueeze(1)
     ones = torch.ones_like(a)
@@ -111,7 +105,7 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Ten
         signs = unpack_signs(planes[..., 0, :])
         if bits == 1:
             return signs * scale
-        g = sum(unpack_bits(planes[..., j + 1, :]) << j for j in range(bits - 1))
+        g = sum(unpack_bits(planes[..., j + 1, :]).long() << j for j in range(bits - 1))
         return signs * scale.gather(-1, g)
     if bits == 8:
         q = codes.view(torch.int8).float()
