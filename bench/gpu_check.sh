@@ -4,16 +4,17 @@
 # one rank: the codec runs on the device, the collectives are local), in a ResNet-18 step
 # (ddp) and a GPT-2-small step with AdamW (gpt); a torch.profiler table of one DDP step per
 # method, its kernel launches counted (profile); the host waits of every method's compressed
-# steps under DDP and FSDP2 with torch.cuda.set_sync_debug_mode (sync).
+# steps under DDP and FSDP2 with torch.cuda.set_sync_debug_mode (sync); DGC's segmented select
+# step by step, the radix selects against the sorts (select).
 #
-#   OUT=bench/out/gpu bash bench/gpu_check.sh [tests|kernels|ddp|gpt|profile|sync ...]
+#   OUT=bench/out/gpu bash bench/gpu_check.sh [tests|kernels|select|ddp|gpt|profile|sync ...]
 #
 # Logs and JSON land in $OUT. Runs from the repository root, without installing (PYTHONPATH).
 set -uo pipefail
 OUT=${OUT:-bench/out/gpu}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-steps=${*:-tests kernels ddp gpt profile sync}
+steps=${*:-tests kernels select ddp gpt profile sync}
 run="python3 -m torch.distributed.run --standalone --nproc-per-node 1"
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
@@ -26,6 +27,8 @@ for s in $steps; do
     kernels)
       timeout 240 python3 -m gradcomp_bench.cli kernels --sizes ${SIZES:-1048576,25000000} \
         --json "$OUT/kernels_gpu.json" 2>&1 | tee "$OUT/kernels_gpu.log" ;;
+    select)
+      timeout 120 python3 -m gradcomp_bench.gpu_probe select 2>&1 | tee "$OUT/select_gpu.log" ;;
     ddp)
       timeout 240 $run -m gradcomp_bench.cli ddp --model resnet18 \
         --synthetic --batch 128 --steps 20 --warmup 5 \

@@ -97,13 +97,16 @@ def select(n=N, ratio=0.001, sample_ratio=0.01):
     keys = torch.randint(0, 2**62, (m,), device=DEV)
     print(f"== segmented select at n={n}, ratio={ratio}: k={k}, capacity={cap}, sample {m} (ms)")
     rows = {
-        "select (all)": lambda: sg.select(x, pl, shifts),
+        "select (all: radix selects)": lambda: sg.select(x, pl, shifts),
+        "select (all: sorts)": lambda: sg.select(x, pl, shifts, rank="sort"),
+        "thresholds (radix select)": lambda: sg.thresholds(x, pl, shifts, "triton"),
+        f"take_largest (radix select of {C})": lambda: sg._take_largest(val, idx, pl, "triton"),
         "sample (gather, keys, sort)": lambda: sg.sample(x, pl, shifts),
         f"torch.sort int64 keys ({m})": lambda: torch.sort(keys),
         f"torch.topk(sample |x|, {ks})": lambda: torch.topk(x[:m].abs(), max(ks, 1), sorted=False),
         "segment_candidates (triton)": lambda: find(x, thr, pl.seg_of, pl.seg_start, pl.slot_base,
                                                     pl.slot_end, C),
-        f"take_largest (stable sort of {C + 1})": lambda: sg._take_largest(val, idx, pl),
+        f"take_largest (stable sort of {C + 1})": lambda: sg._take_largest(val, idx, pl, "sort"),
         "torch.topk(x.abs(), k)": lambda: torch.topk(x.abs(), k, sorted=False),
     }
     for name, fn in rows.items():

@@ -416,6 +416,34 @@ def test_select_topk_overflow_and_underflow(guards, monkeypatch):
     check_select(guards, torch.zeros(0, device=DEV), zero, 3, 4)          # n = 0
 
 
+@pytest.mark.parametrize("block", [SMALL_BLOCK, None])
+def test_segmented_radix_select_matches_the_sorts(block, monkeypatch):
+    """DGC's segmented select with its magnitudes ranked by the Triton radix select
+    (segment_sample, segment_kth, segment_take) equals the sorts' ranking bit for bit, values,
+    indices and thresholds: one large parameter and many small ones with gaps, ties."""
+    from gradcomp.kernels import segmented as S
+    if block:
+        monkeypatch.setattr(tk.common, "BLOCK", block)
+    g = torch.Generator().manual_seed(5)
+    big = 400_000 if block is None else 20_000
+    layouts = [((0, big),), tuple((i * 1030 + 7, 1000 + i) for i in range(12)),
+               ((0, 3), (3, big // 4), (big // 4 + 9, 1), (big // 4 + 10, 5000))]
+    for trial, layout in enumerate(layouts):
+        n = layout[-1][0] + layout[-1][1] + 4
+        x = torch.randn(n, generator=g)
+        if trial == 2:
+            x = torch.round(x * 3)  # ties at every threshold
+        x = x.to(DEV)
+        for ratio, sr in ((0.001, 0.01), (0.05, 0.5)):
+            pl = S.topk_plan(layout, n, ratio, sr, torch.device(DEV))
+            shifts = torch.tensor([S.shift(7 + p, m) for p, (_, m) in enumerate(layout)],
+                                  device=DEV)
+            want = S.select(x, pl, shifts, "cumsum", "sort")
+            got = S.select(x, pl, shifts, "triton", "triton")
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (trial, ratio)
+            assert torch.equal(got[2].nan_to_num(-1), want[2].nan_to_num(-1)), (trial, ratio)
+
+
 # --------------------------------------------------------------------------- scatter-add
 @pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
 def test_scatter_add_matches_reference(guards, block, idx_dtype):

@@ -60,13 +60,15 @@ def test_per_element_broadcast_is_the_gather_by_segment_and_follows_new_values()
     assert counts[0] == counts[1] <= 3
 
 
-@pytest.mark.parametrize("compact", ["nonzero", "cumsum", "triton"])
-def test_segmented_select_equals_the_per_parameter_reference(compact, monkeypatch):
+@pytest.mark.parametrize("compact,rank", [("nonzero", "sort"), ("cumsum", "radix"),
+                                          ("triton", "triton"), ("nonzero", "radix")])
+def test_segmented_select_equals_the_per_parameter_reference(compact, rank, monkeypatch):
     """Values, indices and thresholds of every parameter, bit for bit: tiny, empty and large
-    parameters, gaps, ties (rounded values), ratios where k >= n (every element sent). The
+    parameters, gaps, ties (rounded values), ratios where k >= n (every element sent); the
+    magnitudes ranked by sorts or by the segmented radix select (torch ops, Triton). The
     Triton kernels with blocks of 256 elements: segments across blocks, blocks across
     segments."""
-    if compact == "triton":
+    if "triton" in (compact, rank):
         from gradcomp.kernels.triton import common
         monkeypatch.setattr(common, "BLOCK", 256)
     rng = random.Random(0)
@@ -80,7 +82,7 @@ def test_segmented_select_equals_the_per_parameter_reference(compact, monkeypatc
         seeds = [rng.getrandbits(62) for _ in layout]
         pl = S.topk_plan(tuple(layout), n, ratio, sr, torch.device("cpu"))
         shifts = torch.tensor([S.shift(s, m) for s, (_, m) in zip(seeds, layout)])
-        vals, idx, thr = S.select(x, pl, shifts, compact)
+        vals, idx, thr = S.select(x, pl, shifts, compact, rank)
         at = 0
         for p, ((off, m), seed) in enumerate(zip(layout, seeds)):
             k = S.budget(m, ratio, sr)[0]
@@ -92,6 +94,45 @@ def test_segmented_select_equals_the_per_parameter_reference(compact, monkeypatc
             assert thr[pl.param_seg[p]] == (0.0 if want_t is None else want_t)
             at += k
         assert at == vals.numel()
+
+
+@pytest.mark.parametrize("way", ["radix", "triton"])
+def test_radix_select_finds_each_entitys_kth_largest_and_its_ties(way, monkeypatch):
+    """kth_largest (torch ops) and its Triton kernels against a sort: for every entity the
+    need-th largest bit pattern and how many of the need largest equal it, with ties, zeros,
+    inf and NaN magnitudes, entities of one element, empty entities and need = 0 (ignored),
+    need = count; entities interleaved and in runs, across 64-element blocks."""
+    if way == "triton":
+        from gradcomp.kernels.triton import common
+        monkeypatch.setattr(common, "BLOCK", 64)
+        fn = S.implementation("segment_kth", torch.zeros(1), "triton")
+    else:
+        fn = S.kth_largest
+    g = torch.Generator().manual_seed(3)
+    for trial in range(12):
+        E, L = [(1, 1), (3, 50), (7, 400), (20, 1000)][trial % 4]
+        mag = torch.randn(L, generator=g).abs()
+        if trial % 2:
+            mag = torch.round(mag * 2) / 2  # ties and zeros
+        mag[torch.randint(0, L, (max(1, L // 50),), generator=g)] = float("inf")
+        if trial % 3 == 0:
+            mag[torch.randint(0, L, (max(1, L // 50),), generator=g)] = float("nan")
+        ent = torch.randint(0, E, (L,), generator=g)
+        if trial % 4 == 2:
+            ent = ent.sort().values  # in runs, as the slots are
+        bits = mag.view(torch.int32)
+        count = torch.bincount(ent, minlength=E)
+        need = (torch.rand(E, generator=g) * count).long() + 1
+        need = torch.minimum(need, count)  # an empty entity needs 0
+        sign = torch.where(torch.rand(L, generator=g) < 0.5, -1.0, 1.0)
+        t, r = fn(mag * sign, ent, need, E)  # ranked by magnitude
+        for e in range(E):
+            if need[e] == 0:
+                continue
+            mine = bits[ent == e].long().sort(descending=True).values
+            want = mine[need[e] - 1]
+            assert int(t[e]) == int(want), (trial, e)
+            assert int(r[e]) == int((mine[: need[e]] == want).sum()), (trial, e)
 
 
 def test_select_returns_each_parameters_values_in_index_order():
@@ -117,6 +158,9 @@ def test_select_returns_each_parameters_values_in_index_order():
     assert torch.equal(S.slot_order(taken, 1000, by_mask=True),
                        S.slot_order(taken, 1000, by_mask=False))
     assert torch.equal(S.slot_order(taken, 1000), taken.sort().values)
+    keep = torch.zeros(1000, dtype=torch.bool).index_fill_(0, taken, True)
+    assert torch.equal(S.kept_order(keep, 300, by_mask=False), taken.sort().values)
+    assert torch.equal(S.kept_order(keep, 300, by_mask=True), taken.sort().values)
 
 
 def test_select_takes_the_largest_and_bounds_the_overflow():
@@ -224,7 +268,9 @@ def test_dgc_segment_norms_by_views_the_gpus_path_equals_the_segment_sums():
 # also pays the inf/NaN guard's device-side flag and its copy to host memory (read a step
 # late: no host wait) and the declared messages' packing and contiguous fields
 # (compressors/wire.py): 3 for a sparse message, 14 for onebit's two.
-SEGMENTED = {"topk": 64, "dgc": 64, "onebit": 79, "threshold": 99}
+# topk and dgc: no sort left (each torch.sort counted here as one launch is a radix sort of
+# 64-bit keys on a GPU: eight or more passes); two radix selects of 7 launches replace them
+SEGMENTED = {"topk": 71, "dgc": 71, "onebit": 79, "threshold": 99}
 
 
 @pytest.mark.parametrize("spec", list(SEGMENTED))

@@ -19,6 +19,14 @@ ops over the whole bucket, whatever its parameter count:
      k_p of each are taken, put back in slot order (:func:`slot_order`: each parameter's
      values in index order) and gathered.
 
+Steps 2 and 4 rank magnitudes. On the CPU each is one sort, as above. On the GPU each is a
+segmented radix select (:func:`kth_largest`; Triton kernels ``segment_kth``,
+``segment_take``): three passes of 11, 11 and 9 bits over the magnitudes' bit patterns, each a histogram
+per parameter of its elements that match the digits found so far and a search of its
+bins, give each parameter's k-th magnitude and how many of its k largest equal it; the
+slots above it and the first such ties are kept, in slot order. No sort and no host read:
+a sort of 64-bit keys is itself a radix sort, eight or more passes over every element.
+
 :func:`select_param` is the per-parameter reference (the same rules, one parameter at a
 time): :func:`select` equals it bit for bit, value and index, for every parameter.
 """
@@ -144,6 +152,12 @@ class SelectPlan:
     slots: int                # candidate slots in all (C); slot C is the spill slot
     slot_key: torch.Tensor    # (C + 1,) sort base of each slot (its parameter; P: spill)
     take: torch.Tensor        # (K,) positions, in the sorted buffer, of the k_p best of each
+    slot_param: torch.Tensor  # (C,) parameter of each slot
+    slot_first: torch.Tensor  # (P + 1,) first slot of each parameter; then C
+    take_first: torch.Tensor  # (P,) first of each parameter's k_p places in the result
+    slot_need: torch.Tensor   # (P,) k_p: how many of its slots each parameter sends
+    sample_need: torch.Tensor  # (P,) ks_p: the rank of each parameter's sampled threshold
+    thr_from: torch.Tensor    # (S,) each segment's threshold in cat(per parameter (P,), NaN, 0)
     sample_key: torch.Tensor  # (M + 2,) sort base of each sample (P: the two constants)
     sample_of: torch.Tensor   # (M,) parameter of each sample
     sample_base: torch.Tensor  # (M,) its Weyl point
@@ -186,21 +200,24 @@ def plan(layout: tuple, budgets: tuple, n: int, device) -> SelectPlan:
     M = sum(b[2] for b in budgets)
     seg_len, seg_start, seg_thr, param_seg, slot_base, slot_end = [], [], [], [], [], []
     take, slot_seg, sampled, sample_start = [], [], [], []
+    slot_first, take_first, slot_need, sample_need, thr_from = [], [], [], [], []
     sample_of, sample_base, sample_n, sample_off = [], [], [], []
     pos = slot = m_total = 0
 
-    def segment(start, length, thr, cap):
+    def segment(start, length, thr, cap, src):
         seg_len.append(length), seg_start.append(start), seg_thr.append(thr)
-        slot_base.append(slot), slot_end.append(slot + cap)
+        slot_base.append(slot), slot_end.append(slot + cap), thr_from.append(src)
 
     for p, ((off, numel), (k, capacity, m, ks)) in enumerate(zip(layout, budgets)):
         if off < pos:
             raise ValueError(f"parameters overlap or are out of order at offset {off}")
         if off > pos:
-            segment(pos, off - pos, M, 0)
+            segment(pos, off - pos, M, 0, P)
         param_seg.append(len(seg_len))
-        segment(off, numel, m_total + ks - 1 if ks else M + 1, capacity)
+        segment(off, numel, m_total + ks - 1 if ks else M + 1, capacity, p if ks else P + 1)
         take.extend(range(slot, slot + k))
+        slot_first.append(slot), slot_need.append(k), sample_need.append(ks)
+        take_first.append(len(take) - k)
         slot_seg.extend([p] * capacity)
         slot += capacity
         sample_start.append(m_total)
@@ -211,7 +228,7 @@ def plan(layout: tuple, budgets: tuple, n: int, device) -> SelectPlan:
         m_total += m
         pos = off + numel
     if pos < n:
-        segment(pos, n - pos, M, 0)
+        segment(pos, n - pos, M, 0, P)
 
     def t(v):
         return torch.tensor(v, dtype=torch.int64, device=device)
@@ -221,9 +238,74 @@ def plan(layout: tuple, budgets: tuple, n: int, device) -> SelectPlan:
         t([max(0, a - 1) for a in seg_start]),
         torch.tensor([a == 0 for a in seg_start], dtype=torch.bool, device=device),
         t(seg_thr), t(param_seg), t(slot_base), t(slot_end), slot, t(_key_base(slot_seg + [P])),
-        t(take), t(_key_base(sample_of + [P, P])), t(sample_of), t(sample_base), t(sample_n),
+        t(take), t(slot_seg), t(slot_first + [slot]), t(take_first), t(slot_need), t(sample_need), t(thr_from),
+        t(_key_base(sample_of + [P, P])), t(sample_of), t(sample_base), t(sample_n),
         t(sample_off), t(sample_start), torch.tensor([float("nan"), 0.0], device=device),
         tuple(sampled))
+
+
+# :func:`kth_largest`'s passes, (shift, width): 11 + 11 + 9 bits cover a magnitude's 31
+RADIX_PASSES = ((20, 11), (9, 11), (0, 9))
+RADIX_BINS = 1 << 11  # per entity and pass
+
+
+def kth_largest(mag: torch.Tensor, ent: torch.Tensor, need: torch.Tensor, E: int):
+    """Segmented radix select: for each entity e < E, (t_e, r_e), t_e the bits of the
+    need_e-th largest |mag| of its elements (``ent == e``) and r_e how many of its need_e
+    largest equal it (the others are above it). mag: (L,) fp32, ranked by the bits of |mag|
+    (a non-negative float orders like its pattern; NaN above inf); ent: (L,) int64; need:
+    (E,) int64 in [1, count of e] (0: t_e and r_e are meaningless). Three passes over the
+    bits from the top (:data:`RADIX_PASSES`): a histogram of each entity's digit among its
+    elements that match the digits found so far, and the digit where the count from the
+    top reaches what is still needed -- no sort, no host read. The torch ops of it (any
+    device); the Triton kernels' is the same function (kernels/triton/topk.py)."""
+    dev = mag.device
+    b = mag.abs().view(torch.int32).to(torch.int64)
+    prefix = torch.zeros(E, dtype=torch.int64, device=dev)
+    ones = torch.ones(b.numel(), dtype=torch.int64, device=dev)
+    for i, (shift, width) in enumerate(RADIX_PASSES):
+        bins = 1 << width
+        at = ent * bins + ((b >> shift) & (bins - 1))
+        if i:  # only the elements that match the digits found so far
+            at.masked_fill_((b >> (shift + width)) != prefix[ent], E * bins)
+        h = torch.zeros(E * bins + 1, dtype=torch.int64, device=dev).index_add_(0, at, ones)
+        h = h[:-1].view(E, bins)
+        desc = h.flip(1).cumsum(1).flip(1)  # elements with this digit or a larger one
+        d = (desc >= need[:, None]).sum(1).sub_(1).clamp_(min=0)
+        above = torch.where(torch.arange(bins, device=dev) > d[:, None], h, 0).sum(1)
+        need = need - above
+        prefix = prefix * bins + d
+    return prefix, need
+
+
+def _kth(way: str, mag, ent, need, E):
+    if way == "triton":
+        return implementation("segment_kth", mag, "triton")(mag, ent, need, E)
+    return kth_largest(mag, ent, need, E)
+
+
+def _rank_way(rank: str, x: torch.Tensor) -> str:
+    """"sort" (torch.sort by (segment, magnitude): the CPU's way), "radix" (the
+    :func:`kth_largest` torch ops), "triton" (its Triton kernels) or "auto" (the GPU's way
+    where the Triton kernels run: triton; else sort). The same result every way."""
+    if rank == "auto":
+        return "triton" if backend("select_topk", x) == "triton" else "sort"
+    return rank
+
+
+def thresholds(x: torch.Tensor, pl: SelectPlan, shifts: torch.Tensor, rank: str = "auto"):
+    """Step 2's thresholds (S,) alone (NaN for a gap, 0 where ks is 0), what :func:`sample`
+    returns third; ``rank``: see :func:`_rank_way`."""
+    rank = _rank_way(rank, x)
+    if rank == "sort":
+        return sample(x, pl, shifts)[2]
+    if rank == "triton":
+        s = implementation("segment_sample", x, "triton")(
+            x, pl.sample_base, pl.sample_of, shifts, pl.sample_n, pl.sample_off)
+    else:
+        s = x[(pl.sample_base + shifts[pl.sample_of]).remainder_(pl.sample_n).add_(pl.sample_off)]
+    t, _ = _kth(rank, s, pl.sample_of, pl.sample_need, pl.param_seg.numel())
+    return torch.cat([t.to(torch.int32).view(torch.float32), pl.tail])[pl.thr_from]
 
 
 def sample(x: torch.Tensor, pl: SelectPlan, shifts: torch.Tensor):
@@ -238,18 +320,21 @@ def sample(x: torch.Tensor, pl: SelectPlan, shifts: torch.Tensor):
     return keys, mag, mag[pl.seg_thr]  # the two constants sort last: their places are fixed
 
 
-def select(x: torch.Tensor, pl: SelectPlan, shifts: torch.Tensor, compact: str = "auto"):
+def select(x: torch.Tensor, pl: SelectPlan, shifts: torch.Tensor, compact: str = "auto",
+           rank: str = "auto"):
     """Every parameter of ``pl`` at once: (values (K,), int64 indices into x (K,), each
     segment's threshold (S,): ``[pl.param_seg]`` gives the parameters'), each parameter's k_p
     values in its own positions, equal to :func:`select_param` on it. shifts: see
-    :func:`sample`; compact: see :func:`select_above`."""
+    :func:`sample`; compact: see :func:`select_above`; rank: how steps 2 and 4 rank
+    magnitudes (:func:`_rank_way`)."""
     if pl.slots == 0:  # nothing to select (every parameter empty)
         return (*select_above(x, pl, None), x.new_zeros(pl.seg_thr.numel()))
-    thr = sample(x, pl, shifts)[2]
-    return (*select_above(x, pl, thr, compact), thr)
+    thr = thresholds(x, pl, shifts, rank)
+    return (*select_above(x, pl, thr, compact, rank), thr)
 
 
-def select_above(x: torch.Tensor, pl: SelectPlan, thr: torch.Tensor, compact: str = "auto"):
+def select_above(x: torch.Tensor, pl: SelectPlan, thr: torch.Tensor, compact: str = "auto",
+                 rank: str = "auto"):
     """Steps 3-4 with each segment's threshold ``thr`` (S,) (NaN: no candidate): (values (K,),
     int64 indices into x (K,)), the k_p largest of the first capacity_p elements with
     |x| >= thr of each parameter. ``compact``: "nonzero" (the CPU's way), "cumsum" (no host
@@ -264,7 +349,7 @@ def select_above(x: torch.Tensor, pl: SelectPlan, thr: torch.Tensor, compact: st
     if compact == "triton":
         find = implementation("segment_candidates", x, "triton")
         val, idx = find(x, thr, pl.seg_of, pl.seg_start, pl.slot_base, pl.slot_end, C)
-        return _take_largest(val, idx, pl)
+        return _take_largest(val, idx, pl, rank)
     # in reused work buffers (two fresh bucket-sized temporaries paid a page fault per 4 KB)
     mag = torch.abs(x, out=scratch("segmented.mag", n, x.dtype, dev))
     at = per_element(thr, pl, scratch("segmented.thr", n, thr.dtype, dev))
@@ -288,7 +373,7 @@ def select_above(x: torch.Tensor, pl: SelectPlan, thr: torch.Tensor, compact: st
         src_val, src_idx = x, torch.arange(n, device=dev)
     val = torch.zeros(C + 1, dtype=x.dtype, device=dev).index_put_((slot,), src_val)
     idx = torch.zeros(C + 1, dtype=torch.int64, device=dev).index_put_((slot,), src_idx)
-    return _take_largest(val, idx, pl)
+    return _take_largest(val, idx, pl, rank)
 
 
 def per_element(v: torch.Tensor, pl: SelectPlan, out: torch.Tensor) -> torch.Tensor:
@@ -308,15 +393,44 @@ def per_element(v: torch.Tensor, pl: SelectPlan, out: torch.Tensor) -> torch.Ten
     return torch.cat(hit[1], out=out)
 
 
-def _take_largest(val: torch.Tensor, idx: torch.Tensor, pl: SelectPlan):
+def _take_largest(val: torch.Tensor, idx: torch.Tensor, pl: SelectPlan, rank: str = "auto"):
     """Step 4 over the candidate slots (C + 1,): (values, indices) of each parameter's k_p
-    largest."""
+    largest (ties: the lower slot), in slot order. ``rank``: see :func:`_rank_way`."""
+    rank = _rank_way(rank, val)
+    if rank != "sort":  # each parameter's k_p-th largest, then the slots above it and ties
+        C = pl.slots
+        # the spill slot C is never taken
+        t, ties = _kth(rank, val[:C], pl.slot_param, pl.slot_need, pl.slot_need.numel())
+        if rank == "triton":
+            take = implementation("segment_take", val, "triton")
+            return take(val, idx, t, ties, pl.slot_first, pl.take_first, pl.take.numel())
+        t, ties = t[pl.slot_param], ties[pl.slot_param]
+        bits = val[:C].abs().view(torch.int32)
+        eq = bits == t
+        before = torch.cumsum(eq, 0).sub_(eq.to(torch.int64))  # ties in earlier slots ...
+        before.sub_(torch.cat([before, before.new_zeros(1)])[pl.slot_first][pl.slot_param])
+        keep = (bits > t).logical_or_(eq.logical_and_(before < ties))  # ... of this parameter
+        order = kept_order(keep, pl.take.numel())
+        return torch.index_select(val, 0, order), torch.index_select(idx, 0, order)
     # 4: one sort puts each parameter's candidates in its own slots, largest first (the
     # spill slot, whatever it holds, sorts after every parameter's: it is never taken)
     order = torch.sort(_desc_key(val.abs(), pl.slot_key), stable=True).indices
     order = torch.index_select(order, 0, pl.take)
     order = slot_order(order, val.numel())
     return torch.index_select(val, 0, order), torch.index_select(idx, 0, order)
+
+
+def kept_order(keep: torch.Tensor, K: int, by_mask: bool | None = None) -> torch.Tensor:
+    """(K,) the positions where ``keep`` (K of them) is true, in increasing order. ``by_mask``
+    (default: on the CPU): ``nonzero``; else with no host read: each kept position goes to
+    the place the count of kept positions before it says (the GPU's way)."""
+    if by_mask is None:
+        by_mask = keep.device.type == "cpu"
+    if by_mask:
+        return torch.nonzero(keep).view(-1)
+    place = torch.cumsum(keep, 0).sub_(1).masked_fill_(~keep, K)
+    order = torch.zeros(K + 1, dtype=torch.int64, device=keep.device)
+    return order.index_put_((place,), torch.arange(keep.numel(), device=keep.device))[:K]
 
 
 def slot_order(taken: torch.Tensor, slots: int, by_mask: bool | None = None) -> torch.Tensor:

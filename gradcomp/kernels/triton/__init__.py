@@ -53,4 +53,6 @@ from .powersgd import (  # noqa: F401
 )
 from .terngrad import ternary_compress, ternary_decompress  # noqa: F401
 from .threshold import threshold_decode, threshold_encode, threshold_tau  # noqa: F401
-from .topk import scatter_add, segment_candidates, select_topk  # noqa: F401
+from .topk import (  # noqa: F401
+    scatter_add, segment_candidates, segment_kth, segment_sample, segment_take, select_topk,
+)

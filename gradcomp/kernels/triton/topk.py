@@ -209,3 +209,164 @@ def segment_candidates(x: torch.Tensor, thr: torch.Tensor, seg_of: torch.Tensor,
     _seg_compact_kernel[(nblocks,)](x, thr, seg_of, start, before, slot_base, slot_end, val, idx,
                                     n, BLOCK_=c.BLOCK, num_warps=c.NUM_WARPS)
     return val, idx
+
+
+# ------------------------------------------------- segmented radix select (segment_kth)
+# kernels/segmented.py's kth_largest in 2 launches per pass (11, 11, 9 bits): a histogram of
+# each entity's digit (one block-local tl.histogram for the block's first entity, atomics
+# for the elements of any other), then one program per entity that finds its digit in its
+# bins.
+@triton.jit
+def _kth_hist_kernel(
+    val_ptr,     # (L,) fp32: ranked by |val|                  reads 4L
+    ent_ptr,     # (L,) int64 entity of each element          reads 8L
+    prefix_ptr,  # (E,) int32 the digits found so far
+    hist_ptr,    # (E * 2048,) int32 this pass's histogram, zeroed
+    L,
+    SHIFT: tl.constexpr,
+    WIDTH: tl.constexpr,
+    FIRST: tl.constexpr,
+    BLOCK_: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK_ + tl.arange(0, BLOCK_)
+    mask = offs < L
+    b = tl.abs(tl.load(val_ptr + offs, mask=mask, other=0.0)).to(tl.int32, bitcast=True)
+    e = tl.load(ent_ptr + offs, mask=mask, other=0)
+    digit = (b >> SHIFT) & ((1 << WIDTH) - 1)
+    if not FIRST:  # only the elements that match the digits found so far
+        mask = mask & ((b >> (SHIFT + WIDTH)) == tl.load(prefix_ptr + e, mask=mask, other=0))
+    e0 = tl.load(ent_ptr + pid.to(tl.int64) * BLOCK_)
+    mine = mask & (e == e0)
+    # the others' digits go to the upper half of the bins, which is not counted
+    local = tl.histogram(tl.where(mine, digit, digit + (1 << WIDTH)), 2 << WIDTH)
+    bins = tl.arange(0, 2 << WIDTH)
+    tl.atomic_add(hist_ptr + e0 * 2048 + bins, local, mask=(bins < (1 << WIDTH)) & (local > 0))
+    tl.atomic_add(hist_ptr + e * 2048 + digit, tl.full([BLOCK_], 1, tl.int32),
+                  mask=mask & (e != e0))
+
+
+@triton.jit
+def _kth_scan_kernel(
+    hist_ptr,    # (E * 2048,) int32 this pass's histogram
+    need_ptr,    # (E,) how many are still needed (the first pass: the request) ...
+    left_ptr,    # (E,) int32 ... what is left after this digit
+    prefix_ptr,  # (E,) int32 the digits found so far: one more appended
+    WIDTH: tl.constexpr,
+    FIRST: tl.constexpr,
+):
+    e = tl.program_id(0).to(tl.int64)
+    bins = tl.arange(0, 1 << WIDTH)
+    h = tl.load(hist_ptr + e * 2048 + bins)
+    need = tl.load(need_ptr + e).to(tl.int32)
+    desc = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # this digit or a larger one
+    d = tl.maximum(tl.sum((desc >= need).to(tl.int32), axis=0) - 1, 0)
+    above = tl.sum(tl.where(bins > d, h, 0), axis=0)
+    tl.store(left_ptr + e, need - above)
+    pre = 0 if FIRST else tl.load(prefix_ptr + e)
+    tl.store(prefix_ptr + e, (pre << WIDTH) + d)
+
+
+def segment_kth(mag: torch.Tensor, ent: torch.Tensor, need: torch.Tensor, E: int):
+    """(t (E,), r (E,)) int32: :func:`gradcomp.kernels.segmented.kth_largest` of |mag| (fp32,
+    ent (L,) int64, need (E,)) in 7 launches, no host read."""
+    from ..segmented import RADIX_BINS, RADIX_PASSES
+    c.check_flat(mag)
+    L, dev = mag.numel(), mag.device
+    prefix = torch.empty(E, dtype=torch.int32, device=dev)
+    left = torch.empty(E, dtype=torch.int32, device=dev)
+    if E == 0:
+        return prefix, left
+    hist = torch.zeros(len(RADIX_PASSES), E * RADIX_BINS, dtype=torch.int32, device=dev)
+    nblocks = triton.cdiv(L, c.BLOCK)
+    for i, (shift, width) in enumerate(RADIX_PASSES):
+        if nblocks:
+            _kth_hist_kernel[(nblocks,)](mag, ent, prefix, hist[i], L, SHIFT=shift, WIDTH=width,
+                                         FIRST=i == 0, BLOCK_=c.BLOCK, num_warps=c.NUM_WARPS)
+        _kth_scan_kernel[(E,)](hist[i], need if i == 0 else left, left, prefix, WIDTH=width,
+                               FIRST=i == 0)
+    return prefix, left
+
+
+@triton.jit
+def _sample_kernel(
+    x_ptr,       # (n,) the bucket                              reads 4M (gathered)
+    base_ptr,    # (M,) int64 each sample's Weyl point
+    of_ptr,      # (M,) int64 its parameter
+    shift_ptr,   # (P,) int64 each parameter's shift this step
+    n_ptr,       # (M,) int64 its parameter's element count
+    off_ptr,     # (M,) int64 its parameter's offset
+    out_ptr,     # (M,) fp32 the sampled values                 writes 4M
+    M,
+    BLOCK_: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK_ + tl.arange(0, BLOCK_)
+    mask = offs < M
+    at = tl.load(base_ptr + offs, mask=mask, other=0) \
+        + tl.load(shift_ptr + tl.load(of_ptr + offs, mask=mask, other=0), mask=mask, other=0)
+    at = at % tl.load(n_ptr + offs, mask=mask, other=1) + tl.load(off_ptr + offs, mask=mask, other=0)
+    tl.store(out_ptr + offs, tl.load(x_ptr + at, mask=mask, other=0.0), mask=mask)
+
+
+def segment_sample(x: torch.Tensor, base: torch.Tensor, of: torch.Tensor, shifts: torch.Tensor,
+                   n: torch.Tensor, off: torch.Tensor):
+    """(M,) x at (base + shifts[of]) % n + off: :func:`gradcomp.kernels.segmented.sample`'s
+    positions, gathered in one launch."""
+    c.check_flat(x)
+    M = base.numel()
+    out = c.alloc((M,), x.dtype, x.device)
+    if M:
+        _sample_kernel[(triton.cdiv(M, c.BLOCK),)](x, base, of, shifts, n, off, out, M,
+                                                   BLOCK_=c.BLOCK, num_warps=c.NUM_WARPS)
+    return out
+
+
+@triton.jit
+def _kth_take_kernel(
+    val_ptr,        # (C + 1,) candidate values, fp32                reads 4C
+    idx_ptr,        # (C + 1,) int64 candidate indices                reads <= 8K
+    t_ptr,          # (P,) int32 each parameter's k_p-th largest magnitude's bits
+    r_ptr,          # (P,) int32 how many of its k_p largest equal it
+    first_ptr,      # (P + 1,) int64 first slot of each parameter; then C
+    place_ptr,      # (P,) int64 first output place of each parameter
+    out_val_ptr,    # (K,) values                                    writes 4K
+    out_idx_ptr,    # (K,) int64 indices                             writes 8K
+    BLOCK_: tl.constexpr,
+):
+    p = tl.program_id(0)
+    lo = tl.load(first_ptr + p)
+    hi = tl.load(first_ptr + p + 1)
+    t = tl.load(t_ptr + p)
+    r = tl.load(r_ptr + p)
+    place = tl.load(place_ptr + p)
+    ties = 0
+    for start in range(lo, hi, BLOCK_):  # the parameter's slots, in order
+        offs = start + tl.arange(0, BLOCK_)
+        mask = offs < hi
+        v = tl.load(val_ptr + offs, mask=mask, other=0.0)
+        b = tl.abs(v).to(tl.int32, bitcast=True)
+        eq = mask & (b == t)
+        rank = ties + tl.cumsum(eq.to(tl.int32), axis=0) - 1  # ties in earlier slots
+        keep = mask & ((b > t) | (eq & (rank < r)))
+        at = place + tl.cumsum(keep.to(tl.int64), axis=0) - 1
+        tl.store(out_val_ptr + at, v, mask=keep)
+        tl.store(out_idx_ptr + at, tl.load(idx_ptr + offs, mask=keep, other=0), mask=keep)
+        ties += tl.sum(eq.to(tl.int32), axis=0)
+        place += tl.sum(keep.to(tl.int64), axis=0)
+
+
+def segment_take(val: torch.Tensor, idx: torch.Tensor, t: torch.Tensor, r: torch.Tensor,
+                 first: torch.Tensor, place: torch.Tensor, K: int):
+    """(values (K,), int64 indices (K,)): for each parameter p, its slots
+    [first[p], first[p + 1]) of val (fp32) / idx whose magnitude's bits are above t[p], and
+    the first r[p] equal to it, in slot order, at [place[p], ...): what
+    :func:`gradcomp.kernels.segmented._take_largest` keeps, in one launch (one program per
+    parameter)."""
+    c.check_flat(val)
+    out_val = c.alloc((K,), val.dtype, val.device)
+    out_idx = c.alloc((K,), torch.int64, val.device)
+    P = place.numel()
+    if P and K:
+        _kth_take_kernel[(P,)](val, idx, t, r, first, place, out_val, out_idx,
+                               BLOCK_=c.BLOCK, num_warps=c.NUM_WARPS)
+    return out_val, out_idx
