@@ -25,6 +25,10 @@ Passes over memory (n elements, fp32 x):
   * segment_candidates (the segmented top-k's candidate step, kernels/segmented.py): a
     count over x, a cumsum over the tiny per-block counts, one program per segment for the
     candidates before it, a compaction: two reads of x.
+  * segment_sample / segment_kth / segment_take (the segmented top-k's ranking on the GPU):
+    the sample gathered in one launch; a segmented radix select of three passes, each a
+    histogram launch over the ranked values and a launch of one program per parameter that
+    reads its bins; one program per parameter keeping its k largest slots, in order.
   * threshold_tau / threshold_encode / threshold_decode: threshold quantization's
     per-parameter tau, its codes and residual, and the decode of the W messages (atomic
     adds); each one launch over a bucket.
