@@ -155,6 +155,7 @@ class SelectPlan:
     slot_param: torch.Tensor  # (C,) parameter of each slot
     slot_first: torch.Tensor  # (P + 1,) first slot of each parameter; then C
     take_first: torch.Tensor  # (P,) first of each parameter's k_p places in the result
+    widest: int               # the most slots of one parameter
     slot_need: torch.Tensor   # (P,) k_p: how many of its slots each parameter sends
     sample_need: torch.Tensor  # (P,) ks_p: the rank of each parameter's sampled threshold
     thr_from: torch.Tensor    # (S,) each segment's threshold in cat(per parameter (P,), NaN, 0)
@@ -238,7 +239,8 @@ def plan(layout: tuple, budgets: tuple, n: int, device) -> SelectPlan:
         t([max(0, a - 1) for a in seg_start]),
         torch.tensor([a == 0 for a in seg_start], dtype=torch.bool, device=device),
         t(seg_thr), t(param_seg), t(slot_base), t(slot_end), slot, t(_key_base(slot_seg + [P])),
-        t(take), t(slot_seg), t(slot_first + [slot]), t(take_first), t(slot_need), t(sample_need), t(thr_from),
+        t(take), t(slot_seg), t(slot_first + [slot]), t(take_first),
+        max((e - b for b, e in zip(slot_base, slot_end)), default=0), t(slot_need), t(sample_need), t(thr_from),
         t(_key_base(sample_of + [P, P])), t(sample_of), t(sample_base), t(sample_n),
         t(sample_off), t(sample_start), torch.tensor([float("nan"), 0.0], device=device),
         tuple(sampled))
@@ -246,7 +248,21 @@ def plan(layout: tuple, budgets: tuple, n: int, device) -> SelectPlan:
 
 # :func:`kth_largest`'s passes, (shift, width): 11 + 11 + 9 bits cover a magnitude's 31
 RADIX_PASSES = ((20, 11), (9, 11), (0, 9))
-RADIX_BINS = 1 << 11  # per entity and pass
+
+
+def check_passes(passes) -> int:
+    """The bins per entity of the radix passes ``passes``, which must cover bits 30..0 of a
+    magnitude's pattern, from the top, in widths of 1-11 bits (so that an entity that needs
+    nothing ends with every digit the largest: t = 0x7FFFFFFF, taken by none)."""
+    top = 31
+    for shift, width in passes:
+        if not 1 <= width <= 11 or shift + width != top:
+            raise ValueError(f"radix passes {passes} must cover bits 30..0 from the top, "
+                             f"1-11 bits each")
+        top = shift
+    if top != 0:
+        raise ValueError(f"radix passes {passes} must end at bit 0")
+    return 1 << max(w for _, w in passes)
 
 
 def kth_largest(mag: torch.Tensor, ent: torch.Tensor, need: torch.Tensor, E: int):
@@ -259,6 +275,7 @@ def kth_largest(mag: torch.Tensor, ent: torch.Tensor, need: torch.Tensor, E: int
     elements that match the digits found so far, and the digit where the count from the
     top reaches what is still needed -- no sort, no host read. The torch ops of it (any
     device); the Triton kernels' is the same function (kernels/triton/topk.py)."""
+    check_passes(RADIX_PASSES)
     dev = mag.device
     b = mag.abs().view(torch.int32).to(torch.int64)
     prefix = torch.zeros(E, dtype=torch.int64, device=dev)
@@ -339,7 +356,8 @@ def select_above(x: torch.Tensor, pl: SelectPlan, thr: torch.Tensor, compact: st
     int64 indices into x (K,)), the k_p largest of the first capacity_p elements with
     |x| >= thr of each parameter. ``compact``: "nonzero" (the CPU's way), "cumsum" (no host
     sync, in torch ops), "triton" (the same slots as "cumsum" in three Triton launches: the
-    GPU's way) or "auto" (the GPU's way where the Triton kernels run)."""
+    GPU's way) or "auto" (the GPU's way where the Triton kernels run). ``rank``: how the k
+    largest candidates are found (:func:`_rank_way`)."""
     n, dev, C = x.numel(), x.device, pl.slots
     if C == 0:  # nothing to select (every parameter empty)
         return x.new_zeros(0), torch.zeros(0, dtype=torch.int64, device=dev)
@@ -403,7 +421,8 @@ def _take_largest(val: torch.Tensor, idx: torch.Tensor, pl: SelectPlan, rank: st
         t, ties = _kth(rank, val[:C], pl.slot_param, pl.slot_need, pl.slot_need.numel())
         if rank == "triton":
             take = implementation("segment_take", val, "triton")
-            return take(val, idx, t, ties, pl.slot_first, pl.take_first, pl.take.numel())
+            return take(val, idx, t, ties, pl.slot_first, pl.take_first, pl.take.numel(),
+                        pl.slot_param, pl.widest)
         t, ties = t[pl.slot_param], ties[pl.slot_param]
         bits = val[:C].abs().view(torch.int32)
         eq = bits == t

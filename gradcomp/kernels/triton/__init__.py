@@ -4,8 +4,9 @@
 
 Every function here has the signature and semantics of the function of the same name in
 :mod:`gradcomp.kernels.reference` (PowerSGD's: :mod:`gradcomp.kernels.lowrank`;
-segment_candidates: the "cumsum" way of :mod:`gradcomp.kernels.segmented`), which is the
-specification; the tests compare them. :mod:`gradcomp.kernels` imports this module lazily, for CUDA tensors only, so
+segment_candidates: the "cumsum" way of :mod:`gradcomp.kernels.segmented`; segment_sample,
+segment_kth, segment_take: its ``thresholds``, ``kth_largest``, ``_take_largest``), which is
+the specification; the tests compare them. :mod:`gradcomp.kernels` imports this module lazily, for CUDA tensors only, so
 the package imports without Triton. Under ``TRITON_INTERPRET=1`` the same kernels run on CPU
 tensors (that is how the tests run without a GPU).
 
@@ -28,7 +29,9 @@ Passes over memory (n elements, fp32 x):
   * segment_sample / segment_kth / segment_take (the segmented top-k's ranking on the GPU):
     the sample gathered in one launch; a segmented radix select of three passes, each a
     histogram launch over the ranked values and a launch of one program per parameter that
-    reads its bins; one program per parameter keeping its k largest slots, in order.
+    reads its bins; the take of each parameter's k largest slots, in order: one program per
+    parameter walking its slots, or (a parameter wider than SERIAL_BLOCKS blocks) a count
+    per block, a cumsum, a count before each parameter and a placement over all slots.
   * threshold_tau / threshold_encode / threshold_decode: threshold quantization's
     per-parameter tau, its codes and residual, and the decode of the W messages (atomic
     adds); each one launch over a bucket.

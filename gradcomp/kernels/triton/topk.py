@@ -1,6 +1,8 @@
-"""The sparse methods' Triton kernels (compressors/topk.py, dgc.py): select_topk,
-scatter_add, and the segmented top-k's candidate step segment_candidates
-(kernels/segmented.py's "cumsum" way), as kernels/reference.py specifies them."""
+"""The sparse methods' Triton kernels (compressors/topk.py, dgc.py, threshold.py):
+select_topk and scatter_add, as kernels/reference.py specifies them; the segmented top-k's
+candidate step segment_candidates (kernels/segmented.py's "cumsum" way) and its ranking on
+the GPU, segment_sample / segment_kth / segment_take (segmented.thresholds' sample,
+segmented.kth_largest, segmented._take_largest's radix way)."""
 from __future__ import annotations
 
 import torch
@@ -215,16 +217,18 @@ def segment_candidates(x: torch.Tensor, thr: torch.Tensor, seg_of: torch.Tensor,
 # kernels/segmented.py's kth_largest in 2 launches per pass (11, 11, 9 bits): a histogram of
 # each entity's digit (one block-local tl.histogram for the block's first entity, atomics
 # for the elements of any other), then one program per entity that finds its digit in its
-# bins.
+# bins. An entity that needs none ends with t = 0x7FFFFFFF (every digit the largest) and
+# r = 0: segment_take keeps none of its slots.
 @triton.jit
 def _kth_hist_kernel(
     val_ptr,     # (L,) fp32: ranked by |val|                  reads 4L
     ent_ptr,     # (L,) int64 entity of each element          reads 8L
     prefix_ptr,  # (E,) int32 the digits found so far
-    hist_ptr,    # (E * 2048,) int32 this pass's histogram, zeroed
+    hist_ptr,    # (E * STRIDE,) int32 this pass's histogram, zeroed
     L,
     SHIFT: tl.constexpr,
     WIDTH: tl.constexpr,
+    STRIDE: tl.constexpr,
     FIRST: tl.constexpr,
     BLOCK_: tl.constexpr,
 ):
@@ -241,23 +245,24 @@ def _kth_hist_kernel(
     # the others' digits go to the upper half of the bins, which is not counted
     local = tl.histogram(tl.where(mine, digit, digit + (1 << WIDTH)), 2 << WIDTH)
     bins = tl.arange(0, 2 << WIDTH)
-    tl.atomic_add(hist_ptr + e0 * 2048 + bins, local, mask=(bins < (1 << WIDTH)) & (local > 0))
-    tl.atomic_add(hist_ptr + e * 2048 + digit, tl.full([BLOCK_], 1, tl.int32),
+    tl.atomic_add(hist_ptr + e0 * STRIDE + bins, local, mask=(bins < (1 << WIDTH)) & (local > 0))
+    tl.atomic_add(hist_ptr + e * STRIDE + digit, tl.full([BLOCK_], 1, tl.int32),
                   mask=mask & (e != e0))
 
 
 @triton.jit
 def _kth_scan_kernel(
-    hist_ptr,    # (E * 2048,) int32 this pass's histogram
+    hist_ptr,    # (E * STRIDE,) int32 this pass's histogram
     need_ptr,    # (E,) how many are still needed (the first pass: the request) ...
     left_ptr,    # (E,) int32 ... what is left after this digit
     prefix_ptr,  # (E,) int32 the digits found so far: one more appended
     WIDTH: tl.constexpr,
+    STRIDE: tl.constexpr,
     FIRST: tl.constexpr,
 ):
     e = tl.program_id(0).to(tl.int64)
     bins = tl.arange(0, 1 << WIDTH)
-    h = tl.load(hist_ptr + e * 2048 + bins)
+    h = tl.load(hist_ptr + e * STRIDE + bins)
     need = tl.load(need_ptr + e).to(tl.int32)
     desc = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # this digit or a larger one
     d = tl.maximum(tl.sum((desc >= need).to(tl.int32), axis=0) - 1, 0)
@@ -270,21 +275,23 @@ def _kth_scan_kernel(
 def segment_kth(mag: torch.Tensor, ent: torch.Tensor, need: torch.Tensor, E: int):
     """(t (E,), r (E,)) int32: :func:`gradcomp.kernels.segmented.kth_largest` of |mag| (fp32,
     ent (L,) int64, need (E,)) in 7 launches, no host read."""
-    from ..segmented import RADIX_BINS, RADIX_PASSES
+    from ..segmented import RADIX_PASSES, check_passes
     c.check_flat(mag)
+    stride = check_passes(RADIX_PASSES)
     L, dev = mag.numel(), mag.device
     prefix = torch.empty(E, dtype=torch.int32, device=dev)
     left = torch.empty(E, dtype=torch.int32, device=dev)
     if E == 0:
         return prefix, left
-    hist = torch.zeros(len(RADIX_PASSES), E * RADIX_BINS, dtype=torch.int32, device=dev)
+    hist = torch.zeros(len(RADIX_PASSES), E * stride, dtype=torch.int32, device=dev)
     nblocks = triton.cdiv(L, c.BLOCK)
     for i, (shift, width) in enumerate(RADIX_PASSES):
         if nblocks:
             _kth_hist_kernel[(nblocks,)](mag, ent, prefix, hist[i], L, SHIFT=shift, WIDTH=width,
-                                         FIRST=i == 0, BLOCK_=c.BLOCK, num_warps=c.NUM_WARPS)
+                                         STRIDE=stride, FIRST=i == 0, BLOCK_=c.BLOCK,
+                                         num_warps=c.NUM_WARPS)
         _kth_scan_kernel[(E,)](hist[i], need if i == 0 else left, left, prefix, WIDTH=width,
-                               FIRST=i == 0)
+                               STRIDE=stride, FIRST=i == 0)
     return prefix, left
 
 
@@ -355,18 +362,97 @@ def _kth_take_kernel(
         place += tl.sum(keep.to(tl.int64), axis=0)
 
 
+@triton.jit
+def _take_packed(val_ptr, par_ptr, t_ptr, offs, mask):
+    """Per slot: (above << 32) | equal, against its parameter's t; the bits of |val|; its
+    parameter."""
+    b = tl.abs(tl.load(val_ptr + offs, mask=mask, other=0.0)).to(tl.int32, bitcast=True)
+    p = tl.load(par_ptr + offs, mask=mask, other=0)
+    t = tl.load(t_ptr + p, mask=mask, other=0)
+    packed = ((b > t).to(tl.int64) << 32) | (b == t).to(tl.int64)
+    return tl.where(mask, packed, 0), b, p, t
+
+
+@triton.jit
+def _take_count_kernel(val_ptr, par_ptr, t_ptr, counts_ptr, C, BLOCK_: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK_ + tl.arange(0, BLOCK_)
+    packed, _, _, _ = _take_packed(val_ptr, par_ptr, t_ptr, offs, offs < C)
+    tl.store(counts_ptr + tl.program_id(0), tl.sum(packed, axis=0))
+
+
+@triton.jit
+def _take_before_kernel(val_ptr, par_ptr, t_ptr, start_ptr, first_ptr, before_ptr,
+                        BLOCK_: tl.constexpr):
+    p = tl.program_id(0)
+    first = tl.load(first_ptr + p)
+    prev = tl.maximum(first - 1, 0)
+    blk = prev // BLOCK_
+    offs = blk * BLOCK_ + tl.arange(0, BLOCK_)
+    packed, _, _, _ = _take_packed(val_ptr, par_ptr, t_ptr, offs, offs <= prev)
+    cnt = tl.load(start_ptr + blk) + tl.sum(packed, axis=0)
+    tl.store(before_ptr + p, tl.where(first == 0, 0, cnt))
+
+
+@triton.jit
+def _take_place_kernel(
+    val_ptr, idx_ptr, par_ptr, t_ptr, r_ptr,
+    start_ptr,      # (nblocks,) int64 packed counts before each block
+    before_ptr,     # (P,) int64 packed counts before each parameter's first slot
+    place_ptr,      # (P,) int64 first output place of each parameter
+    out_val_ptr, out_idx_ptr, C,
+    BLOCK_: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK_ + tl.arange(0, BLOCK_)
+    mask = offs < C
+    packed, b, p, t = _take_packed(val_ptr, par_ptr, t_ptr, offs, mask)
+    # inclusive counts within the parameter, then those of the slots before this one
+    incl = tl.load(start_ptr + pid) + tl.cumsum(packed, axis=0) \
+        - tl.load(before_ptr + p, mask=mask, other=0)
+    gt, eq = b > t, b == t
+    above = (incl >> 32) - gt.to(tl.int64)
+    ties = (incl & 0xFFFFFFFF) - eq.to(tl.int64)
+    r = tl.load(r_ptr + p, mask=mask, other=0).to(tl.int64)
+    keep = mask & (gt | (eq & (ties < r)))
+    at = tl.load(place_ptr + p, mask=mask, other=0) + above + tl.minimum(ties, r)
+    tl.store(out_val_ptr + at, tl.load(val_ptr + offs, mask=keep, other=0.0), mask=keep)
+    tl.store(out_idx_ptr + at, tl.load(idx_ptr + offs, mask=keep, other=0), mask=keep)
+
+
+# A parameter of more slots than this many blocks: segment_take goes over all slots in
+# parallel (5 launches) instead of one program walking each parameter's slots (1 launch)
+SERIAL_BLOCKS = 16
+
+
 def segment_take(val: torch.Tensor, idx: torch.Tensor, t: torch.Tensor, r: torch.Tensor,
-                 first: torch.Tensor, place: torch.Tensor, K: int):
+                 first: torch.Tensor, place: torch.Tensor, K: int, slot_param: torch.Tensor,
+                 widest: int):
     """(values (K,), int64 indices (K,)): for each parameter p, its slots
     [first[p], first[p + 1]) of val (fp32) / idx whose magnitude's bits are above t[p], and
     the first r[p] equal to it, in slot order, at [place[p], ...): what
-    :func:`gradcomp.kernels.segmented._take_largest` keeps, in one launch (one program per
-    parameter)."""
+    :func:`gradcomp.kernels.segmented._take_largest` keeps. slot_param (C,): each slot's
+    parameter; widest: the most slots of one parameter. One program per parameter walking
+    its slots (1 launch) where no parameter has more than SERIAL_BLOCKS blocks of them; else
+    a count per block, a cumsum of the tiny counts, each parameter's count before it, and a
+    placement, over all slots at once."""
     c.check_flat(val)
     out_val = c.alloc((K,), val.dtype, val.device)
     out_idx = c.alloc((K,), torch.int64, val.device)
-    P = place.numel()
-    if P and K:
+    P, C = place.numel(), slot_param.numel()
+    if not (P and K):
+        return out_val, out_idx
+    if widest <= SERIAL_BLOCKS * c.BLOCK:
         _kth_take_kernel[(P,)](val, idx, t, r, first, place, out_val, out_idx,
                                BLOCK_=c.BLOCK, num_warps=c.NUM_WARPS)
+        return out_val, out_idx
+    nblocks = triton.cdiv(C, c.BLOCK)
+    counts = torch.empty(nblocks, dtype=torch.int64, device=val.device)
+    _take_count_kernel[(nblocks,)](val, slot_param, t, counts, C, BLOCK_=c.BLOCK,
+                                   num_warps=c.NUM_WARPS)
+    start = torch.cumsum(counts, 0) - counts  # exclusive scan, tiny
+    before = torch.empty(P, dtype=torch.int64, device=val.device)
+    _take_before_kernel[(P,)](val, slot_param, t, start, first, before, BLOCK_=c.BLOCK,
+                              num_warps=c.NUM_WARPS)
+    _take_place_kernel[(nblocks,)](val, idx, slot_param, t, r, start, before, place, out_val,
+                                   out_idx, C, BLOCK_=c.BLOCK, num_warps=c.NUM_WARPS)
     return out_val, out_idx
