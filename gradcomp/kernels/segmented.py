@@ -297,7 +297,8 @@ def kth_largest(mag: torch.Tensor, ent: torch.Tensor, need: torch.Tensor, E: int
 
 def _kth(way: str, mag, ent, need, E):
     if way == "triton":
-        return implementation("segment_kth", mag, "triton")(mag, ent, need, E)
+        check_passes(RADIX_PASSES)
+        return implementation("segment_kth", mag, "triton")(mag, ent, need, E, RADIX_PASSES)
     return kth_largest(mag, ent, need, E)
 
 

@@ -272,20 +272,20 @@ def _kth_scan_kernel(
     tl.store(prefix_ptr + e, (pre << WIDTH) + d)
 
 
-def segment_kth(mag: torch.Tensor, ent: torch.Tensor, need: torch.Tensor, E: int):
+def segment_kth(mag: torch.Tensor, ent: torch.Tensor, need: torch.Tensor, E: int, passes):
     """(t (E,), r (E,)) int32: :func:`gradcomp.kernels.segmented.kth_largest` of |mag| (fp32,
-    ent (L,) int64, need (E,)) in 7 launches, no host read."""
-    from ..segmented import RADIX_PASSES, check_passes
+    ent (L,) int64, need (E,)) with its radix ``passes`` ((shift, width) pairs, checked by
+    ``segmented.check_passes``): 2 launches per pass and a zero fill, no host read."""
     c.check_flat(mag)
-    stride = check_passes(RADIX_PASSES)
+    stride = 1 << max(w for _, w in passes)
     L, dev = mag.numel(), mag.device
     prefix = torch.empty(E, dtype=torch.int32, device=dev)
     left = torch.empty(E, dtype=torch.int32, device=dev)
     if E == 0:
         return prefix, left
-    hist = torch.zeros(len(RADIX_PASSES), E * stride, dtype=torch.int32, device=dev)
+    hist = torch.zeros(len(passes), E * stride, dtype=torch.int32, device=dev)
     nblocks = triton.cdiv(L, c.BLOCK)
-    for i, (shift, width) in enumerate(RADIX_PASSES):
+    for i, (shift, width) in enumerate(passes):
         if nblocks:
             _kth_hist_kernel[(nblocks,)](mag, ent, prefix, hist[i], L, SHIFT=shift, WIDTH=width,
                                          STRIDE=stride, FIRST=i == 0, BLOCK_=c.BLOCK,
