@@ -117,8 +117,8 @@ def select(n=N, ratio=0.001, sample_ratio=0.01):
     for passes in (default, ((24, 7), (16, 8), (8, 8), (0, 8))):
         sg.RADIX_PASSES = passes
         try:
-            widths = "/".join(str(w) for _, w in passes)
-            print(f"  {'select, radix passes ' + widths:<40}{ms(lambda: sg.select(x, pl, shifts)):>9.4f}")
+            name = "select, radix passes " + "/".join(str(w) for _, w in passes)
+            print(f"  {name:<40}{ms(lambda: sg.select(x, pl, shifts)):>9.4f}")
         finally:
             sg.RADIX_PASSES = default
 

@@ -105,9 +105,9 @@ def test_segmented_select_equals_the_per_parameter_reference(compact, rank, seri
 def test_radix_select_finds_each_entitys_kth_largest_and_its_ties(way, passes, monkeypatch):
     """kth_largest (torch ops) and its Triton kernels against a sort: for every entity the
     need-th largest bit pattern and how many of the need largest equal it, with ties, zeros,
-    inf and NaN magnitudes, entities of one element, empty entities and need = 0 (ignored),
-    need = count; entities interleaved and in runs, across 64-element blocks; the default
-    digit widths and 7/8/8/8 bits (what the GPU probe compares)."""
+    inf and NaN magnitudes, entities of one element, empty entities (need = 0: every digit
+    the largest, r = 0), need = count; entities interleaved and in runs, across 64-element
+    blocks; the default digit widths and 7/8/8/8 bits (what the GPU probe compares)."""
     if passes:
         monkeypatch.setattr(S, "RADIX_PASSES", passes)
     if way == "triton":

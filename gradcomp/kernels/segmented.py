@@ -21,11 +21,12 @@ ops over the whole bucket, whatever its parameter count:
 
 Steps 2 and 4 rank magnitudes. On the CPU each is one sort, as above. On the GPU each is a
 segmented radix select (:func:`kth_largest`; Triton kernels ``segment_kth``,
-``segment_take``): three passes of 11, 11 and 9 bits over the magnitudes' bit patterns, each a histogram
-per parameter of its elements that match the digits found so far and a search of its
-bins, give each parameter's k-th magnitude and how many of its k largest equal it; the
-slots above it and the first such ties are kept, in slot order. No sort and no host read:
-a sort of 64-bit keys is itself a radix sort, eight or more passes over every element.
+``segment_take``): three passes of 11, 11 and 9 bits over the magnitudes' bit patterns,
+each a histogram per parameter of its elements that match the digits found so far and a
+search of its bins, give each parameter's k-th magnitude and how many of its k largest
+equal it; the slots above it and the first such ties are kept, in slot order. No sort and
+no host read: a sort of 64-bit keys is itself a radix sort, eight or more passes over every
+element.
 
 :func:`select_param` is the per-parameter reference (the same rules, one parameter at a
 time): :func:`select` equals it bit for bit, value and index, for every parameter.
@@ -240,7 +241,8 @@ def plan(layout: tuple, budgets: tuple, n: int, device) -> SelectPlan:
         torch.tensor([a == 0 for a in seg_start], dtype=torch.bool, device=device),
         t(seg_thr), t(param_seg), t(slot_base), t(slot_end), slot, t(_key_base(slot_seg + [P])),
         t(take), t(slot_seg), t(slot_first + [slot]), t(take_first),
-        max((e - b for b, e in zip(slot_base, slot_end)), default=0), t(slot_need), t(sample_need), t(thr_from),
+        max((e - b for b, e in zip(slot_base, slot_end)), default=0),
+        t(slot_need), t(sample_need), t(thr_from),
         t(_key_base(sample_of + [P, P])), t(sample_of), t(sample_base), t(sample_n),
         t(sample_off), t(sample_start), torch.tensor([float("nan"), 0.0], device=device),
         tuple(sampled))
@@ -250,6 +252,7 @@ def plan(layout: tuple, budgets: tuple, n: int, device) -> SelectPlan:
 RADIX_PASSES = ((20, 11), (9, 11), (0, 9))
 
 
+@functools.lru_cache(maxsize=8)
 def check_passes(passes) -> int:
     """The bins per entity of the radix passes ``passes``, which must cover bits 30..0 of a
     magnitude's pattern, from the top, in widths of 1-11 bits (so that an entity that needs
@@ -321,9 +324,15 @@ def thresholds(x: torch.Tensor, pl: SelectPlan, shifts: torch.Tensor, rank: str 
         s = implementation("segment_sample", x, "triton")(
             x, pl.sample_base, pl.sample_of, shifts, pl.sample_n, pl.sample_off)
     else:
-        s = x[(pl.sample_base + shifts[pl.sample_of]).remainder_(pl.sample_n).add_(pl.sample_off)]
+        s = x[_sample_at(pl, shifts)]
     t, _ = _kth(rank, s, pl.sample_of, pl.sample_need, pl.param_seg.numel())
     return torch.cat([t.to(torch.int32).view(torch.float32), pl.tail])[pl.thr_from]
+
+
+def _sample_at(pl: SelectPlan, shifts: torch.Tensor) -> torch.Tensor:
+    """(M,) the sample positions of every parameter: its Weyl points shifted, modulo its
+    size, at its offset (the Triton way: ``segment_sample``)."""
+    return (pl.sample_base + shifts[pl.sample_of]).remainder_(pl.sample_n).add_(pl.sample_off)
 
 
 def sample(x: torch.Tensor, pl: SelectPlan, shifts: torch.Tensor):
@@ -331,8 +340,7 @@ def sample(x: torch.Tensor, pl: SelectPlan, shifts: torch.Tensor):
     threshold (S,): NaN for a gap, 0 where ks is 0). Within a parameter the magnitudes run
     largest first; the two constants (NaN, 0) close the list. shifts: (P,) int64,
     :func:`shift` of each parameter's seed and size, in the plan's order."""
-    at = (pl.sample_base + shifts[pl.sample_of]).remainder_(pl.sample_n).add_(pl.sample_off)
-    mag = torch.cat([x[at].abs_(), pl.tail])
+    mag = torch.cat([x[_sample_at(pl, shifts)].abs_(), pl.tail])
     keys, order = torch.sort(_desc_key(mag, pl.sample_key))
     mag = mag[order]
     return keys, mag, mag[pl.seg_thr]  # the two constants sort last: their places are fixed
@@ -465,5 +473,5 @@ def slot_order(taken: torch.Tensor, slots: int, by_mask: bool | None = None) -> 
         by_mask = taken.device.type == "cpu"
     if by_mask:
         mask = torch.zeros(slots, dtype=torch.bool, device=taken.device).index_fill_(0, taken, True)
-        return torch.nonzero(mask).view(-1)
+        return kept_order(mask, taken.numel(), by_mask=True)
     return torch.sort(taken).values

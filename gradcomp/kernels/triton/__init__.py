@@ -6,9 +6,10 @@ Every function here has the signature and semantics of the function of the same 
 :mod:`gradcomp.kernels.reference` (PowerSGD's: :mod:`gradcomp.kernels.lowrank`;
 segment_candidates: the "cumsum" way of :mod:`gradcomp.kernels.segmented`; segment_sample,
 segment_kth, segment_take: its ``thresholds``, ``kth_largest``, ``_take_largest``), which is
-the specification; the tests compare them. :mod:`gradcomp.kernels` imports this module lazily, for CUDA tensors only, so
-the package imports without Triton. Under ``TRITON_INTERPRET=1`` the same kernels run on CPU
-tensors (that is how the tests run without a GPU).
+the specification; the tests compare them. :mod:`gradcomp.kernels` imports this module
+lazily, for CUDA tensors only, so the package imports without Triton. Under
+``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (that is how the tests run
+without a GPU).
 
 Passes over memory (n elements, fp32 x):
   * onebit_compress: one kernel, one read of x and the residual, one write of the residual,

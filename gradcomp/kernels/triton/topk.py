@@ -311,7 +311,8 @@ def _sample_kernel(
     mask = offs < M
     at = tl.load(base_ptr + offs, mask=mask, other=0) \
         + tl.load(shift_ptr + tl.load(of_ptr + offs, mask=mask, other=0), mask=mask, other=0)
-    at = at % tl.load(n_ptr + offs, mask=mask, other=1) + tl.load(off_ptr + offs, mask=mask, other=0)
+    at = at % tl.load(n_ptr + offs, mask=mask, other=1) \
+        + tl.load(off_ptr + offs, mask=mask, other=0)
     tl.store(out_ptr + offs, tl.load(x_ptr + at, mask=mask, other=0.0), mask=mask)
 
 
@@ -329,7 +330,7 @@ def segment_sample(x: torch.Tensor, base: torch.Tensor, of: torch.Tensor, shifts
 
 
 @triton.jit
-def _kth_take_kernel(
+def _take_serial_kernel(
     val_ptr,        # (C + 1,) candidate values, fp32                reads 4C
     idx_ptr,        # (C + 1,) int64 candidate indices                reads <= 8K
     t_ptr,          # (P,) int32 each parameter's k_p-th largest magnitude's bits
@@ -442,7 +443,7 @@ def segment_take(val: torch.Tensor, idx: torch.Tensor, t: torch.Tensor, r: torch
     if not (P and K):
         return out_val, out_idx
     if widest <= SERIAL_BLOCKS * c.BLOCK:
-        _kth_take_kernel[(P,)](val, idx, t, r, first, place, out_val, out_idx,
+        _take_serial_kernel[(P,)](val, idx, t, r, first, place, out_val, out_idx,
                                BLOCK_=c.BLOCK, num_warps=c.NUM_WARPS)
         return out_val, out_idx
     nblocks = triton.cdiv(C, c.BLOCK)
