@@ -32,7 +32,7 @@ class Adam(str, enum.Enum):
 
 
 ADAMS = tuple(a.value for a in Adam)
-DENSE_WIRES = ("auto", "float32", "bfloat16", "int8")
+DENSE_WIRES = ("auto", "float32", "bfloat16", "int8", "int4")
 # The slots the methods keep (memory.py; typed constants: a checkpoint's memory is keyed
 # by them)
 RESIDUAL: Final = "residual"                # error feedback's residual (every EF method)
@@ -107,7 +107,8 @@ class MethodConfig:
         owning each part, the average rounded to bf16 once: half the bytes, no bf16
         accumulation), "int8" (each parameter cut into rows of 256 with one fp32 scale each,
         rounded to 127 levels each side of 0, summed in fp32 by the rank owning each row,
-        rounded again: about a quarter of the bytes; compressors/rows.py) or "auto" (the
+        rounded again: about a quarter of the bytes; compressors/rows.py), "int4" (the same
+        rows at 7 levels each side of 0: about an eighth) or "auto" (the
         default): "bfloat16" with Adam/AdamW, whose warm-up
         learns the second moment it then freezes (measured on the GPT: bench/RESULTS.md
         section 8), "float32" otherwise.
@@ -184,7 +185,8 @@ class MethodConfig:
               f"0 with local_steps={self.local_steps} (inner steps send nothing to delay; "
               f"local_delay=1 overlaps the outer exchange instead)")
         check(self.dense_wire in DENSE_WIRES, "dense_wire", self.dense_wire,
-              "auto (bfloat16 with Adam/AdamW, float32 otherwise), float32, bfloat16 or int8")
+              "auto (bfloat16 with Adam/AdamW, float32 otherwise), float32, bfloat16, int8 "
+              "or int4")
         check(self.adam in ADAMS, "adam", self.adam,
               "auto (momentum or freeze with Adam/AdamW), momentum (Adam's second moment "
               "frozen once compression starts, its first moment exchanged), freeze (frozen, "

@@ -739,14 +739,18 @@ def test_adams_warm_up_goes_bf16_by_default_at_half_the_bytes(spawn):
     (sgd, _), _ = spawn(_warmup_bytes, 2, args=("auto", "sgd"))
     (sgd16, _), _ = spawn(_warmup_bytes, 2, args=("bfloat16", "sgd"))
     (i8, g8), _ = spawn(_warmup_bytes, 2, args=("int8", "adamw"))
+    (i4, g4), _ = spawn(_warmup_bytes, 2, args=("int4", "adamw"))
     assert f32[-1] == sgd[-1] and auto[-1] == sgd16[-1]
     assert auto[-1] * 2 == pytest.approx(f32[-1], rel=0.01)  # (odd buckets pad one element)
     # int8: a byte per value, a 4-byte scale per row of 256 and each parameter's last row
     # padded (small_net's are small: most of the bytes here are padding)
-    assert i8[-1] < auto[-1]
+    assert i4[-1] < i8[-1] < auto[-1]
     for a, b in zip(g8[0], g32[0]):
         assert not torch.equal(a, b)
         assert (a - b).abs().max() <= 2 / 127 * b.abs().max() + 1e-12
+    for a, b, c in zip(g4[0], g32[0], g8[0]):  # 7 levels each side of 0: coarser than int8
+        assert (a - b).abs().max() <= 2 / 7 * b.abs().max() + 1e-12
+        assert (a - b).abs().max() >= (c - b).abs().max()
     for a, b in zip(g16[0], g32[0]):  # the first step's gradients: same parameters
         assert not torch.equal(a, b)
         # each rank's value rounded once (relative 2**-9), the average once: an average of

@@ -193,12 +193,12 @@ class Compressor(ABC):
 
     def dense(self, x: torch.Tensor, ctx: BucketContext) -> torch.Tensor:
         """Plain fp32 allreduce average: small buckets and degenerate settings; the warm-up's
-        steps in bf16 or int8 where the state says so (``ctx.dense_wire``, the option)."""
+        steps in bf16, int8 or int4 where the state says so (``ctx.dense_wire``, the option)."""
         wire = getattr(ctx, "dense_wire", None)
         if wire == "bfloat16":
             return dense_bf16(x, ctx.comm)
-        if wire == "int8":  # rows.py: the int8 rows DiLoCo sends too
-            return dense_rows(x, ctx.params, ctx.comm, 8)
+        if wire in ("int8", "int4"):  # rows.py: the rows DiLoCo sends too
+            return dense_rows(x, ctx.params, ctx.comm, 8 if wire == "int8" else 4)
         return ctx.comm.allreduce(x).div_(ctx.comm.world_size)
 
     def add_residual(self, x: torch.Tensor, ctx: BucketContext,

@@ -28,7 +28,7 @@ class BucketCtx:
         self.state, self.bucket, self.params = state, bucket, params
         self.comm, self.step, self.device, self.live = comm, step, device, live
         self.grad_dtype = torch.float32  # the gradient's own dtype (set by stages.split)
-        self.dense_wire = None  # a dense step's wire, "bfloat16" or "int8" (stages.method)
+        self.dense_wire = None  # a dense step's wire, "bfloat16", "int8" or "int4" (stages.method)
         self.logging = state.telemetry.logging
         self.details = self.logging and state.telemetry.details
         self._tensors = param_tensors

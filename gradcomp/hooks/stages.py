@@ -78,7 +78,7 @@ def split(state, lane, ex):
 
 def method(state, ctx, lane, x, run):
     """A stateful method's exchange of x: dense in the warm-up (DGC's dense step still moves
-    its velocity: guarded too; bf16 or int8 on the wire with ``dense_wire``), else
+    its velocity: guarded too; bf16, int8 or int4 on the wire with ``dense_wire``), else
     compressed, in Adam's terms where Adam is bound; inside the inf/NaN guard."""
     step, params = ctx.step, ctx.params
     dense = state.warmup.dense(step)
