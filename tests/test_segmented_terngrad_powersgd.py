@@ -91,7 +91,8 @@ def terngrad_reference(x, params, cfg, step, W, e=None):
     out, res = torch.empty_like(x), {}
     for p in params:
         v = x[p.offset : p.offset + p.numel]
-        if p.size < cfg.min_numel:  # dense: the W rows summed in order, then / W
+        if p.size < cfg.min_numel:  # dense: bf16 on the wire, the W rows summed in order, / W
+            v = v.bfloat16().float()
             total = v.clone()
             for _ in range(W - 1):
                 total += v

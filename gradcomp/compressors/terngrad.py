@@ -19,10 +19,13 @@ ones go dense):
      seed for this step; element j of the layer takes word j % 4 of counter j // 4, one
      Philox per four elements), so its codes do not depend on its bucket, and the CPU
      reference and the GPU kernel draw the same numbers.
-  5. Allgather the packed codes (and scalers when not shared, and the dense layers' values);
-     decode s * q; average.
-Each rank sends n/4 bytes (+4 bytes per layer): 16x less than fp32, but allgather means
-every rank receives (W-1) * n/4 bytes, so the saving shrinks as W grows past 8 or so.
+  5. Allgather the codes, five to a byte in base 3 (3^5 = 243 <= 256: 1.6 bits a value),
+     the scalers when not shared, and the dense layers' values in bf16; decode s * q;
+     average. A bucket of dense layers alone goes the same way in the compressed steps (a
+     layer's result never depends on its bucket's neighbours).
+Each rank sends n/5 bytes (+4 bytes per layer, +2 per dense value): 20x less than fp32, but
+allgather means every rank receives (W-1) * n/5 bytes, so the saving shrinks as W grows past
+8 or so.
 
 Per-layer semantics, per-bucket execution: a bucket's layers are described once per layout
 (the moves between x and the padded layout as runs, segment ids and starts, cached), so a
@@ -47,7 +50,8 @@ from .. import kernels
 from ..config import Adam, MethodConfig, RESIDUAL, check
 from ..kernels.host import to_device
 from .base import Compressor, Runs, dense_values, put_dense, register_method, scratch
-from .wire import DENSE, Field, Message
+from .rows import sum_ranks
+from .wire import Field, Message
 
 
 @dataclass(frozen=True)
@@ -180,13 +184,35 @@ def _segment_sums(t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
 
 MESSAGE = Message(
     "every rank's codes, all-gathered",
-    Field("codes", torch.uint8, "npad // 4", "each value's ternary code, 2 bits (0: 0, 1: +1, "
-          "2: -1; four per byte, the first in the low bits); each compressed layer padded to a "
-          "multiple of 4 values"),
+    Field("codes", torch.uint8, "(npad + 4) // 5", "each value's ternary code (0: 0, 1: +1, "
+          "2: -1), five per byte in base 3 (byte = c0 + 3 c1 + 9 c2 + 27 c3 + 81 c4, the first "
+          "value in c0): 1.6 bits a value; each compressed layer padded to a multiple of 4 "
+          "values, the last byte's missing values 0"),
     Field("scales", torch.float32, "n_scales", "each compressed layer's scaler (its max "
           "magnitude after clipping); none with `share_scalers` (a max-allreduce before "
           "gives every rank the same ones)"),
-    DENSE)
+    Field("dense", torch.bfloat16, "n_dense", "the values of the parameters sent "
+          "uncompressed (below `min_numel`, or named in `exact`), rounded to bf16"))
+
+_SHIFTS = (0, 2, 4, 6)  # a 2-bit code's place in the kernels' bytes, first value lowest
+_POWERS = (1, 3, 9, 27, 81)  # a code's weight in a base-3 byte, first value lowest
+
+
+def to_base3(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The kernels' codes, four 2-bit codes a byte (``n`` codes, a multiple of 4) -> five a
+    byte in base 3 (the message's ``codes``): 1.6 bits a value instead of 2. Lossless."""
+    dev = packed.device
+    c = (packed.unsqueeze(-1) >> torch.tensor(_SHIFTS, dtype=torch.uint8, device=dev)) & 3
+    c = torch.nn.functional.pad(c.view(-1), (0, -n % 5)).view(-1, 5)
+    return (c * torch.tensor(_POWERS, dtype=torch.uint8, device=dev)).sum(1, dtype=torch.uint8)
+
+
+def from_base3(b: torch.Tensor, n: int) -> torch.Tensor:
+    """:func:`to_base3`'s inverse, per rank: (W, bytes) -> (W, n / 4), four codes a byte."""
+    dev = b.device
+    c = (b.unsqueeze(-1) // torch.tensor(_POWERS, dtype=torch.uint8, device=dev)) % 3
+    c = c.view(b.shape[0], -1)[:, :n].reshape(b.shape[0], -1, 4)
+    return (c << torch.tensor(_SHIFTS, dtype=torch.uint8, device=dev)).sum(2, dtype=torch.uint8)
 
 
 @register_method
@@ -197,8 +223,12 @@ class TernGrad(Compressor):
     # unbiased, no residual: with AdamW its gradient held better than its first moment
     # (600-step GPT probe, seed 0: -1.2% against +0.6% from allreduce)
     adam_exchange = Adam.FREEZE
+    # with Adam/AdamW the warm-up in int4 rows: an eighth of fp32's bytes, so that the
+    # warm-up is not most of a short run's bytes (bench/RESULTS.md, "Accuracy with AdamW")
+    adam_defaults = {"dense_wire": "int4"}
     measured = {"sgd_points": -0.9, "adamw_gap_pct": {"freeze": -1.90}}  # (Compressor.measured)
-    description = "TernGrad: unbiased stochastic ternary {-1,0,+1} x per-layer scaler, 2 bits"
+    description = ("TernGrad: unbiased stochastic ternary {-1,0,+1} x per-layer scaler, 1.6 bits "
+                   "(five values a byte)")
     messages = (MESSAGE,)
 
     def __init__(self, config):
@@ -229,20 +259,31 @@ class TernGrad(Compressor):
                 res.add_(unclipped).sub_(y)
             lay.gather(res, e)
             lay.zero_dense(e)  # sent exactly
-        d = dense_values(x, dense)
+        d = dense_values(x, dense).to(torch.bfloat16)
         sent = scale[:0] if cfg.share_scalers else scale  # shared: every rank has them
         msg = MESSAGE.bind(npad=lay.npad, n_scales=sent.numel(), n_dense=d.numel())
-        raw = ctx.comm.allgather(msg.pack(codes=packed, scales=sent, dense=d))  # (W, bytes)
-        got = msg.unpack(raw)
+        got = msg.unpack(ctx.comm.allgather(msg.pack(
+            codes=to_base3(packed, lay.npad), scales=sent, dense=d)))  # every rank's, in order
         scales = (scale.expand(W, len(big)).contiguous() if cfg.share_scalers
                   else got["scales"].contiguous())
+        codes = from_base3(got["codes"].reshape(W, -1), lay.npad)
         full = scratch("terngrad.full", lay.npad, torch.float32, x.device)
-        # the codes lead each row: the decoder reads them in place
-        kernels.ternary_decompress(raw, scales, lay.seg, full, 1.0 / W, accumulate=False)
+        kernels.ternary_decompress(codes, scales, lay.seg, full, 1.0 / W, accumulate=False)
         out = x  # x is not read again (its dense values are in the message): no fresh buffer
         lay.gather(full, out)
-        put_dense(got["dense"], dense, out)
+        put_dense(got["dense"].float(), dense, out)
         return out
+
+    def dense(self, x, ctx):
+        """A bucket of parameters sent uncompressed: in a compressed step as the message's
+        ``dense`` field goes (every rank's values in bf16 by allgather, summed in fp32 in rank
+        order, divided by W: :func:`put_dense`'s arithmetic), so a parameter's result does not
+        depend on whether it shares its bucket with compressed ones; the warm-up's steps as
+        ``dense_wire`` says."""
+        if getattr(ctx, "dense_wire", None) is not None:
+            return super().dense(x, ctx)
+        got = ctx.comm.allgather(x.to(torch.bfloat16).view(torch.uint8))
+        return sum_ranks(got.view(torch.bfloat16).float()).div_(ctx.comm.world_size)
 
     def _layout(self, params, big, dense, device):
         key = (tuple((p.name, p.offset, p.numel, p.size) for p in params), str(device))

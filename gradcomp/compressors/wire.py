@@ -115,9 +115,9 @@ def render(methods) -> str:
            "bytes before it where needed). Lengths are in elements, in the method's own "
            "terms. An all-gathered message reaches every rank as one row per rank, in rank "
            "order. A dense step (the warm-up, a bucket under `min_numel`) is an fp32 "
-           "allreduce of the bucket, or with `dense_wire` bf16 halves (or int8 rows of 256 with an fp32 "
-           "scale each, as DiLoCo's) by an all-to-all and an "
-           "allgather. Each message also carries the inf/NaN guard's flag (3 float32: "
+           "allreduce of the bucket, or with `dense_wire` bf16 halves (or int8 or int4 rows of 256 "
+           "with an fp32 scale each, as DiLoCo's) by an all-to-all and an "
+           "allgather (TernGrad's compressed steps: bf16 values by allgather, as its message's). Each message also carries the inf/NaN guard's flag (3 float32: "
            "non-finite, the step, minus the step), all-reduced (max) beside the first "
            "collective. Generated from the declarations: `python -c \"from "
            "gradcomp.compressors import wire; wire.main()\"`.")
