@@ -53,7 +53,8 @@ def _conservation(rank, world, spec, steps):
     return local, avg, left, state.stats()
 
 
-SPECS = ["topk:ratio=0.05", "onebit:chunk=64", "terngrad:error_feedback=true", "powersgd:rank=1",
+SPECS = ["topk:ratio=0.05", "onebit:chunk=64", "onebit:chunk=64,scales=bfloat16",
+         "terngrad:error_feedback=true", "powersgd:rank=1",
          "dgc:ratio=0.02", "threshold:max_ratio=0.05"]
 
 
@@ -156,7 +157,7 @@ def test_a_dead_rank_makes_the_survivors_fail_not_hang(spec, world, spawn):
 ONEBIT_PARAMS = [("a", 257), ("b", 5000), ("c", 1027), ("d", 40), ("e", 2048)]
 
 
-def _onebit_padding(rank, world, chunk):
+def _onebit_padding(rank, world, chunk, scales="float32"):
     """Each chunk's elements equal (one value per parameter and rank, positive or negative):
     1-bit is exact on them, so every rank must get the exact average, the last, partly
     filled chunk of each parameter included (its padding zeros once counted as positives)."""
@@ -172,8 +173,8 @@ def _onebit_padding(rank, world, chunk):
                       for i, (_, n) in enumerate(ONEBIT_PARAMS)])
     out, ratios = {}, []
     for ef in (False, True):
-        _, cfg = gradcomp.build_config(f"onebit:chunk={chunk}", min_numel=0, warmup="none",
-                                       error_feedback=ef)
+        _, cfg = gradcomp.build_config(f"onebit:chunk={chunk},scales={scales}", min_numel=0,
+                                       warmup="none", error_feedback=ef)
         state = gradcomp.State("onebit", cfg, group=dist.group.WORLD)
         out[ef] = state.reduce(x.clone(), params).clone()
         ratios.append(state.stats()["ratio"])  # 1 bit per element went, not the dense path
@@ -187,3 +188,16 @@ def test_onebit_is_exact_on_uniform_chunks_whatever_the_padding(world, spawn):
         assert all(r > 1.5 for r in ratios), ratios
         for ef in (False, True):
             assert torch.equal(out[ef], want), (ef, (out[ef] - want).abs().argmax())
+
+
+def test_onebit_bf16_scales_send_fewer_bytes_and_decode_the_same_values(spawn):
+    """scales='bfloat16': the same exact averages where the values are bf16 numbers (the
+    chunks of the test above), at 1.5 bits a value against 2 at chunk 64 (the messages'
+    scales at half the bytes); that the error memory keeps the rounding: the mass test."""
+    got = spawn(_onebit_padding, 2, args=(64, "bfloat16"), timeout=120)
+    ref = spawn(_onebit_padding, 2, args=(64, "float32"), timeout=120)
+    for (out, want, ratios), (_, _, r32) in zip(got, ref):
+        for ef in (False, True):
+            assert torch.equal(out[ef], want), (ef, (out[ef] - want).abs().argmax())
+        for a, b in zip(ratios, r32):
+            assert a / b == pytest.approx(2 / 1.5, rel=0.05), (ratios, r32)

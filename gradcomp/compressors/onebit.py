@@ -31,36 +31,59 @@ from .base import MAX_RUNS, Compressor, Runs, dense_values, put_dense, register_
 from .wire import DENSE, Field, Message
 
 
+SCALES = ("float32", "bfloat16")
+
+
 @dataclass(frozen=True)
 class OneBitConfig(MethodConfig):
-    """chunk: elements sharing one pair of reconstruction values (a multiple of 8)."""
+    """chunk: elements sharing one pair of reconstruction values (a multiple of 8).
+    scales: the reconstruction values on the wire, "float32" or "bfloat16" (half their bytes:
+    at chunk 64, 1.5 bits a value instead of 2; each is rounded before the error memory is
+    written, so the memory keeps that rounding too)."""
 
     chunk: int = 256
+    scales: str = "float32"
 
     def validate(self):
         check(8 <= self.chunk <= 2**24 and self.chunk % 8 == 0, "chunk", self.chunk,
               "a positive multiple of 8, at most 2**24")
+        check(self.scales in SCALES, "scales", self.scales, "float32 or bfloat16")
 
 
-_BITS = Field("bits", torch.uint8, "part // 8", "each value's sign, one bit (bit b of byte j: "
-              "value 8j + b is negative)")
-_SCALES = Field("scales", torch.float32, "2 * part // chunk", "per chunk, the mean of its "
-                "non-negative values; then per chunk, the mean of its negative ones")
-PART = Message(
-    "phase 1, an all-to-all: to each rank, its part of this rank's bucket", _BITS, _SCALES,
-    note="`part`: a rank's share of the bucket's compressed values (each parameter padded to "
+_BITS = Field("bits", torch.uint8, "part // 8", "each value's sign, one bit (bit b of byte j "
+              "set: value 8j + b is non-negative)")
+_SCALES = "per chunk, the mean of its non-negative values; then per chunk, the mean of its negative ones"
+_NOTE = ("`part`: a rank's share of the bucket's compressed values (each parameter padded to "
          "whole chunks on every rank, and cut into one part per rank).")
-OWNED = Message(
-    "phase 2, an allgather: this rank's part, averaged over the ranks and quantized again",
-    _BITS, _SCALES, DENSE)
+_PHASE1 = "phase 1, an all-to-all: to each rank, its part of this rank's bucket"
+_PHASE2 = "phase 2, an allgather: this rank's part, averaged over the ranks and quantized again"
 
 
-def compress(y: torch.Tensor, residual, chunk: int, pad=None):
-    """kernels.onebit_compress, then :func:`unpad` where ``pad`` names padded chunks."""
+def _messages(dtype: torch.dtype, tag: str = "") -> tuple[Message, Message]:
+    scales = Field("scales", dtype, "2 * part // chunk", _SCALES)
+    return (Message(_PHASE1 + tag, _BITS, scales, note=_NOTE),
+            Message(_PHASE2 + tag, _BITS, scales, DENSE))
+
+
+PART, OWNED = _messages(torch.float32)
+PART16, OWNED16 = _messages(torch.bfloat16, " (`scales=\"bfloat16\"`)")
+
+
+def compress(y: torch.Tensor, residual, chunk: int, pad=None, dtype=torch.float32):
+    """kernels.onebit_compress, then :func:`unpad` where ``pad`` names padded chunks; the
+    scales in ``dtype`` (bf16: rounded, and the residual moved to match: y - the rounded
+    scale, element by element, as the decoder will see it)."""
     bits, scales = kernels.onebit_compress(y, residual, chunk)
     if pad is not None:
         unpad(bits, scales, residual, chunk, *pad)
-    return bits, scales
+    if dtype == torch.float32:
+        return bits, scales
+    rounded = scales.to(dtype)
+    if residual is not None:  # y - rounded = (y - scale) + (scale - rounded), per sign
+        d = scales - rounded.float()
+        pos = kernels.unpack_bits(bits).view(-1, chunk)
+        residual.view(-1, chunk).add_(torch.where(pos, d[0].unsqueeze(1), d[1].unsqueeze(1)))
+    return bits, rounded
 
 
 def unpad(bits, scales, residual, chunk: int, where: torch.Tensor, npad: torch.Tensor) -> None:
@@ -81,13 +104,13 @@ def unpad(bits, scales, residual, chunk: int, where: torch.Tensor, npad: torch.T
 
 
 def decode_sum(msgs: torch.Tensor, chunk: int, out: torch.Tensor, alpha: float,
-               accumulate: bool = True) -> torch.Tensor:
+               accumulate: bool = True, message: Message = PART) -> torch.Tensor:
     """out += alpha * sum of the decoded messages msgs (R, bytes) of out.numel() elements each
     (out = that, accumulate=False: out's values are not read)."""
-    f = PART.bind(part=out.numel(), chunk=chunk).unpack(msgs)
+    f = message.bind(part=out.numel(), chunk=chunk).unpack(msgs)
     return kernels.onebit_decompress(f["bits"].contiguous(),
-                                     f["scales"].reshape(msgs.shape[0], 2, -1), chunk, out,
-                                     alpha, accumulate)
+                                     f["scales"].float().reshape(msgs.shape[0], 2, -1), chunk,
+                                     out, alpha, accumulate)
 
 
 @register_method
@@ -103,25 +126,28 @@ class OneBit(Compressor):
     # (Compressor.measured) AdamW: "freeze" measured at chunk 256 with the fp32 warm-up
     measured = {"sgd_points": -0.4, "adamw_gap_pct": {"freeze": 4.26, "momentum": 0.15}}
     description = "1-bit SGD: sign bits + 2 scales per chunk, error feedback, two-phase reduce"
-    messages = (PART, OWNED)
+    messages = (PART, OWNED, PART16, OWNED16)
 
     def exchange(self, x, ctx, big, dense):
         cfg, W, r = self.config, ctx.comm.world_size, ctx.comm.rank
         chunk = cfg.chunk
         lay = _parts(tuple((p.offset, p.numel) for p in big), x.numel(), W, r, chunk, x.device)
         part, ef = lay.part, cfg.error_feedback
+        half = cfg.scales == "bfloat16"
+        dtype = torch.bfloat16 if half else torch.float32
+        first, second = (PART16, OWNED16) if half else (PART, OWNED)
         y = lay.spread(x, "onebit.y")
         res = None
         if ef:  # the residual is rewritten whole (gather writes every element of the bucket)
             e_now, e_next = ctx.memory_next(RESIDUAL)
             res = lay.spread(e_now, "onebit.res")
         msg = self._encode_parts(y[:-1], None if res is None else res[:-1], W, part, chunk,
-                                 lay.pad)
+                                 lay.pad, first, dtype)
         if ef:
             lay.gather(res, out=e_next)
         got = ctx.comm.all_to_all(msg)  # (W, part_bytes): every rank's message for my part
         mine = scratch("onebit.mine", part, torch.float32, x.device)
-        decode_sum(got, chunk, mine, 1.0 / W, accumulate=False)
+        decode_sum(got, chunk, mine, 1.0 / W, accumulate=False, message=first)
         if lay.own_pad_slots is not None:  # decoded padding (the chunk's hi): back to 0
             mine.index_fill_(0, lay.own_pad_slots, 0.0)
         res2 = None
@@ -132,16 +158,16 @@ class OneBit(Compressor):
             else:
                 e2 = e2_next = ctx.memory(SERVER_RESIDUAL)
             res2 = lay.own_part(e2, scratch("onebit.res2", part, torch.float32, x.device))
-        bits2, scales2 = compress(mine, res2, chunk, lay.own_pad)
+        bits2, scales2 = compress(mine, res2, chunk, lay.own_pad, dtype)
         d = dense_values(x, dense)
-        owned = OWNED.bind(part=part, chunk=chunk, n_dense=d.numel())
+        owned = second.bind(part=part, chunk=chunk, n_dense=d.numel())
         msg2 = owned.pack(bits=bits2, scales=scales2, dense=d)
         if ef:
             lay.own_back(res2, e2_next)
         allmsg = owned.unpack(ctx.comm.allgather(msg2))  # (W, ...) each field
         # the W parts laid end to end are one message of W * part elements
         bits = allmsg["bits"].reshape(1, -1)
-        scales = allmsg["scales"].reshape(W, 2, -1).transpose(0, 1).reshape(1, 2, -1)
+        scales = allmsg["scales"].float().reshape(W, 2, -1).transpose(0, 1).reshape(1, 2, -1)
         out = scratch("onebit.out", W * part + 1, torch.float32, x.device)
         out[-1:].zero_()  # the extra slot (the parameters sent dense); no host scalar
         kernels.onebit_decompress(bits, scales, chunk, out[:-1], accumulate=False)
@@ -150,11 +176,11 @@ class OneBit(Compressor):
         return result
 
     @staticmethod
-    def _encode_parts(y, res, W, part, chunk, pad=None):
+    def _encode_parts(y, res, W, part, chunk, pad=None, message=PART, dtype=torch.float32):
         """Quantize y (W * part) once; lay the message out as W rows, one per destination."""
-        bits, scales = compress(y, res, chunk, pad)
+        bits, scales = compress(y, res, chunk, pad, dtype)
         scales = scales.view(2, W, part // chunk).transpose(0, 1)
-        return PART.bind(part=part, chunk=chunk).pack(W, bits=bits, scales=scales)
+        return message.bind(part=part, chunk=chunk).pack(W, bits=bits, scales=scales)
 
 
 @dataclass(frozen=True)
