@@ -297,7 +297,9 @@ def _ddp_adamw(rank, world, spec, steps, options):
             seen = {n: opt.state[p]["exp_avg_sq"].clone() for n, p in net.named_parameters()}
     since = state.stats()["compressing_since"]
     state.close()
-    frozen = {n: torch.equal(opt.state[p]["exp_avg_sq"], seen[n])
+    # where v was still 0 at the switch it learns on (as Adam's own): a coarse warm-up wire
+    # (terngrad's int4 with AdamW) leaves some; frozen means held everywhere else
+    frozen = {n: torch.equal(opt.state[p]["exp_avg_sq"][seen[n] > 0], seen[n][seen[n] > 0])
               for n, p in net.named_parameters()}
     return ([p.detach().clone() for p in net.parameters()], frozen, dict(net.named_parameters()),
             since)
