@@ -146,6 +146,24 @@ def test_terngrad_bucket_equals_per_parameter_reference(spec, W, backend, monkey
                 e[p.name] = want_r.clone()
 
 
+def test_terngrad_small_layers_go_bf16_alone_or_beside_compressed_ones():
+    """A layer under ``min_numel`` comes back the same whether its bucket holds compressed
+    layers (the message's bf16 field) or only small ones (TernGrad's dense step in a
+    compressed step): every rank's value in bf16, averaged in fp32, bit for bit."""
+    method = compressor("terngrad", min_numel=6)
+    params = lay_out(MIXED)
+    small = [p for p in params if p.numel < 6]
+    alone = lay_out([(p.name, p.shape) for p in small])
+    x = torch.randn(sum(p.numel for p in params), generator=torch.Generator().manual_seed(5))
+    mixed = by_name(method.reduce(x.clone(), Ctx(params, 0, ParamMemory(), 2)), params)
+    y = torch.cat([x[p.offset:p.offset + p.numel] for p in small])
+    got = by_name(method.reduce(y.clone(), Ctx(alone, 0, ParamMemory(), 2)), alone)
+    for p in small:
+        v = x[p.offset:p.offset + p.numel].bfloat16().float()
+        assert torch.equal(got[p.name], mixed[p.name]) and torch.equal(got[p.name], (v + v) / 2)
+        assert not torch.equal(got[p.name], x[p.offset:p.offset + p.numel])  # rounded: bf16
+
+
 def test_terngrad_reference_above_is_not_blind():
     # the per-parameter reference tells the parameters' streams apart: one stream over the
     # whole bucket (the seed of the first parameter) gives other codes
