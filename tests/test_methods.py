@@ -71,15 +71,17 @@ def test_stats_count_the_bytes_of_the_tensors_sent():
     params = layout(list(SHAPES))
     n = sum(p.numel for p in params)
     x = torch.randn(n)
+    npad = sum(4 * math.ceil(p.numel / 4) for p in params)
     expect = {
         "allreduce": 4 * n,
         # values + int32 indices, k per parameter
         "topk:ratio=0.05": 8 * sum(math.ceil(0.05 * p.numel) for p in params),
         # 2 phases; each parameter starts a new chunk (world size 1: one part)
         "onebit:chunk=64": 2 * sum(math.ceil(p.numel / 64) * (8 + 8) for p in params),
-        # scalers + 2 bits per element, each parameter padded to whole bytes
-        "terngrad": 4 * len(params) + sum(math.ceil(p.numel / 4) for p in params),
-        "terngrad:share_scalers=false": 4 * len(params) + sum(math.ceil(p.numel / 4) for p in params),
+        # scalers + five codes per byte over the parameters each padded to a multiple of 4
+        # (unshared scalers: in the message, after the codes padded to a multiple of 4 bytes)
+        "terngrad": 4 * len(params) + math.ceil(npad / 5),
+        "terngrad:share_scalers=false": 4 * len(params) + 4 * math.ceil(math.ceil(npad / 5) / 4),
         "powersgd:rank=2": 4 * ((48 + 40) * 2 + (16 + 72) * 2 + 48),         # P + bias, then Q
     }
     for spec, nbytes in expect.items():
