@@ -50,7 +50,6 @@ from .. import kernels
 from ..config import Adam, MethodConfig, RESIDUAL, check
 from ..kernels.host import to_device
 from .base import Compressor, Runs, dense_values, put_dense, register_method, scratch
-from .rows import sum_ranks
 from .wire import Field, Message
 
 
@@ -194,25 +193,30 @@ MESSAGE = Message(
     Field("dense", torch.bfloat16, "n_dense", "the values of the parameters sent "
           "uncompressed (below `min_numel`, or named in `exact`), rounded to bf16"))
 
-_SHIFTS = (0, 2, 4, 6)  # a 2-bit code's place in the kernels' bytes, first value lowest
-_POWERS = (1, 3, 9, 27, 81)  # a code's weight in a base-3 byte, first value lowest
+def _shifts(device) -> torch.Tensor:
+    """A 2-bit code's place in the kernels' bytes, first value lowest: 0, 2, 4, 6 (made on
+    ``device``: no copy from the host in the step)."""
+    return torch.arange(0, 8, 2, dtype=torch.uint8, device=device)
+
+
+def _powers(device) -> torch.Tensor:
+    """A code's weight in a base-3 byte, first value lowest: 1, 3, 9, 27, 81."""
+    return 3 ** torch.arange(5, dtype=torch.uint8, device=device)
 
 
 def to_base3(packed: torch.Tensor, n: int) -> torch.Tensor:
     """The kernels' codes, four 2-bit codes a byte (``n`` codes, a multiple of 4) -> five a
     byte in base 3 (the message's ``codes``): 1.6 bits a value instead of 2. Lossless."""
-    dev = packed.device
-    c = (packed.unsqueeze(-1) >> torch.tensor(_SHIFTS, dtype=torch.uint8, device=dev)) & 3
+    c = (packed.unsqueeze(-1) >> _shifts(packed.device)) & 3
     c = torch.nn.functional.pad(c.view(-1), (0, -n % 5)).view(-1, 5)
-    return (c * torch.tensor(_POWERS, dtype=torch.uint8, device=dev)).sum(1, dtype=torch.uint8)
+    return (c * _powers(packed.device)).sum(1, dtype=torch.uint8)
 
 
 def from_base3(b: torch.Tensor, n: int) -> torch.Tensor:
     """:func:`to_base3`'s inverse, per rank: (W, bytes) -> (W, n / 4), four codes a byte."""
-    dev = b.device
-    c = (b.unsqueeze(-1) // torch.tensor(_POWERS, dtype=torch.uint8, device=dev)) % 3
+    c = (b.unsqueeze(-1) // _powers(b.device)) % 3
     c = c.view(b.shape[0], -1)[:, :n].reshape(b.shape[0], -1, 4)
-    return (c << torch.tensor(_SHIFTS, dtype=torch.uint8, device=dev)).sum(2, dtype=torch.uint8)
+    return (c << _shifts(b.device)).sum(2, dtype=torch.uint8)
 
 
 @register_method
@@ -285,7 +289,8 @@ class TernGrad(Compressor):
         if getattr(ctx, "dense_wire", None) is not None:
             return super().dense(x, ctx)
         got = ctx.comm.allgather(x.to(torch.bfloat16).view(torch.uint8))
-        return sum_ranks(got.view(torch.bfloat16).float()).div_(ctx.comm.world_size)
+        put_dense(got.view(torch.bfloat16).float(), ctx.params, x)
+        return x
 
     def _layout(self, params, big, dense, device):
         key = (tuple((p.name, p.offset, p.numel, p.size) for p in params), str(device))
