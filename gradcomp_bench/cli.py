@@ -437,6 +437,7 @@ def cmd_convergence(args) -> int:
             cfg = TrainConfig(**common, max_steps=args.steps, batch=args.batch or 16,
                               lr=args.lr or 1e-3, weight_decay=0.1, seq_len=args.seq_len,
                               optimizer=args.optimizer, bf16=args.bf16, parallel=args.parallel,
+                              clip_steps=args.clip_steps,
                               ranks_per_node=args.ranks_per_node)
         else:
             cfg = TrainConfig(**common, epochs=args.epochs, batch=args.batch or 64,
@@ -789,6 +790,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--optimizer", choices=("auto", "sgd", "adamw"), default="auto",
                    help="auto: SGD for CNNs, AdamW (betas 0.9/0.95, decay 0.1 on matrices) "
                         "for language models")
+    c.add_argument("--clip-steps", type=int, default=0,
+                   help="language models: clip the gradient norm (at 1.0) only in the first N "
+                        "steps (0: every step)")
     c.add_argument("--bf16", action="store_true", help="language models: bf16 autocast (and "
                    "bf16 parameters with fp32 reduction under --parallel fsdp/hsdp)")
     c.add_argument("--parallel", choices=("ddp", "fsdp", "hsdp"), default="ddp",

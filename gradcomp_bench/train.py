@@ -184,6 +184,7 @@ class TrainConfig:
     optimizer: str = "auto"          # "sgd", "adamw"; "auto": adamw for language models
     betas: tuple = (0.9, 0.95)
     clip: float = 1.0                # gradient clipping (language models; 0 = off)
+    clip_steps: int = 0              # clip only in the first N steps (0: every step)
     bf16: bool = False               # bf16 autocast of the forward (language models)
     seq_len: int = 0                 # language models: characters per window; 0: the model's context
     warmup_steps: int = 0            # language models: linear warm-up (0: 5% of the steps)
@@ -402,7 +403,7 @@ def train_lm(rank: int, world: int, cfg: TrainConfig) -> dict:
         loss = F.cross_entropy(logits.float().flatten(0, 1), yb.flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        if cfg.clip:
+        if cfg.clip and (not cfg.clip_steps or step < cfg.clip_steps):
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
             norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
         opt.step()
