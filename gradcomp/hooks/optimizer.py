@@ -67,6 +67,27 @@ that the compression error is spread as Adam will apply it; measured on the GPT 
 not survive the per-element scaling), so it is not the default. ``adam="off"`` leaves Adam to
 see compressed gradients (the measured loss, kept for comparison).
 
+Gradient clipping (``torch.nn.utils.clip_grad_norm_`` between backward and ``step()``, as
+language-model loops do). In a compressed step the gradients the user's clip sees are what
+the exchange handed back, whose norm carries the compression error: where the first moment
+is exchanged, (average - b) / a holds the moment's error times 1 / (1 - beta1). Measured on
+the GPT of bench/RESULTS.md (AdamW, clip 1.0, seed 0): at the switch the clipped norm went
+from 0.9 to 1.2-1.4 for onebit, against 0.8-1.1 for the exact average of the same
+gradients; the ranks' own gradients' norm (RMS over ranks) was 10-25% above the exact one
+and sqrt(<exact average, handed back>) 15-25% below it, so neither side of the exchange
+holds the norm a faithful clip needs. A clip taken against the ranks' own norm (one all-reduce
+of one number a step) left onebit's 600-step loss where it was, +1.6% from allreduce's;
+taken off the compressed steps it ended -2.1% (allreduce clipped after step 150 or not:
+2.0034, 2.0015). So under DDP without ``delay`` the clip is taken off the compressed steps
+(:meth:`FrozenVariance._unclip`, from the step pre-hook): each compressed bucket's exchange
+records the norm of what it handed back for each compressed parameter; the pre-hook reads
+the coefficient c the clip applied (the norm of the compressed parameters' gradients now
+over the recorded one, the records summed in name order: the same bits for any bucket
+layout) and, where c < 1, multiplies every gradient by 1 / c. The dense warm-up's steps,
+whose gradients are the exact averages, keep the clip. Any other uniform rescaling of the
+gradients between backward and the step is taken off the same way. Not under FSDP/HSDP
+(a rank's gradients are its shard) nor with ``delay``.
+
 What freezing costs by itself: ``topk:ratio=1`` (every element sent, v frozen at the
 switch) ended the 2000-step GPT run at 1.6082 against allreduce's 1.6083 (bench/RESULTS.md).
 """
@@ -358,7 +379,8 @@ class FrozenVariance:
     went compressed."""
 
     def __init__(self, optimizer, compressed, compressing, names: dict[int, str] | None = None,
-                 precondition: bool = False, momentum: bool = False, store=None):
+                 precondition: bool = False, momentum: bool = False, store=None,
+                 unclip: bool = False):
         from ..memory import ParamMemory
         self.optimizer = unwrap(optimizer)
         # where the frozen steps and v's gaps are kept: the state's memory (checkpointed
@@ -383,6 +405,12 @@ class FrozenVariance:
         self._scales: dict = {}  # bucket layout -> its preconditioner (constant once frozen)
         self._moments: dict = {}  # bucket layout -> where its first moments go (momentum)
         self._hidden: list = []
+        # the clip taken off the compressed steps (module docstring, "Gradient clipping"):
+        # per step, each compressed bucket's (parameter names, norms of what it handed back)
+        self.unclip = unclip
+        self._norms: list = []
+        self._norms_step = None
+        self._orders: dict = {}  # the names' order of a step's records -> name order
         self.handles = step_hooks(self.optimizer, "adam", self._pre, self._post)
 
     def reset(self) -> None:
@@ -418,6 +446,51 @@ class FrozenVariance:
         for h in self.handles:
             h.remove()
 
+    def record(self, step: int, back: torch.Tensor, params) -> None:
+        """A compressed bucket of step ``step``: the norm of what the exchange handed back
+        (unscaled) for each compressed parameter among ``params`` (slices), kept on the
+        device for the step's pre-hook. Run on an exchange's thread: one list append."""
+        if not self.unclip:
+            return
+        mine = [p for p in params if p.name in self._by_name]
+        if not mine:
+            return
+        norms = torch.stack(torch._foreach_norm(
+            [back[p.offset : p.offset + p.numel] for p in mine], 2, dtype=torch.float32))
+        if self._norms_step != step:  # a step the optimizer skipped (GradScaler) is dropped
+            self._norms, self._norms_step = [], step
+        self._norms.append((tuple(p.name for p in mine), norms))
+
+    def _unclip(self, grad_scale) -> None:
+        """Take a clip of the gradients' norm off this compressed step (module docstring,
+        "Gradient clipping"): on the device, no host read, no collective."""
+        records, self._norms, self._norms_step = self._norms, [], None
+        if not records:
+            return
+        names = tuple(n for r in records for n in r[0])
+        hit = self._orders.get(names)
+        if hit is None:  # once per layout: the records in name order (as the warm-up does)
+            order = sorted(range(len(names)), key=names.__getitem__)
+            mine = [self._by_name[names[i]][0] for i in order]
+            hit = self._orders[names] = (torch.tensor(order), mine)
+            if len(self._orders) > 16:
+                self._orders = {names: hit}
+        order, mine = hit
+        back = torch.cat([r[1] for r in records])
+        back_sq = back[order.to(back.device)].double().square().sum()
+        if any(p.grad is None for p in mine):
+            return
+        now_sq = torch.stack(torch._foreach_norm([_local(p.grad) for p in mine], 2,
+                                                 dtype=torch.float32)).double().square().sum()
+        if grad_scale is not None:
+            now_sq = now_sq / grad_scale.to(now_sq.device).double().square()
+        c = (now_sq / back_sq.clamp_min(1e-300)).sqrt()  # the coefficient the clip applied
+        k = torch.where((c < 1 - 1e-4) & (c > 0), c.reciprocal(), torch.ones_like(c)).float()
+        others = [p for g in self.optimizer.param_groups for p in g["params"]
+                  if p.grad is not None and id(p) not in self._mine]
+        for grads in _by_device([p.grad for p in mine + others]):
+            torch._foreach_mul_(grads, k.to(grads[0].device))
+
     def _pre(self, optimizer=None, args=None, kwargs=None):
         self._post()  # a step() that raised never ran its post-hook
         return after_closure(args, kwargs, self._frozen_step)
@@ -435,6 +508,7 @@ class FrozenVariance:
         if found_inf is not None and bool(found_inf):
             return  # the fused step skips itself; so does this one
         grad_scale = getattr(opt, "grad_scale", None)
+        self._unclip(grad_scale)
         for group in opt.param_groups:
             params = [p for p in group["params"] if id(p) in self._mine and p.grad is not None
                       and opt.state.get(p)]  # no Adam state yet: the optimizer's own step
@@ -681,6 +755,14 @@ class SGDMomentum:
             self._saved = None
 
 
+def _by_device(ts) -> list[list[torch.Tensor]]:
+    """``ts`` grouped by device (foreach ops take one device at a time)."""
+    out: dict = {}
+    for t in ts:
+        out.setdefault(t.device, []).append(t)
+    return list(out.values())
+
+
 def loss_scale(scaler):
     """The loss scale the current gradients carry (a copy: the scaler updates it in place
     after the step), or None without an enabled GradScaler."""
@@ -702,7 +784,7 @@ def frozen_variance(state, optimizer):
         optimizer, lambda p: id(p) in names and comp.compresses(names[id(p)], tuple(p.shape)),
         lambda: not warmup.dense(max(state.step - 1, 0)), names,
         precondition=mode == Adam.PRECONDITION, momentum=mode == Adam.MOMENTUM,
-        store=state.memory)
+        store=state.memory, unclip=not state.sharded and not state.config.delay)
 
 
 def adam_mode(state) -> "Adam":

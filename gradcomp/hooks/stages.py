@@ -38,6 +38,8 @@ def exchange(state, lane, ex):
         out = run(x, state.compressor.reduce)
     else:
         out = method(state, ctx, lane, x, run)
+        if state.adam is not None and not state.warmup.dense(step):
+            state.adam.record(step, out, ex.slices)  # for the clip (hooks/optimizer.py)
     ctx.finish(True)  # unguarded paths' memory_next buffers (the guard finished its own)
     if scale is not None:
         out = out * scale
