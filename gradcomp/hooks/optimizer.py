@@ -71,22 +71,21 @@ Gradient clipping (``torch.nn.utils.clip_grad_norm_`` between backward and ``ste
 language-model loops do). In a compressed step the gradients the user's clip sees are what
 the exchange handed back, whose norm carries the compression error: where the first moment
 is exchanged, (average - b) / a holds the moment's error times 1 / (1 - beta1). Measured on
-the GPT of bench/RESULTS.md (AdamW, clip 1.0, seed 0): at the switch the clipped norm went
-from 0.9 to 1.2-1.4 for onebit, against 0.8-1.1 for the exact average of the same
-gradients; the ranks' own gradients' norm (RMS over ranks) was 10-25% above the exact one
-and sqrt(<exact average, handed back>) 15-25% below it, so neither side of the exchange
-holds the norm a faithful clip needs. A clip taken against the ranks' own norm (one all-reduce
-of one number a step) left onebit's 600-step loss where it was, +1.6% from allreduce's;
-taken off the compressed steps it ended -2.1% (allreduce clipped after step 150 or not:
-2.0034, 2.0015). So under DDP without ``delay`` the clip is taken off the compressed steps
-(:meth:`FrozenVariance._unclip`, from the step pre-hook): each compressed bucket's exchange
-records the norm of what it handed back for each compressed parameter; the pre-hook reads
-the coefficient c the clip applied (the norm of the compressed parameters' gradients now
-over the recorded one, the records summed in name order: the same bits for any bucket
-layout) and, where c < 1, multiplies every gradient by 1 / c. The dense warm-up's steps,
-whose gradients are the exact averages, keep the clip. Any other uniform rescaling of the
-gradients between backward and the step is taken off the same way. Not under FSDP/HSDP
-(a rank's gradients are its shard) nor with ``delay``.
+the GPT of bench/RESULTS.md (bench/clip_norms.py; AdamW, clip 1.0, seed 0): at the switch
+the clipped norm went from 0.9 to 1.2-1.4 for onebit, against 0.8-1.1 for the exact
+average of the same gradients; the ranks' own gradients' norm (RMS over ranks) was 10-25%
+above the exact one and sqrt(<exact average, handed back>) 15-25% below it, so neither
+side of the exchange holds the norm a faithful clip needs. Over 600 steps onebit ended
++1.6% from allreduce clipped on every step, -2.1% clipped on the first 150 only (allreduce
+itself: 2.0034 and 2.0015). So under DDP without ``delay`` the clip is taken off the
+compressed steps (:meth:`FrozenVariance._unclip`, from the step pre-hook): each compressed
+bucket's exchange records the norm of what it handed back for each compressed parameter;
+the pre-hook reads the coefficient c the clip applied (the norm of the compressed
+parameters' gradients now over the recorded one, the records summed in name order: the
+same bits for any bucket layout) and, where c < 1, multiplies every gradient by 1 / c. The
+dense warm-up's steps, whose gradients are the exact averages, keep the clip. Any other
+uniform rescaling of the gradients between backward and the step is taken off the same
+way. Not under FSDP/HSDP (a rank's gradients are its shard) nor with ``delay``.
 
 What freezing costs by itself: ``topk:ratio=1`` (every element sent, v frozen at the
 switch) ended the 2000-step GPT run at 1.6082 against allreduce's 1.6083 (bench/RESULTS.md).
