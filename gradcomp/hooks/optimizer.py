@@ -445,10 +445,11 @@ class FrozenVariance:
         for h in self.handles:
             h.remove()
 
-    def record(self, step: int, back: torch.Tensor, params) -> None:
+    def record(self, step: int, back: torch.Tensor, params, scale=None) -> None:
         """A compressed bucket of step ``step``: the norm of what the exchange handed back
-        (unscaled) for each compressed parameter among ``params`` (slices), kept on the
-        device for the step's pre-hook. Run on an exchange's thread: one list append."""
+        (the bucket as the gradients get it, in their dtype; ``scale``: the loss scale it
+        carries) for each compressed parameter among ``params`` (slices), kept on the device
+        for the step's pre-hook. Run on an exchange's thread: one list append."""
         if not self.unclip:
             return
         mine = [p for p in params if p.name in self._by_name]
@@ -456,6 +457,8 @@ class FrozenVariance:
             return
         norms = torch.stack(torch._foreach_norm(
             [back[p.offset : p.offset + p.numel] for p in mine], 2, dtype=torch.float32))
+        if scale is not None:
+            norms = norms / scale.to(norms.device, torch.float32)
         if self._norms_step != step:  # a step the optimizer skipped (GradScaler) is dropped
             self._norms, self._norms_step = [], step
         self._norms.append((tuple(p.name for p in mine), norms))

@@ -38,13 +38,14 @@ def exchange(state, lane, ex):
         out = run(x, state.compressor.reduce)
     else:
         out = method(state, ctx, lane, x, run)
-        if state.adam is not None and not state.warmup.dense(step):
-            state.adam.record(step, out, ex.slices)  # for the clip (hooks/optimizer.py)
     ctx.finish(True)  # unguarded paths' memory_next buffers (the guard finished its own)
     if scale is not None:
         out = out * scale
     if out is not buf:
         buf.copy_(out)
+    if (ex.plain is None and state.adam is not None and not state.compressor.stateless
+            and not state.warmup.dense(step)):
+        state.adam.record(step, buf, ex.slices, scale)  # for the clip (hooks/optimizer.py)
     traffic.total_s += time.perf_counter() - t0
     traffic.total_cpu_s += time.thread_time() - c0
     state.telemetry.add(step, traffic, buf.numel() * buf.element_size(),
