@@ -72,9 +72,9 @@ language-model loops do). In a compressed step the gradients the user's clip see
 the exchange handed back, whose norm carries the compression error: where the first moment
 is exchanged, (average - b) / a holds the moment's error times 1 / (1 - beta1). Measured on
 the GPT of bench/RESULTS.md (bench/clip_norms.py; AdamW, clip 1.0, seed 0): at the switch
-the clipped norm went from 0.9 to 1.2-1.4 for onebit, against 0.8-1.1 for the exact
-average of the same gradients; the ranks' own gradients' norm (RMS over ranks) was 10-25%
-above the exact one and sqrt(<exact average, handed back>) 15-25% below it, so neither
+the norm the clip sees went from 0.9 to 1.3-1.6 for onebit, against 0.8-1.2 for the exact
+average of the same gradients; the ranks' own gradients' norm (RMS over ranks) was 13-26%
+above the exact one and sqrt(<exact average, handed back>) about 20% below it, so neither
 side of the exchange holds the norm a faithful clip needs. Over 600 steps onebit ended
 +1.6% from allreduce clipped on every step, -2.1% clipped on the first 150 only (allreduce
 itself: 2.0034 and 2.0015). So under DDP without ``delay`` the clip is taken off the
