@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
 from gradcomp_bench import data, models
+from gradcomp_bench.train import lm_schedule
 
 
 def _run(rank, world, args):
@@ -39,9 +40,7 @@ def _run(rank, world, args):
     model = DDP(net)
     opt = torch.optim.AdamW(models.decay_groups(net, 0.1), lr=1e-3, betas=(0.9, 0.95))
     gradcomp.register(model, args.method, optimizer=opt, dense_steps=args.dense_steps)
-    total, warm = 600, 30
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min((s + 1) / warm, 0.1 + 0.45 * (1 + math.cos(math.pi * min(s, total) / total))))
+    sched = lm_schedule(opt, 600, 30)
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
     rows = []
     for _ in range(args.steps):

@@ -356,6 +356,14 @@ def _shard(net, cfg: TrainConfig, world: int, device):
     return fully_shard(net, **kw)
 
 
+def lm_schedule(opt, total: int, warm: int):
+    """The language models' learning-rate schedule: linear warm-up over ``warm`` steps, then
+    cosine to 10% at ``total``."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min((s + 1) / warm,
+                           0.1 + 0.45 * (1 + math.cos(math.pi * min(s, total) / total))))
+
+
 def train_lm(rank: int, world: int, cfg: TrainConfig) -> dict:
     """A GPT on the character corpus, as a transformer user trains it: AdamW (decay on the
     weight matrices only), linear warm-up then cosine to 10%, gradient clipping, optional
@@ -379,10 +387,7 @@ def train_lm(rank: int, world: int, cfg: TrainConfig) -> dict:
         raise ValueError(f"optimizer={cfg.optimizer!r}: allowed 'auto', 'adamw', 'sgd'")
     state = attach(model, cfg.method, opt, **cfg.options)
     total = cfg.max_steps or 1000
-    warm = cfg.warmup_steps or max(1, total // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min((s + 1) / warm,
-                           0.1 + 0.45 * (1 + math.cos(math.pi * min(s, total) / total))))
+    sched = lm_schedule(opt, total, cfg.warmup_steps or max(1, total // 20))
     T = cfg.seq_len or net.context
     if not 1 <= T <= net.context:
         raise ValueError(f"seq_len={cfg.seq_len}: allowed 1 to {net.context}, the context of "

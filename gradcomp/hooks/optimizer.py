@@ -478,10 +478,10 @@ class FrozenVariance:
             if len(self._orders) > 16:
                 self._orders = {names: hit}
         order, mine = hit
-        back = torch.cat([r[1] for r in records])
-        back_sq = back[order.to(back.device)].double().square().sum()
         if any(p.grad is None for p in mine):
             return
+        back = torch.cat([r[1] for r in records])
+        back_sq = back[order.to(back.device)].double().square().sum()
         now_sq = torch.stack(torch._foreach_norm([_local(p.grad) for p in mine], 2,
                                                  dtype=torch.float32)).double().square().sum()
         if grad_scale is not None:
