@@ -63,6 +63,7 @@ class BucketContext(Protocol):
 
     comm: Collectives
     step: int                 # optimizer steps completed before this one
+    compressed: int           # compressed steps before this one (0 in the first)
     params: list[ParamSlice]  # layout of x
     device: torch.device      # x's device
     grad_dtype: torch.dtype   # the gradient's own dtype (x itself is always fp32)

@@ -15,6 +15,7 @@ does not depend on which neighbours DDP put in its bucket.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -34,16 +35,34 @@ class TopKConfig(MethodConfig):
     section 4); lower it for less bandwidth at that cost.
     sample_ratio: fraction of elements sampled to estimate the threshold, in (0, 1].
     value_dtype: the sent values' type: auto (the gradient's: fp16/bf16 gradients send
-    2-byte values, fp32 ones 4-byte), fp32, fp16 or bf16."""
+    2-byte values, fp32 ones 4-byte), fp32, fp16 or bf16.
+    start_ratio, decay_steps: a wider ratio after the dense warm-up: ``start_ratio`` at the
+    first compressed step, falling exponentially to ``ratio`` over ``decay_steps`` compressed
+    steps, in quarter-octave stages (a few distinct ratios: each has its selection tables
+    built once). 0 (off) by default; with Adam/AdamW 0.1 over 400 steps (``adam_defaults``)."""
 
     ratio: float = 0.05
     sample_ratio: float = 0.01
     value_dtype: str = "auto"
+    start_ratio: float = 0.0
+    decay_steps: int = 0
 
     def validate(self):
         check(0 < self.ratio <= 1, "ratio", self.ratio, "a number in (0, 1]")
         check(0 < self.sample_ratio <= 1, "sample_ratio", self.sample_ratio, "a number in (0, 1]")
         check_value_dtype(self.value_dtype)
+        check(self.start_ratio == 0 or self.ratio <= self.start_ratio <= 1, "start_ratio",
+              self.start_ratio, f"0 (off) or a number in [ratio={self.ratio}, 1]")
+        check(isinstance(self.decay_steps, int) and self.decay_steps >= 0, "decay_steps",
+              self.decay_steps, "an integer >= 0")
+
+    def ratio_at(self, compressed: int) -> float:
+        """The fraction sent in the compressed step ``compressed`` (0: the first)."""
+        if not self.start_ratio or compressed >= self.decay_steps:
+            return self.ratio
+        octaves = math.log2(self.start_ratio / self.ratio)
+        left = round(4 * octaves * (1 - compressed / self.decay_steps)) / 4
+        return min(self.start_ratio, self.ratio * 2.0 ** left)
 
 
 VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -143,7 +162,10 @@ class TopK(Compressor):
     def exchange(self, x, ctx, big, dense):
         cfg = self.config
         y = self.add_residual(x, ctx)  # y = x + e, in the next residual's buffer
-        vals, idx = select(y, big, ctx, cfg.ratio, cfg.sample_ratio)
+        ratio = cfg.ratio_at(ctx.compressed)
+        if cfg.start_ratio:
+            ctx.log("ratio", ratio)
+        vals, idx = select(y, big, ctx, ratio, cfg.sample_ratio)
         wire, vals = round_values(vals, value_dtype(cfg.value_dtype, ctx))
         keep_unsent(y, x, idx, vals, dense)  # what is not sent, and what rounding took
         return exchange_sparse(wire, idx, x, dense, ctx)

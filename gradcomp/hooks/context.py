@@ -35,6 +35,13 @@ class BucketCtx:
         self.snapshot = None  # the inf/NaN guard's, while it runs the exchange
         self._next = {}       # slot -> (current, next) of memory_next, until finish()
 
+    @property
+    def compressed(self) -> int:
+        """Compressed steps before this one: the step less the warm-up's switch (0 while the
+        switch is not known). The switch is in the checkpoint: a resumed job counts alike."""
+        switch = self.state.warmup.switch_step()
+        return 0 if switch is None else max(self.step - switch, 0)
+
     def memory(self, slot):
         buf = self.state.memory.flat(slot, self.bucket, [p.name for p in self.params],
                                      [p.numel for p in self.params], self.device)
