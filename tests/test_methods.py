@@ -294,3 +294,41 @@ def test_onebit_scales_of_a_partly_filled_chunk_count_its_real_elements(n):
         c = x[start : start + 64].double()
         want = torch.where(c >= 0, c[c >= 0].mean(), c[c < 0].mean())
         torch.testing.assert_close(out[start : start + 64].double(), want, rtol=1e-6, atol=0)
+
+
+def test_topk_start_ratio_falls_to_ratio_in_stages():
+    _, cfg = gradcomp.build_config("topk", ratio=0.025, start_ratio=0.1, decay_steps=400)
+    got = [cfg.ratio_at(s) for s in range(500)]
+    assert got[0] == 0.1 and got[350] > 0.025 and set(got[400:]) == {0.025}
+    assert all(a >= b for a, b in zip(got, got[1:]))
+    assert len(set(got)) == 9  # two octaves in quarters: each stage's tables built once
+    _, off = gradcomp.build_config("topk", ratio=0.025)
+    assert {off.ratio_at(s) for s in range(10)} == {0.025}
+
+
+@pytest.mark.parametrize("opts, bad", [({"ratio": 0.05, "start_ratio": 0.01}, "start_ratio"),
+                                        ({"start_ratio": 1.5}, "start_ratio"),
+                                        ({"decay_steps": -1}, "decay_steps")])
+def test_topk_start_ratio_refuses_bad_values(opts, bad):
+    with pytest.raises(ValueError, match=bad):
+        gradcomp.build_config("topk", **opts)
+
+
+def test_topk_start_ratio_counts_compressed_steps_from_the_switch():
+    """Two dense steps, then the message shrinks from start_ratio's k to ratio's over
+    decay_steps compressed steps: the bytes on the wire follow ratio_at(step - switch)."""
+    from gradcomp.kernels.segmented import budget
+    state = state_for("topk:ratio=0.02,start_ratio=0.16,decay_steps=6", dense_steps=2)
+    cfg = state.config
+    params = layout(list(SHAPES))
+    n = sum(p.numel for p in params)
+    sent = []  # each step's bytes: 8 per kept value (fp32 value, int32 index) + 12
+    for _ in range(10):
+        state.reduce(torch.randn(n), params)
+        sent.append(state.stats()["sent_bytes"])
+    assert sent[0] == sent[1] == 4 * n + 12
+    for step in range(2, 10):
+        k = sum(budget(p.numel, cfg.ratio_at(step - 2), cfg.sample_ratio)[0] for p in params)
+        assert sent[step] == 8 * k + 12, step
+    assert sent[2] > sent[5] > sent[8] == sent[9]
+    assert sent[2] > 7 * sent[9]  # 0.16 against 0.02 of every parameter
