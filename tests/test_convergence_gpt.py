@@ -1,18 +1,22 @@
 """AdamW on a transformer: the adam-aware default holds where Adam on compressed gradients
 does not. A 0.1M-parameter GPT (gradcomp_bench.models.gpt_tiny) on the pycode character
 corpus, 2 gloo ranks, AdamW (betas 0.9/0.95, decay 0.1 on matrices), warm-up + cosine,
-clipping at 1, 300 steps, onebit at its defaults (the adaptive warm-up in bf16, then Adam's
-second moment frozen and its first moment exchanged with 1-bit compression: hooks/optimizer.py)
-against allreduce and against the ablation ``adam=off``.
+clipping at 1, 300 steps, onebit at its defaults (the adaptive warm-up in int4 rows, then
+Adam's second moment frozen and its first moment exchanged with 1-bit compression, chunks of
+64 with bf16 scales: hooks/optimizer.py) against allreduce and against the ablation
+``adam=off``.
 
 Margins from three seeds (validation loss, nats per character; seeds 0 / 1 / 2):
   allreduce                  2.2311 / 2.2352 / 2.2126
-  onebit (default: chunk=64 with AdamW)
-                             2.2344 / 2.2414 / 2.2193   (+0.003 / +0.006 / +0.007 over allreduce)
+  onebit (default with AdamW: chunk=64, scales=bfloat16, dense_wire=int4)
+                             2.2183 / 2.2383 / 2.2298   (-0.013 / +0.003 / +0.017 over allreduce)
+  onebit, chunk=64 with fp32 scales and the warm-up in bf16 (the former default)
+                             2.2344 / 2.2414 / 2.2193
+  with the former default's scales and warm-up:
   onebit, adam=freeze        2.2385 / 2.2361 / 2.2482   (the gradient exchanged instead)
   onebit, chunk=256          2.2515 / 2.2478 / 2.2211   (the SGD default's chunk; with the warm-up
                                                           in fp32: 2.2515 / 2.2491 / 2.2229)
-  onebit, adam=off           2.2699 / 2.2643 / 2.2881   (+0.036 / +0.023 / +0.069 over the default)
+  onebit, adam=off           2.2714 / 2.2642 / 2.2867   (+0.053 / +0.026 / +0.057 over the default)
   terngrad (default)         2.2060 / 2.2160 / 2.1988   (-0.025 / -0.019 / -0.014 against allreduce)
 The test takes seeds 0 and 1 and asks, on their mean, onebit within 0.03 of allreduce, the
 ablation at least 0.01 above onebit, and terngrad within 0.02 of allreduce. (At 300 steps

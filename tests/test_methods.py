@@ -302,11 +302,22 @@ def test_topk_start_ratio_falls_to_ratio_in_stages():
     assert got[0] == 0.1 and got[350] > 0.025 and set(got[400:]) == {0.025}
     assert all(a >= b for a, b in zip(got, got[1:]))
     assert len(set(got)) == 9  # two octaves in quarters: each stage's tables built once
-    _, off = gradcomp.build_config("topk", ratio=0.025)
-    assert {off.ratio_at(s) for s in range(10)} == {0.025}
+    for opts in ({"ratio": 0.025}, {"ratio": 0.2, "start_ratio": 0.1, "decay_steps": 400}):
+        _, off = gradcomp.build_config("topk", **opts)  # off; at or below ratio: off too
+        assert {off.ratio_at(s) for s in range(500)} == {opts["ratio"]}
 
 
-@pytest.mark.parametrize("opts, bad", [({"ratio": 0.05, "start_ratio": 0.01}, "start_ratio"),
+def test_topk_ratio_of_its_own_with_adam_runs_throughout():
+    """A user's ratio above the Adam defaults' start_ratio is what runs, not a refusal."""
+    net = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(net.parameters())
+    _, cfg = gradcomp.hooks.options.for_optimizer("topk", {"ratio": 0.2}, opt)
+    assert cfg.start_ratio == 0.1 and {cfg.ratio_at(s) for s in range(500)} == {0.2}
+    _, cfg = gradcomp.hooks.options.for_optimizer("topk", {}, opt)
+    assert cfg.ratio_at(0) == 0.1 and cfg.ratio_at(400) == 0.025 and cfg.value_dtype == "bf16"
+
+
+@pytest.mark.parametrize("opts, bad", [({"start_ratio": -0.1}, "start_ratio"),
                                         ({"start_ratio": 1.5}, "start_ratio"),
                                         ({"decay_steps": -1}, "decay_steps")])
 def test_topk_start_ratio_refuses_bad_values(opts, bad):

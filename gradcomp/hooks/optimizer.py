@@ -118,7 +118,7 @@ _warned: set = set()
 # per parameter, in the state's memory (so in gradcomp's checkpoint, by parameter name): the
 # Adam step v froze at, and where v was still 0 then (learned on, as Adam's own)
 FROZEN_SLOT, GAPS_SLOT = "adam_frozen_step", "adam_v_gaps"
-# where gradcomp kept the frozen step until 2026-11-27: in optimizer.state[p] (read once,
+# where earlier versions kept the frozen step: in optimizer.state[p] (read once,
 # then removed: torch.distributed.checkpoint's get/set_state_dict drop or refuse such keys)
 FROZEN_KEY = "gradcomp_frozen_step"
 
