@@ -18,7 +18,7 @@ cyclic collector last ran. One more sample is taken after ``state.close()``.
     python bench/longrun.py --plot                # redraw the figure from the JSONs
 
 Writes ``bench/results/longrun/<setting>.json`` (every rank's samples) and
-``bench/results/longrun/longrun.png`` (rank 0). Evidence (2 CPU cores, gloo, 2026-11-25):
+``bench/results/longrun/longrun.png`` (rank 0). Evidence (2 CPU cores, gloo):
 threads and open files constant from step 250 to 20,000 in every setting and on every rank;
 RSS +0.15 to +0.36 MiB from step 1,000 to 20,000 (plain DDP: +0.02). bench/RESULTS.md,
 "Long runs".

@@ -115,9 +115,12 @@ def lm_convergence(doc: dict, loss_path, bytes_path):
     _finish(fig, ax, loss_path, "validation loss (nats per character)", "optimizer step", "nats")
     fig = _figure()
     ax = fig.add_subplot()
-    for r, st in zip([r for r in doc["rows"] if r.get("val_loss") is not None and r.get("wire_MB")],
-                     styles()):
-        ax.plot([r["wire_MB"]], [r["val_loss"]], label=r["method"], markersize=9, **st)
+    points = {}  # method -> its rows' (MB, loss): one style and one legend entry per method
+    for r in doc["rows"]:
+        if r.get("val_loss") is not None and r.get("wire_MB"):
+            points.setdefault(r["method"], []).append((r["wire_MB"], r["val_loss"]))
+    for (method, xy), st in zip(points.items(), styles()):
+        ax.plot(*zip(*xy), label=method, markersize=9, **{**st, "linestyle": "none"})
     ax.set_xscale("log")
     return _finish(fig, ax, bytes_path, "validation loss against the bytes each rank sent over "
                    "the run (lower left is better)", "wire MB per rank per run (log)",
