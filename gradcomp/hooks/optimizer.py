@@ -78,14 +78,10 @@ above the exact one and sqrt(<exact average, handed back>) about 20% below it, s
 side of the exchange holds the norm a faithful clip needs. Over 600 steps onebit ended
 +1.6% from allreduce clipped on every step, -2.1% clipped on the first 150 only (allreduce
 itself: 2.0034 and 2.0015). So under DDP without ``delay`` the clip is taken off the
-compressed steps (:meth:`FrozenVariance._unclip`, from the step pre-hook): each compressed
-bucket's exchange records the norm of what it handed back for each compressed parameter;
-the pre-hook reads the coefficient c the clip applied (the norm of the compressed
-parameters' gradients now over the recorded one, the records summed in name order: the
-same bits for any bucket layout) and, where c < 1, multiplies every gradient by 1 / c. The
-dense warm-up's steps, whose gradients are the exact averages, keep the clip. Any other
-uniform rescaling of the gradients between backward and the step is taken off the same
-way. Not under FSDP/HSDP (a rank's gradients are its shard) nor with ``delay``.
+compressed steps (hooks/unclip.py: each compressed bucket's exchange records the norm of
+what it handed back, the step's pre-hook undoes the coefficient the clip applied). The
+dense warm-up's steps, whose gradients are the exact averages, keep the clip. Not under
+FSDP/HSDP (a rank's gradients are its shard) nor with ``delay``.
 
 What freezing costs by itself: ``topk:ratio=1`` (every element sent, v frozen at the
 switch) ended the 2000-step GPT run at 1.6082 against allreduce's 1.6083 (bench/RESULTS.md).
@@ -97,6 +93,7 @@ import torch
 from ..compressors import METHODS
 from ..config import Adam
 from ..compressors.dgc import MOMENTUM_KEYS, MOMENTUM_OFF
+from .unclip import Unclip, local as _local
 
 ADAM_TYPES = (torch.optim.Adam, torch.optim.AdamW)
 # the optimizer hyperparameters every rank must agree on (registration's fingerprint)
@@ -121,11 +118,6 @@ FROZEN_SLOT, GAPS_SLOT = "adam_frozen_step", "adam_v_gaps"
 # where earlier versions kept the frozen step: in optimizer.state[p] (read once,
 # then removed: torch.distributed.checkpoint's get/set_state_dict drop or refuse such keys)
 FROZEN_KEY = "gradcomp_frozen_step"
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (FSDP's optimizer state), a tensor as it is."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def adam_gap(method: str, mode: str) -> float | None:
@@ -326,10 +318,16 @@ def bind(state, optimizer, *, module=None, bucket_bytes=None, pieces=None, warn:
         if pieces is None:  # every trainable parameter of ``module`` in module order
             names = state.param_names
             pieces = [(names[id(p)], p) for p in module.parameters() if id(p) in names]
-        state.rounds.bind(pieces, module.named_buffers(), bucket_bytes, state.send_outer)
+        # the user's clip taken off the inner steps (hooks/unclip.py): not under FSDP/HSDP
+        unclip = None if state.sharded else Unclip(unwrap(optimizer), dict(pieces))
+        state.rounds.bind(pieces, module.named_buffers(), bucket_bytes, state.send_outer,
+                          unclip)
+
+        def pre(opt, args, kwargs):
+            state.rounds.inner_pre(opt, args, kwargs)
+            return None if unclip is None else after_closure(args, kwargs, unclip.apply)
         # the steps that run (not a wrapper's skips)
-        state.rounds.hook(step_hooks(optimizer, "local", state.rounds.inner_pre,
-                                     state.rounds.inner_post))
+        state.rounds.hook(step_hooks(optimizer, "local", pre, state.rounds.inner_post))
         return
     inner = unwrap(optimizer)
     if state.compressor.reads_momentum and isinstance(inner, torch.optim.SGD):
@@ -404,12 +402,9 @@ class FrozenVariance:
         self._scales: dict = {}  # bucket layout -> its preconditioner (constant once frozen)
         self._moments: dict = {}  # bucket layout -> where its first moments go (momentum)
         self._hidden: list = []
-        # the clip taken off the compressed steps (module docstring, "Gradient clipping"):
-        # per step, each compressed bucket's (parameter names, norms of what it handed back)
-        self.unclip = unclip
-        self._norms: list = []
-        self._norms_step = None
-        self._orders: dict = {}  # the names' order of a step's records -> name order
+        # the clip taken off the compressed steps (module docstring, "Gradient clipping")
+        self.unclip = Unclip(self.optimizer, {n: p for n, (p, _) in self._by_name.items()}
+                             ) if unclip else None
         self.handles = step_hooks(self.optimizer, "adam", self._pre, self._post)
 
     def reset(self) -> None:
@@ -447,51 +442,10 @@ class FrozenVariance:
 
     def record(self, step: int, back: torch.Tensor, params, scale=None) -> None:
         """A compressed bucket of step ``step``: the norm of what the exchange handed back
-        (the bucket as the gradients get it, in their dtype; ``scale``: the loss scale it
-        carries) for each compressed parameter among ``params`` (slices), kept on the device
-        for the step's pre-hook. Run on an exchange's thread: one list append."""
-        if not self.unclip:
-            return
-        mine = [p for p in params if p.name in self._by_name]
-        if not mine:
-            return
-        norms = torch.stack(torch._foreach_norm(
-            [back[p.offset : p.offset + p.numel] for p in mine], 2, dtype=torch.float32))
-        if scale is not None:
-            norms = norms / scale.to(norms.device, torch.float32)
-        if self._norms_step != step:  # a step the optimizer skipped (GradScaler) is dropped
-            self._norms, self._norms_step = [], step
-        self._norms.append((tuple(p.name for p in mine), norms))
-
-    def _unclip(self, grad_scale) -> None:
-        """Take a clip of the gradients' norm off this compressed step (module docstring,
-        "Gradient clipping"): on the device, no host read, no collective."""
-        records, self._norms, self._norms_step = self._norms, [], None
-        if not records:
-            return
-        names = tuple(n for r in records for n in r[0])
-        hit = self._orders.get(names)
-        if hit is None:  # once per layout: the records in name order (as the warm-up does)
-            order = sorted(range(len(names)), key=names.__getitem__)
-            mine = [self._by_name[names[i]][0] for i in order]
-            hit = self._orders[names] = (torch.tensor(order), mine)
-            if len(self._orders) > 16:
-                self._orders = {names: hit}
-        order, mine = hit
-        if any(p.grad is None for p in mine):
-            return
-        back = torch.cat([r[1] for r in records])
-        back_sq = back[order.to(back.device)].double().square().sum()
-        now_sq = torch.stack(torch._foreach_norm([_local(p.grad) for p in mine], 2,
-                                                 dtype=torch.float32)).double().square().sum()
-        if grad_scale is not None:
-            now_sq = now_sq / grad_scale.to(now_sq.device).double().square()
-        c = (now_sq / back_sq.clamp_min(1e-300)).sqrt()  # the coefficient the clip applied
-        k = torch.where((c < 1 - 1e-4) & (c > 0), c.reciprocal(), torch.ones_like(c)).float()
-        others = [p for g in self.optimizer.param_groups for p in g["params"]
-                  if p.grad is not None and id(p) not in self._mine]
-        for grads in _by_device([p.grad for p in mine + others]):
-            torch._foreach_mul_(grads, k.to(grads[0].device))
+        for each compressed parameter among ``params`` (slices), for the step's pre-hook
+        (:class:`~gradcomp.hooks.unclip.Unclip`)."""
+        if self.unclip is not None:
+            self.unclip.record(step, back, params, scale)
 
     def _pre(self, optimizer=None, args=None, kwargs=None):
         self._post()  # a step() that raised never ran its post-hook
@@ -510,7 +464,8 @@ class FrozenVariance:
         if found_inf is not None and bool(found_inf):
             return  # the fused step skips itself; so does this one
         grad_scale = getattr(opt, "grad_scale", None)
-        self._unclip(grad_scale)
+        if self.unclip is not None:
+            self.unclip.apply(grad_scale)
         for group in opt.param_groups:
             params = [p for p in group["params"] if id(p) in self._mine and p.grad is not None
                       and opt.state.get(p)]  # no Adam state yet: the optimizer's own step
@@ -755,14 +710,6 @@ class SGDMomentum:
             for g, s in zip(self.optimizer.param_groups, self._saved):
                 g.update(s)
             self._saved = None
-
-
-def _by_device(ts) -> list[list[torch.Tensor]]:
-    """``ts`` grouped by device (foreach ops take one device at a time)."""
-    out: dict = {}
-    for t in ts:
-        out.setdefault(t.device, []).append(t)
-    return list(out.values())
 
 
 def loss_scale(scaler):
