@@ -40,10 +40,6 @@ the end of round t replaced by the average. At the end of
 training call ``state.flush()`` at a round's end: it waits for the exchange in flight and
 applies it (no ``optimizer.step()`` after it); every rank then holds G.
 
-A user's clip of the gradients' norm (between backward and ``step()``) sees in an inner step
-this rank's own gradient, not the average DDP clips: under DDP it is taken off the inner
-steps (hooks/unclip.py; not under FSDP/HSDP, where a rank holds a shard of its gradients).
-
 Options ``dense_steps``, warm-ups and random streams count outer rounds (``state.step``);
 the adaptive warm-up (hooks/warmup.py) measures the pseudo-gradients D.
 The method is not bound to the optimizer: the inner steps are the optimizer's own, with its
@@ -133,11 +129,10 @@ class LocalSteps:
         self._outer_buffers: list = []       # [(name, buffer)] floating-point buffers
         self._hooks: list = []
         self._send = None
-        self._unclip = None                  # hooks/unclip.py: the clip off the inner steps
 
     def __getstate__(self):
         d = self.__dict__.copy()
-        for k in ("_outer_buckets", "_outer_buffers", "_hooks", "_send", "_unclip"):
+        for k in ("_outer_buckets", "_outer_buffers", "_hooks", "_send"):
             del d[k]
         return d
 
@@ -155,15 +150,14 @@ class LocalSteps:
         """Whether an optimizer's steps run the rounds (``bind``)."""
         return bool(self._hooks)
 
-    def bind(self, params, buffers, bucket_bytes: int | None, send, unclip=None) -> None:
+    def bind(self, params, buffers, bucket_bytes: int | None, send) -> None:
         """Lay the outer buckets out: ``params``, (name, tensor) pairs in module order (under
         HSDP each rank's own rows of each parameter, named as its memory is), cut at
         ``bucket_bytes`` of fp32; ``buffers``: (name, buffer) pairs averaged every round.
         ``send(bucket, x, slices, tensors, last, plain)`` queues one exchange and returns
-        (its future, its step): the method's (``plain`` False) or the plain average.
-        ``unclip``: an :class:`~gradcomp.hooks.unclip.Unclip` that :meth:`record` feeds (None:
-        the user's clip stays on the inner steps). The optimizer's steps then call
-        :meth:`inner_pre` and :meth:`inner_post` (hooks/optimizer.py installs them: ``hook``)."""
+        (its future, its step): the method's (``plain`` False) or the plain average. The
+        optimizer's steps then call :meth:`inner_pre` and :meth:`inner_post`
+        (hooks/optimizer.py installs them: ``hook``)."""
         cap = bucket_bytes or DEFAULT_BUCKET_BYTES
         buckets, cur, size = [], [], 0
         for name, p in params:
@@ -177,13 +171,6 @@ class LocalSteps:
         self._outer_buckets = [(flat_slices(b), [p for _, p in b]) for b in buckets]
         self._outer_buffers = [(n, b) for n, b in buffers if b.dtype.is_floating_point]
         self._send = send
-        self._unclip = unclip
-
-    def record(self, back: torch.Tensor, slices) -> None:
-        """What an inner step's hook handed back (this rank's gradient, or its node's
-        average) over ``slices``: its norms, for taking the user's clip off the step."""
-        if self._unclip is not None:
-            self._unclip.record(self._inner, back, slices)
 
     def hook(self, handles: list) -> None:
         """The optimizer's step hooks that run the rounds (removed at close)."""

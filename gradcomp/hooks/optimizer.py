@@ -318,16 +318,10 @@ def bind(state, optimizer, *, module=None, bucket_bytes=None, pieces=None, warn:
         if pieces is None:  # every trainable parameter of ``module`` in module order
             names = state.param_names
             pieces = [(names[id(p)], p) for p in module.parameters() if id(p) in names]
-        # the user's clip taken off the inner steps (hooks/unclip.py): not under FSDP/HSDP
-        unclip = None if state.sharded else Unclip(unwrap(optimizer), dict(pieces))
-        state.rounds.bind(pieces, module.named_buffers(), bucket_bytes, state.send_outer,
-                          unclip)
-
-        def pre(opt, args, kwargs):
-            state.rounds.inner_pre(opt, args, kwargs)
-            return None if unclip is None else after_closure(args, kwargs, unclip.apply)
+        state.rounds.bind(pieces, module.named_buffers(), bucket_bytes, state.send_outer)
         # the steps that run (not a wrapper's skips)
-        state.rounds.hook(step_hooks(optimizer, "local", pre, state.rounds.inner_post))
+        state.rounds.hook(step_hooks(optimizer, "local", state.rounds.inner_pre,
+                                     state.rounds.inner_post))
         return
     inner = unwrap(optimizer)
     if state.compressor.reads_momentum and isinstance(inner, torch.optim.SGD):
