@@ -90,6 +90,11 @@ class MethodConfig:
     outer_lr, outer_momentum: the outer optimizer's learning rate and Nesterov momentum.
     local_delay: 1 overlaps a round's outer exchange with the next round's inner steps and
         applies it one round late (Streaming DiLoCo, Douillard et al. 2025); 0 = at once.
+    sync_steps: with local_steps > 1, the first N optimizer steps synchronous (Post-local
+        SGD, Lin et al., ICLR 2020): each step's gradient averaged over every rank, in
+        ``dense_wire``, and the rounds start after them; with Adam/AdamW (``adam`` "auto"
+        or "freeze") the second moment those steps learned stays frozen for the inner steps
+        (0/1 Adam, Lu et al. 2023). 0: local from the first step.
     adam: with torch.optim.Adam/AdamW (``register(..., optimizer=opt)``): "momentum" keeps
         Adam's second moment as the dense warm-up left it for every parameter the method
         compresses and exchanges Adam's first moment instead of the gradient: each rank
@@ -133,6 +138,7 @@ class MethodConfig:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     local_delay: int = 0
+    sync_steps: int = 0
     adam: str = "auto"
     exact: str = ""
     dense_wire: str = "auto"
@@ -181,6 +187,10 @@ class MethodConfig:
               "0 (outer step at the round's end) or 1 (one round late, overlapped)")
         check(self.local_steps > 1 or self.local_delay == 0, "local_delay", self.local_delay,
               "0 unless local_steps > 1")
+        check(0 <= self.sync_steps <= MAX_STEPS, "sync_steps", self.sync_steps,
+              "an integer >= 0 and <= 2**53")
+        check(self.local_steps > 1 or self.sync_steps == 0, "sync_steps", self.sync_steps,
+              "0 unless local_steps > 1")
         check(self.local_steps == 1 or self.delay == 0, "delay", self.delay,
               f"0 with local_steps={self.local_steps} (inner steps send nothing to delay; "
               f"local_delay=1 overlaps the outer exchange instead)")
@@ -192,6 +202,9 @@ class MethodConfig:
               "frozen once compression starts, its first moment exchanged), freeze (frozen, "
               "the gradient exchanged), precondition (frozen, g / sqrt(v) exchanged) or off")
         object.__setattr__(self, "adam", Adam(self.adam))
+        check(self.local_steps == 1 or self.adam in (Adam.AUTO, Adam.FREEZE, Adam.OFF), "adam",
+              self.adam.value, f"auto, freeze or off with local_steps={self.local_steps} (the "
+              f"inner steps are Adam's own; with sync_steps its second moment freezes)")
         check(self.adam != Adam.MOMENTUM or self.delay == 0, "delay", self.delay,
               "0 with adam='momentum' (the late average would be applied to a later first "
               "moment than the one it was built from); adam='auto' or 'freeze' with delay")

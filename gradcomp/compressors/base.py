@@ -195,12 +195,7 @@ class Compressor(ABC):
     def dense(self, x: torch.Tensor, ctx: BucketContext) -> torch.Tensor:
         """Plain fp32 allreduce average: small buckets and degenerate settings; the warm-up's
         steps in bf16, int8 or int4 where the state says so (``ctx.dense_wire``, the option)."""
-        wire = getattr(ctx, "dense_wire", None)
-        if wire == "bfloat16":
-            return dense_bf16(x, ctx.comm)
-        if wire in ("int8", "int4"):  # rows.py: the rows DiLoCo sends too
-            return dense_rows(x, ctx.params, ctx.comm, 8 if wire == "int8" else 4)
-        return ctx.comm.allreduce(x).div_(ctx.comm.world_size)
+        return dense_average(x, ctx, getattr(ctx, "dense_wire", None))
 
     def add_residual(self, x: torch.Tensor, ctx: BucketContext,
                      slot: str = RESIDUAL) -> torch.Tensor:
@@ -227,6 +222,16 @@ class Compressor(ABC):
         ``exact``, go uncompressed."""
         big = [p for p in params if self.big(p.name, p.size)]
         return big, [p for p in params if not self.big(p.name, p.size)]
+
+
+def dense_average(x: torch.Tensor, ctx, wire: str | None) -> torch.Tensor:
+    """The average of x over ``ctx.comm``'s ranks with ``wire`` on the wire: "bfloat16",
+    "int8" or "int4" (rows.py: the rows DiLoCo sends too), else a plain fp32 allreduce."""
+    if wire == "bfloat16":
+        return dense_bf16(x, ctx.comm)
+    if wire in ("int8", "int4"):
+        return dense_rows(x, ctx.params, ctx.comm, 8 if wire == "int8" else 4)
+    return ctx.comm.allreduce(x).div_(ctx.comm.world_size)
 
 
 @functools.lru_cache(maxsize=256)

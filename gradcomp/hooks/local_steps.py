@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import torch
 
+from ..compressors.base import dense_average
 from .delayed import flat_slices
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
@@ -110,6 +111,14 @@ def node_average(x: torch.Tensor, ctx) -> torch.Tensor:
     return x
 
 
+def synchronous(wire: str):
+    """One of the first ``sync_steps``: the gradient's average over every rank (under a
+    hierarchical topology over the nodes, of the node's average), ``wire`` on the wire."""
+    def average(x: torch.Tensor, ctx) -> torch.Tensor:
+        return dense_average(x, ctx, wire)
+    return average
+
+
 class LocalSteps:
     """A component of the state: local steps and the outer step (see the module doc). Its
     exchanges go through the state's ``send`` (given at ``bind``), in the global order."""
@@ -144,6 +153,12 @@ class LocalSteps:
     def active(self) -> bool:
         """Whether the state syncs every ``local_steps`` > 1 steps."""
         return self.config.local_steps > 1
+
+    @property
+    def syncing(self) -> bool:
+        """Whether the step about to run is one of the first ``sync_steps``: synchronous,
+        its gradient averaged over every rank, no round running."""
+        return self._inner < self.config.sync_steps
 
     @property
     def bound(self) -> bool:
@@ -208,7 +223,14 @@ class LocalSteps:
 
     def inner_post(self, optimizer, args, kwargs) -> None:
         self._inner += 1
-        if self._inner % self.config.local_steps == 0:
+        S = self.config.sync_steps
+        if self._inner <= S:
+            if self._inner == S:  # the first round starts where every rank now stands
+                with torch.no_grad():
+                    self.start = [self._flat_params(ts) for _, ts in self._outer_buckets]
+                    self._reanchor()
+            return
+        if (self._inner - S) % self.config.local_steps == 0:
             with torch.no_grad():
                 self._round_end()
 

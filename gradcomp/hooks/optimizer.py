@@ -322,6 +322,12 @@ def bind(state, optimizer, *, module=None, bucket_bytes=None, pieces=None, warn:
         # the steps that run (not a wrapper's skips)
         state.rounds.hook(step_hooks(optimizer, "local", state.rounds.inner_pre,
                                      state.rounds.inner_post))
+        if state.config.sync_steps and state.config.adam != Adam.OFF and is_adam(optimizer):
+            # the inner steps take the second moment the synchronous steps learned
+            names = state.param_names
+            state.adam = FrozenVariance(optimizer, lambda p: id(p) in names,
+                                        lambda: not state.rounds.syncing, names,
+                                        store=state.memory)
         return
     inner = unwrap(optimizer)
     if state.compressor.reads_momentum and isinstance(inner, torch.optim.SGD):
@@ -740,6 +746,8 @@ def adam_mode(state) -> "Adam":
     c = state.config
     if c.adam != Adam.AUTO:
         return Adam(c.adam)
+    if c.local_steps > 1:  # the inner steps are Adam's own (sync_steps: v frozen after them)
+        return Adam.FREEZE
     ok = c.error_feedback and not c.delay and not state.sharded
     return Adam(state.compressor.adam_exchange) if ok else Adam.FREEZE
 

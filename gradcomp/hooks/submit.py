@@ -18,7 +18,7 @@ from . import optimizer as optimizer_binding, stages
 from .delayed import flat_slices
 from .engine import Exchange, future
 from .topology import base_name
-from .local_steps import node_average
+from .local_steps import node_average, synchronous
 
 
 def submit(state, bucket: int, buf: torch.Tensor, params, last: bool = True
@@ -66,11 +66,13 @@ class Inner(Way):
                                f"bind(state, opt, module=model.module, bucket_bytes="
                                f"model.bucket_bytes_cap) before training")
         fut = future(buf)
-        if not st.local_size:
+        sync = st.rounds.syncing
+        if not st.local_size and not sync:
             fut.set_result(buf)
             return fut
+        plain = synchronous(optimizer_binding.dense_wire(st)) if sync else node_average
         st.engine.enqueue(st.engine.lane(bucket), Exchange(
-            bucket, buf, slices, st.step, plain=node_average, fut=fut), last)
+            bucket, buf, slices, st.step, plain=plain, fut=fut), last)
         return fut
 
 
