@@ -58,6 +58,7 @@ from .options import for_optimizer, is_auto
 from .. import comm
 from .agree import Groups, agree, check_log_dir, discard, fingerprint, load_group, trainable
 from .guard import check_steps, step_flag
+from .local_steps import synchronous
 from .plan import Plan, Sharding
 from .state import GradcompState
 from .topology import SEP
@@ -232,6 +233,8 @@ class _Adapter:
         out = out.reshape(-1)
         lay.check(out.numel(), per_rank=True)
         if self.state.rounds.active:  # an inner step: the node's average, nothing across nodes
+            if self.state.rounds.syncing and lay.piece:  # ... but in the first sync_steps
+                self._synchronous(lay, group, out)
             return
         b = self.bucket()
         if not lay.piece:  # no rows of this unit here (nor on this shard's replicas): the
@@ -265,6 +268,21 @@ class _Adapter:
         if post != 1:
             x.div_(post)
         x = self.state.reduce(x, lay.piece, b, params())
+        if post != 1:
+            x = x * post
+        torch._foreach_copy_([out[o : o + m] for o, m in spans], lay.mine(x, whole=False)[1])
+
+    def _synchronous(self, lay: _Layout, group, out: torch.Tensor) -> None:
+        """One of the first ``sync_steps`` of local steps: this rank's rows of the node's
+        average averaged over their replicas, dense (``dense_wire``), on the caller's
+        thread."""
+        post = _post_factor(group, out)
+        spans, _ = lay.mine(out, whole=False)
+        x = torch.cat([out[o : o + m] for o, m in spans])
+        if post != 1:
+            x.div_(post)
+        x = self.state.reduce(x, lay.piece, self.bucket(), plain=synchronous(
+            optimizer_binding.dense_wire(self.state)))
         if post != 1:
             x = x * post
         torch._foreach_copy_([out[o : o + m] for o, m in spans], lay.mine(x, whole=False)[1])

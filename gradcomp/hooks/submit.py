@@ -135,9 +135,14 @@ class Delayed(Now):
 # the other ways in: FSDP's (a bucket laid out by FSDP, synchronous or on the first lane),
 # local steps' outer exchanges
 
-def reduce(state, x: torch.Tensor, params, bucket: int = 0, param_tensors=None) -> torch.Tensor:
+def reduce(state, x: torch.Tensor, params, bucket: int = 0, param_tensors=None,
+           plain=None) -> torch.Tensor:
     """Synchronously reduce one flat bucket (any float dtype); returns the average in
-    x's dtype. The DDP hook runs exactly this, on the communication thread."""
+    x's dtype. The DDP hook runs exactly this, on the communication thread. ``plain``: a
+    reduce(x, ctx) run instead of the method (an inner step's average under HSDP)."""
+    if plain is not None:
+        return stages.exchange(state, state.engine.lanes[0], Exchange(
+            bucket, x, list(params), state.step, plain=plain))
     step = state.begin(bucket)
     state.warmup.observe(step, x, params)
     live = state.compressor.live([base_name(p.name) for p in params])  # (HSDP: pieces)
