@@ -383,6 +383,91 @@ def test_resume_mid_round_and_at_its_edge_in_fresh_processes_is_bit_exact(runs):
         assert ref[key][2]["compressing"], key
 
 
+# ---------------------------------------------------------------- sync_steps
+S = 4  # synchronous steps before the rounds (sync_steps)
+
+
+def _adamw_job(spec, rank):
+    net = small_net()
+    model = DDP(net, bucket_cap_mb=0.004)
+    decay = [p for p in net.parameters() if p.dim() > 1]
+    rest = [p for p in net.parameters() if p.dim() <= 1]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": rest, "weight_decay": 0.0}], lr=0.01)
+    state = gradcomp.register(model, spec, optimizer=opt, min_numel=0) if spec else None
+    return net, model, opt, state
+
+
+def _sync_steps(rank, world, path):
+    """AdamW: plain DDP beside ``allreduce`` local steps after S synchronous fp32 steps, with
+    the parameters and Adam's second moment after every step; then the same job resumed from
+    checkpoints mid-sync, at the switch and mid-round, in fresh objects."""
+    spec = f"allreduce:local_steps={H},sync_steps={S},dense_wire=float32,outer_lr=1,outer_momentum=0"
+    steps = S + 2 * H + 1
+    out = {}
+    for name, sp in (("ddp", None), ("sync", spec)):
+        net, model, opt, state = _adamw_job(sp, rank)
+        traj, vs = [], []
+        for step in range(steps):
+            _step(model, opt, rank, step)
+            traj.append(_flat(net))
+            vs.append(torch.cat([opt.state[p]["exp_avg_sq"].reshape(-1).clone()
+                                 for p in net.parameters()]))
+        out[name] = (traj, vs, state.step if state else None)
+    # resume across the switch: each cut saved, then loaded into fresh objects
+    wire = f"diloco:chunk=16,bits=4,local_steps={H},sync_steps={S},dense_wire=int4"
+    net, model, opt, state = _adamw_job(wire, rank)
+    saved = {}
+    for step in range(steps):
+        if step in (S - 1, S, S + 1):
+            torch.save({"model": net.state_dict(), "opt": opt.state_dict(),
+                        "gradcomp": state.state_dict()}, f"{path}/sync{step}-rank{rank}.pt")
+        _step(model, opt, rank, step)
+    whole = _flat(net)
+    resumed = {}
+    for cut in (S - 1, S, S + 1):
+        net, model, opt, state = _adamw_job(wire, rank)
+        ck = torch.load(f"{path}/sync{cut}-rank{rank}.pt")
+        net.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["opt"])
+        state.load_state_dict(ck["gradcomp"])
+        for step in range(cut, steps):
+            _step(model, opt, rank, step)
+        resumed[cut] = _flat(net)
+    out["resume"] = (whole, resumed, state.stats())
+    return out
+
+
+def test_sync_steps_are_ddp_then_the_rounds_run_with_adams_second_moment_frozen(runs):
+    """The first S steps are DDP's (fp32 on the wire: to float rounding), every rank alike;
+    then rounds of H local steps, the ranks apart inside a round and equal at its end, and
+    Adam's second moment as the synchronous steps left it."""
+    r0, r1 = (r["sync"] for r in runs)
+    (ddp, vd, _), (got, vg, n) = r0["ddp"], r0["sync"]
+    other = r1["sync"][0]
+    assert n == 2  # two rounds after the synchronous steps
+    for s in range(S):
+        torch.testing.assert_close(got[s], ddp[s], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(vg[s], vd[s], atol=1e-9, rtol=1e-5)
+        assert torch.equal(got[s], other[s]), s
+    assert not torch.equal(vg[S - 2], vg[S - 1])  # v learns in the synchronous steps ...
+    for s in range(S, len(got)):
+        assert torch.equal(vg[s], vg[S - 1]), s   # ... and stays as they left it
+        if (s + 1 - S) % H == 0:
+            assert torch.equal(got[s], other[s]), s
+        else:
+            assert not torch.allclose(got[s], other[s]), s
+    assert not torch.allclose(got[-1], ddp[-1], atol=1e-4)
+
+
+def test_sync_steps_resume_bit_exact_before_at_and_after_the_switch(runs):
+    for r in runs:
+        whole, resumed, stats = r["sync"]["resume"]
+        assert stats["compressing"] and stats["step"] == 2
+        for cut, flat in resumed.items():
+            assert torch.equal(flat, whole), cut
+
+
 # ---------------------------------------------------------------- bad input
 def test_bad_options_are_named():
     for opts, match in [({"local_steps": 0}, "invalid local_steps=0: allowed an integer >= 1"),
@@ -391,7 +476,11 @@ def test_bad_options_are_named():
                         ({"outer_momentum": 1.0}, "invalid outer_momentum=1.0"),
                         ({"local_steps": 4, "local_delay": 2}, "invalid local_delay=2"),
                         ({"local_delay": 1}, "0 unless local_steps > 1"),
-                        ({"local_steps": 4, "delay": 1}, "invalid delay=1: allowed 0 with local_steps=4")]:
+                        ({"local_steps": 4, "delay": 1}, "invalid delay=1: allowed 0 with local_steps=4"),
+                        ({"sync_steps": 5}, "invalid sync_steps=5: allowed 0 unless local_steps > 1"),
+                        ({"local_steps": 4, "sync_steps": -1}, "invalid sync_steps=-1"),
+                        ({"local_steps": 4, "adam": "momentum"},
+                         "invalid adam='momentum': allowed auto, freeze or off with local_steps=4")]:
         with pytest.raises(ValueError, match=match):
             gradcomp.build_config("topk", **opts)
     with pytest.raises(TypeError, match="invalid local_steps=1.5"):
@@ -504,6 +593,7 @@ def _everything(rank, world, path):
         "refusals": _refusals(rank, world),
         "bf16": _bf16(rank, world),
         "resume": _resume(rank, world, path), "path": path,
+        "sync": _sync_steps(rank, world, path),
         "order": _sequences(rank, world, ORDER),
     }
 
