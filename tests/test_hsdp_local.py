@@ -17,24 +17,31 @@ def _named(rank, world, spec):
     net = _net(world, True)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1)
     state = gradcomp.register(net, spec, optimizer=opt)
-    H = state.config.local_steps
+    H, S = state.config.local_steps, state.config.sync_steps
     start = _local(net)
-    _train(net, opt, rank, range(H))
+    synced = []  # sync_steps: the replicas agree after each synchronous step
+    for s in range(S):
+        _train(net, opt, rank, range(s, s + 1))
+        synced.append(_replicas_agree(net, state))
+    _train(net, opt, rank, range(S, S + H))
     agree_edge = _replicas_agree(net, state)
-    _train(net, opt, rank, range(H, H + 1))
+    _train(net, opt, rank, range(S + H, S + H + 1))
     agree_inside = _replicas_agree(net, state)
-    _train(net, opt, rank, range(H + 1, 2 * H))
+    _train(net, opt, rank, range(S + H + 1, S + 2 * H))
     agree_second = _replicas_agree(net, state)
     moved = any(not torch.equal(a, b) for a, b in zip(start, _local(net)))
     stats = state.stats()
     state.close()
-    return agree_edge, agree_inside, agree_second, moved, stats["run_ratio"], state.step
+    return (agree_edge, agree_inside, agree_second, moved, stats["run_ratio"], state.step,
+            synced)
 
 
 @pytest.mark.parametrize("spec", ["sparseloco:local_steps=3,chunk=64,k=8,min_numel=0",
-                                  "diloco:local_steps=3,chunk=16"])
+                                  "diloco:local_steps=3,chunk=16,sync_steps=2,dense_wire=int4"])
 def test_named_methods_run_across_replicas_in_one_line(spawn, spec):
-    for edge, inside, second, moved, ratio, step in spawn(_named, 4, args=(spec,), timeout=300):
+    for edge, inside, second, moved, ratio, step, synced in spawn(_named, 4, args=(spec,),
+                                                                   timeout=300):
+        assert synced == ([True, True] if "sync_steps" in spec else []), synced
         assert edge and second, "replicas differ after a round"
         assert not inside, "replicas agree inside a round: the inner steps were averaged"
         assert moved and step == 2
