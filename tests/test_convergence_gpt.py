@@ -80,36 +80,24 @@ def test_hsdp_gpt_terngrad_holds(corpus):
 # The local-steps methods at their defaults on the same recipe (300 steps; seeds 0 / 1 / 2):
 #   sparseloco  2.2762 / 2.2734 / 2.3327  (+0.045 / +0.038 / +0.120 over allreduce); its rounds
 #               sent 20x fewer bytes than their dense size (run_ratio), once every 4 steps
-#   diloco      2.4028 / 2.4177 / 2.2998 (3 bits every 2 steps; 9.0x fewer bytes per round,
-#               the tiny parameters' rows padded to 1024); plain averaging at the same rounds
-#               (allreduce:local_steps=2,outer_lr=1.5,outer_momentum=0) 2.4119 / 2.2969 /
-#               2.3112: the rows cost -0.009 / +0.121 / -0.011 against it. Plain averaging
-#               itself loses here (+0.12 to +0.18 nats), and sparseloco's top-k with error
-#               feedback does better than averaging every 4 steps
-# The test takes seeds 0 and 1 and asks, on their mean, sparseloco within 0.08 of allreduce,
-# with the rounds compressed at least 15x; and diloco within 0.1 of plain averaging at the
-# same rounds (measured +0.056), its rounds compressed at least 8x.
-LOCAL_MARGIN = 0.08
+#   diloco      2.2246 / 2.2401 / 2.2230  (-0.007 / +0.005 / +0.010): with AdamW its first 200
+#               steps synchronous in int4 rows, then rounds of 2 steps with Adam's second moment
+#               frozen, 3 bits per value (5.5x fewer bytes over the run, most of them the
+#               synchronous steps'). Without the synchronous start and the frozen moment
+#               (sync_steps=0, outer_lr=1.5): 2.4028 / 2.4177 / 2.2998; plain averaging every
+#               4 steps loses 0.12 to 0.18 nats here, and sparseloco's top-k with error
+#               feedback does better than it
+# The test takes seeds 0 and 1 and asks, on their mean, sparseloco within 0.08 of allreduce
+# with its rounds compressed at least 15x, and diloco within 0.03, at least 4x over the run.
+HOLDS = {"sparseloco": (0.08, 15), "diloco": (0.03, 4)}
 
 
-@pytest.mark.parametrize("method", ["sparseloco"])
-def test_adamw_gpt_sparseloco_holds_in_one_line(corpus, method):
+@pytest.mark.parametrize("method", sorted(HOLDS))
+def test_adamw_gpt_local_steps_methods_hold_in_one_line(corpus, method):
+    margin, least = HOLDS[method]
     base = [_val(corpus, "allreduce", s) for s in (0, 1)]
     got = [_val(corpus, method, s) for s in (0, 1)]
     mean = lambda rs: sum(r["val_loss"] for r in rs) / len(rs)  # noqa: E731
-    assert mean(got) - mean(base) < LOCAL_MARGIN, (mean(got), mean(base))
-    for r in got:  # the rounds compressed from the first one
-        assert r["stats"]["run_ratio"] > 15, r["stats"]
-
-
-def test_adamw_gpt_diloco_rows_cost_little_against_plain_averaging(corpus):
-    import gradcomp
-    cfg = gradcomp.build_config("diloco")[1]
-    plain = (f"allreduce:local_steps={cfg.local_steps},outer_lr={cfg.outer_lr},"
-             f"outer_momentum={cfg.outer_momentum}")
-    got = [_val(corpus, "diloco", s) for s in (0, 1)]
-    ref = [_val(corpus, plain, s) for s in (0, 1)]
-    mean = lambda rs: sum(r["val_loss"] for r in rs) / len(rs)  # noqa: E731
-    assert mean(got) - mean(ref) < 0.1, (mean(got), mean(ref))
-    for r in got:  # 3 bits and a scale per group: about 9x per round on this model
-        assert r["stats"]["run_ratio"] > 8, r["stats"]
+    assert mean(got) - mean(base) < margin, (mean(got), mean(base))
+    for r in got:  # the rounds compressed from the first one (diloco: after its sync steps)
+        assert r["stats"]["run_ratio"] > least and r["stats"]["compressing"], r["stats"]

@@ -76,6 +76,10 @@ class DiLoCo(Compressor):
     # against allreduce's 1.6083 / 1.6027 / 1.6227 (+1.24% on the mean), 20x fewer bytes
     # (bench/RESULTS.md, "Accuracy with AdamW")
     measured = {"adamw_gap_pct": {"local": 1.24}}
+    # with Adam/AdamW: the first 200 steps synchronous in int4 rows, Adam's second moment then
+    # frozen for the inner steps, and the plain average as the outer step (each rank's inner
+    # step is then linear in its gradients: the average of the ranks' steps is DDP's length)
+    adam_defaults = {"sync_steps": 200, "outer_lr": 1.0, "dense_wire": "int4"}
     description = ("local steps, outer Nesterov, the pseudo-gradient dense in 1 to 8 bits with "
                    "per-row scales and error feedback (DiLoCo)")
     messages = (ROWS,)
