@@ -155,6 +155,11 @@ class LocalSteps:
         return self.config.local_steps > 1
 
     @property
+    def inner(self) -> int:
+        """Optimizer steps taken so far (inner steps and synchronous ones)."""
+        return self._inner
+
+    @property
     def syncing(self) -> bool:
         """Whether the step about to run is one of the first ``sync_steps``: synchronous,
         its gradient averaged over every rank, no round running."""

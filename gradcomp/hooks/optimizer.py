@@ -327,7 +327,7 @@ def bind(state, optimizer, *, module=None, bucket_bytes=None, pieces=None, warn:
             names = state.param_names
             state.adam = FrozenVariance(optimizer, lambda p: id(p) in names,
                                         lambda: not state.rounds.syncing, names,
-                                        store=state.memory)
+                                        store=state.memory, unclip=not state.sharded)
         return
     inner = unwrap(optimizer)
     if state.compressor.reads_momentum and isinstance(inner, torch.optim.SGD):

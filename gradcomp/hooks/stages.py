@@ -44,7 +44,7 @@ def exchange(state, lane, ex):
     if out is not buf:
         buf.copy_(out)
     if (ex.plain is None and state.adam is not None and not state.compressor.stateless
-            and not state.warmup.dense(step)):
+            and not state.warmup.dense(step) and not state.rounds.active):
         state.adam.record(step, buf, ex.slices, scale)  # for the clip (hooks/optimizer.py)
     traffic.total_s += time.perf_counter() - t0
     traffic.total_cpu_s += time.thread_time() - c0

@@ -66,7 +66,9 @@ class Inner(Way):
                                f"bind(state, opt, module=model.module, bucket_bytes="
                                f"model.bucket_bytes_cap) before training")
         fut = future(buf)
-        sync = st.rounds.syncing
+        sync, step = st.rounds.syncing, st.rounds.inner
+        if not sync and st.adam is not None:  # the norms of what goes back, for the clip
+            fut.add_done_callback(lambda f: st.adam.record(step, f.value(), slices))
         if not st.local_size and not sync:
             fut.set_result(buf)
             return fut
