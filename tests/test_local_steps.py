@@ -460,6 +460,34 @@ def test_sync_steps_are_ddp_then_the_rounds_run_with_adams_second_moment_frozen(
     assert not torch.allclose(got[-1], ddp[-1], atol=1e-4)
 
 
+def _clipped_after_sync(rank, world):
+    """AdamW diloco with sync_steps: the parameters after 3 rounds with no clip, a clip at
+    0.01 (biting on every step) from the first inner step on, and one from step 0."""
+    out = []
+    for clip_from in (None, S, 0):
+        net, model, opt, state = _adamw_job(f"diloco:local_steps={H},sync_steps={S},chunk=16",
+                                            rank)
+        for step in range(S + 3 * H):
+            x, y = batch(rank, step)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            if clip_from is not None and step >= clip_from:
+                assert torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01) > 0.2
+            opt.step()
+        out.append(_flat(net))
+    return out
+
+
+def test_the_clip_is_taken_off_the_inner_steps_with_adams_second_moment_frozen(runs):
+    """With v frozen an inner step is linear in this rank's own gradient, and a clip of that
+    gradient (larger than the average DDP clips) would shorten it: taken off, as the Adam
+    binding does in compressed steps. The synchronous steps, DDP's, keep it."""
+    for r in runs:
+        free, inner, every = r["clip_after_sync"]
+        torch.testing.assert_close(inner, free, atol=1e-6, rtol=1e-5)
+        assert not torch.allclose(every, free, atol=1e-4)
+
+
 def test_sync_steps_resume_bit_exact_before_at_and_after_the_switch(runs):
     for r in runs:
         whole, resumed, stats = r["sync"]["resume"]
@@ -594,6 +622,7 @@ def _everything(rank, world, path):
         "bf16": _bf16(rank, world),
         "resume": _resume(rank, world, path), "path": path,
         "sync": _sync_steps(rank, world, path),
+        "clip_after_sync": _clipped_after_sync(rank, world),
         "order": _sequences(rank, world, ORDER),
     }
 
