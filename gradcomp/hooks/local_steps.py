@@ -40,6 +40,18 @@ the end of round t replaced by the average. At the end of
 training call ``state.flush()`` at a round's end: it waits for the exchange in flight and
 applies it (no ``optimizer.step()`` after it); every rank then holds G.
 
+``sync_steps=S`` (Post-local SGD, Lin et al., "Don't Use Large Mini-Batches, Use Local SGD",
+ICLR 2020): the first S optimizer steps are synchronous (the hook hands back the average of
+every rank's gradient, ``dense_wire`` on the wire: int8/int4 rows, bf16 or fp32) and the
+first round starts after them, from the parameters every rank then holds. With Adam/AdamW
+(``adam`` "auto" or "freeze") the second moment those steps learned from averaged gradients
+is then frozen for the inner steps (hooks/optimizer.py's :class:`FrozenVariance`, as 0/1
+Adam, Lu et al., ICLR 2023, freezes it): each rank's inner step is then linear in its
+gradients, so the average of the ranks' steps is as long as DDP's step on the averaged
+gradient (with each rank's own second moment, estimated from a W-times smaller batch, it is
+shorter: what ``outer_lr`` > 1 made up for). The user's clip comes off those inner steps
+(hooks/unclip.py): it sees this rank's own gradient, not the average.
+
 Options ``dense_steps``, warm-ups and random streams count outer rounds (``state.step``);
 the adaptive warm-up (hooks/warmup.py) measures the pseudo-gradients D.
 The method is not bound to the optimizer: the inner steps are the optimizer's own, with its

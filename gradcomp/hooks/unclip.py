@@ -1,8 +1,15 @@
-"""A user's gradient clip taken off a compressed step under Adam (hooks/optimizer.py,
-"Gradient clipping"): a language-model loop clips between backward and ``step()``
+"""A user's gradient clip taken off a step whose gradients are not the ones DDP would clip.
+
+A language-model loop clips between backward and ``step()``
 (``torch.nn.utils.clip_grad_norm_``); under DDP the clip sees the exact average of the
-ranks' gradients, in a compressed step the exchanged gradients, whose norm carries the
-compression error.
+ranks' gradients. Two steps hand the optimizer something else, and both step Adam with its
+second moment frozen, so the step is linear in what the clip rescaled:
+
+* a compressed step under Adam (hooks/optimizer.py, "Gradient clipping"): the exchanged
+  gradients, whose norm carries the compression error;
+* an inner step of ``local_steps`` after ``sync_steps`` (hooks/local_steps.py): this rank's
+  own gradient (or its node's average), whose norm carries the noise of a W-times smaller
+  batch, so the clip bites where DDP's would not and shortens the step.
 
 :class:`Unclip` takes the clip off such a step: the exchange records, for each parameter it
 hands back, the norm of what it handed back (on the device, one list append); the step's
@@ -13,9 +20,10 @@ of the gradients between backward and the step is taken off the same way. No hos
 collective. Not under FSDP/HSDP (a rank's gradients are its shard: the clip's norm is a
 collective the hook does not see).
 
-Not on the inner steps of ``local_steps``, whose gradient is this rank's own: measured on
-the GPT of bench/RESULTS.md (2000 steps, diloco at its former defaults), taking the clip off
-them moved seed 0 from 1.6389 to 1.6206 and seed 1 from 1.6200 to 1.6402: noise, not a gain.
+Inner steps whose Adam keeps its own second moment (no ``sync_steps``) keep the clip: there
+Adam's normalisation absorbs most of a uniform rescale, and on the GPT of bench/RESULTS.md
+(2000 steps, diloco without sync_steps) taking it off moved seed 0 from 1.6389 to 1.6206 and
+seed 1 from 1.6200 to 1.6402: noise, not a gain.
 """
 from __future__ import annotations
 
