@@ -178,6 +178,24 @@ class MethodConfig:
         check(self.topology in TOPOLOGIES, "topology", self.topology, ", ".join(TOPOLOGIES))
         check(0 <= self.local_size <= 2**20, "local_size", self.local_size,
               "an integer in [0, 2**20] (0: LOCAL_WORLD_SIZE)")
+        self._check_local_steps()
+        check(self.dense_wire in DENSE_WIRES, "dense_wire", self.dense_wire,
+              "auto (bfloat16 with Adam/AdamW, float32 otherwise), float32, bfloat16, int8 "
+              "or int4")
+        check(self.adam in ADAMS, "adam", self.adam,
+              "auto (momentum or freeze with Adam/AdamW), momentum (Adam's second moment "
+              "frozen once compression starts, its first moment exchanged), freeze (frozen, "
+              "the gradient exchanged), precondition (frozen, g / sqrt(v) exchanged) or off")
+        object.__setattr__(self, "adam", Adam(self.adam))
+        check(self.local_steps == 1 or self.adam in (Adam.AUTO, Adam.FREEZE, Adam.OFF), "adam",
+              self.adam.value, f"auto, freeze or off with local_steps={self.local_steps} (the "
+              f"inner steps are Adam's own; with sync_steps its second moment freezes)")
+        check(self.adam != Adam.MOMENTUM or self.delay == 0, "delay", self.delay,
+              "0 with adam='momentum' (the late average would be applied to a later first "
+              "moment than the one it was built from); adam='auto' or 'freeze' with delay")
+        self.validate()
+
+    def _check_local_steps(self):
         check(1 <= self.local_steps <= MAX_LOCAL_STEPS, "local_steps", self.local_steps,
               f"an integer >= 1 and <= {MAX_LOCAL_STEPS} (1 = sync every step)")
         check(0 < self.outer_lr <= 10, "outer_lr", self.outer_lr, "a number > 0 and <= 10")
@@ -194,21 +212,6 @@ class MethodConfig:
         check(self.local_steps == 1 or self.delay == 0, "delay", self.delay,
               f"0 with local_steps={self.local_steps} (inner steps send nothing to delay; "
               f"local_delay=1 overlaps the outer exchange instead)")
-        check(self.dense_wire in DENSE_WIRES, "dense_wire", self.dense_wire,
-              "auto (bfloat16 with Adam/AdamW, float32 otherwise), float32, bfloat16, int8 "
-              "or int4")
-        check(self.adam in ADAMS, "adam", self.adam,
-              "auto (momentum or freeze with Adam/AdamW), momentum (Adam's second moment "
-              "frozen once compression starts, its first moment exchanged), freeze (frozen, "
-              "the gradient exchanged), precondition (frozen, g / sqrt(v) exchanged) or off")
-        object.__setattr__(self, "adam", Adam(self.adam))
-        check(self.local_steps == 1 or self.adam in (Adam.AUTO, Adam.FREEZE, Adam.OFF), "adam",
-              self.adam.value, f"auto, freeze or off with local_steps={self.local_steps} (the "
-              f"inner steps are Adam's own; with sync_steps its second moment freezes)")
-        check(self.adam != Adam.MOMENTUM or self.delay == 0, "delay", self.delay,
-              "0 with adam='momentum' (the late average would be applied to a later first "
-              "moment than the one it was built from); adam='auto' or 'freeze' with delay")
-        self.validate()
 
     @property
     def warmup_rule(self) -> str:

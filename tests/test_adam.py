@@ -807,12 +807,15 @@ def test_int8_warm_up_average_is_per_parameter_within_its_rows_rounding(world, s
 
 
 def test_a_local_steps_method_that_did_not_hold_warns_naming_one_that_did(monkeypatch):
-    """diloco at its defaults (local steps) with AdamW: the gap of its local-steps row, and the
-    local-steps methods that held (sparseloco, measured or not, given here)."""
+    """A local-steps method at its defaults with AdamW whose row did not hold (diloco, given
+    here): the gap of its local-steps row, and the local-steps methods that held
+    (sparseloco, given here)."""
     from gradcomp.compressors import METHODS
     from gradcomp.hooks.optimizer import LOCAL, adam_gap
     monkeypatch.setattr(METHODS["sparseloco"].compressor, "measured",
                         {"adamw_gap_pct": {LOCAL: 0.5}})
+    monkeypatch.setattr(METHODS["diloco"].compressor, "measured",
+                        {"adamw_gap_pct": {LOCAL: 1.5}})
     (msg,) = _adamw_warning("diloco", {}, "", monkeypatch)
     assert f"ended {adam_gap('diloco', LOCAL):.2f}% above" in msg
     assert "(local steps)" in msg and "there with local steps: 'sparseloco'" in msg

@@ -322,12 +322,7 @@ def bind(state, optimizer, *, module=None, bucket_bytes=None, pieces=None, warn:
         # the steps that run (not a wrapper's skips)
         state.rounds.hook(step_hooks(optimizer, "local", state.rounds.inner_pre,
                                      state.rounds.inner_post))
-        if state.config.sync_steps and state.config.adam != Adam.OFF and is_adam(optimizer):
-            # the inner steps take the second moment the synchronous steps learned
-            names = state.param_names
-            state.adam = FrozenVariance(optimizer, lambda p: id(p) in names,
-                                        lambda: not state.rounds.syncing, names,
-                                        store=state.memory, unclip=not state.sharded)
+        state.bind_adam(optimizer)  # with sync_steps: the second moment they learned
         return
     inner = unwrap(optimizer)
     if state.compressor.reads_momentum and isinstance(inner, torch.optim.SGD):
@@ -403,8 +398,8 @@ class FrozenVariance:
         self._moments: dict = {}  # bucket layout -> where its first moments go (momentum)
         self._hidden: list = []
         # the clip taken off the compressed steps (module docstring, "Gradient clipping")
-        self.unclip = Unclip(self.optimizer, {n: p for n, (p, _) in self._by_name.items()}
-                             ) if unclip else None
+        self.unclip = Unclip({n: p for n, (p, _) in self._by_name.items()}, lambda: [
+            p for g in self.optimizer.param_groups for p in g["params"]]) if unclip else None
         self.handles = step_hooks(self.optimizer, "adam", self._pre, self._post)
 
     def reset(self) -> None:
@@ -723,11 +718,19 @@ def loss_scale(scaler):
 def frozen_variance(state, optimizer):
     """With Adam/AdamW and ``adam`` "auto"/"freeze"/"momentum"/"precondition": the binding that
     freezes Adam's second moment for the compressed parameters once compression starts
-    (:class:`FrozenVariance`); None where there is none to make."""
-    if (state.compressor.stateless or state.config.adam == Adam.OFF or state.rounds.active
-            or not is_adam(optimizer)):
+    (:class:`FrozenVariance`; with local steps, for every parameter after ``sync_steps``, the
+    clip taken off the inner steps); None where there is none to make."""
+    if state.config.adam == Adam.OFF or not is_adam(optimizer):
         return None
     names, comp, warmup = state.param_names, state.compressor, state.warmup
+    if state.rounds.active:  # local steps: frozen after sync_steps for every inner step,
+        if not state.config.sync_steps:  # whatever the method sends each round
+            return None
+        return FrozenVariance(optimizer, lambda p: id(p) in names,
+                              lambda: not state.rounds.syncing, names, store=state.memory,
+                              unclip=not state.sharded)
+    if comp.stateless:
+        return None
     mode = adam_mode(state)
     return FrozenVariance(
         optimizer, lambda p: id(p) in names and comp.compresses(names[id(p)], tuple(p.shape)),

@@ -45,12 +45,12 @@ def by_device(ts) -> list[list[torch.Tensor]]:
 
 class Unclip:
     """One step's records of what the exchanges handed back, and the rescale that takes a
-    clip off that step. ``optimizer``: the torch optimizer whose gradients are rescaled;
-    ``params``: name -> parameter, those whose handed-back norm is recorded (any other
-    parameter the optimizer steps is rescaled alike)."""
+    clip off that step. ``params``: name -> parameter, those whose handed-back norm is
+    recorded; ``stepped()``: every parameter the optimizer steps (those not recorded are
+    rescaled alike; hooks/optimizer.py gives it, the one module that reads the optimizer)."""
 
-    def __init__(self, optimizer, params: dict[str, torch.Tensor]):
-        self.optimizer = optimizer
+    def __init__(self, params: dict[str, torch.Tensor], stepped):
+        self.stepped = stepped
         self.params = params
         self._ids = {id(p) for p in params.values()}
         self._norms: list = []   # this step's (parameter names, norms of what went back)
@@ -103,7 +103,6 @@ class Unclip:
             now_sq = now_sq / grad_scale.to(now_sq.device).double().square()
         c = (now_sq / back_sq.clamp_min(1e-300)).sqrt()  # the coefficient the clip applied
         k = torch.where((c < 1 - 1e-4) & (c > 0), c.reciprocal(), torch.ones_like(c)).float()
-        others = [p for g in self.optimizer.param_groups for p in g["params"]
-                  if p.grad is not None and id(p) not in self._ids]
+        others = [p for p in self.stepped() if p.grad is not None and id(p) not in self._ids]
         for grads in by_device([p.grad for p in mine + others]):
             torch._foreach_mul_(grads, k.to(grads[0].device))
