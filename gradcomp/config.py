@@ -94,7 +94,8 @@ class MethodConfig:
         SGD, Lin et al., ICLR 2020): each step's gradient averaged over every rank, in
         ``dense_wire``, and the rounds start after them; with Adam/AdamW (``adam`` "auto"
         or "freeze") the second moment those steps learned stays frozen for the inner steps
-        (0/1 Adam, Lu et al. 2023). 0: local from the first step.
+        (0/1 Adam, Lu et al. 2023). 0: local from the first step. Inert with local_steps=1
+        (a method whose Adam defaults set it, run every step, is not refused over it).
     adam: with torch.optim.Adam/AdamW (``register(..., optimizer=opt)``): "momentum" keeps
         Adam's second moment as the dense warm-up left it for every parameter the method
         compresses and exchanges Adam's first moment instead of the gradient: each rank
@@ -207,8 +208,6 @@ class MethodConfig:
               "0 unless local_steps > 1")
         check(0 <= self.sync_steps <= MAX_STEPS, "sync_steps", self.sync_steps,
               "an integer >= 0 and <= 2**53")
-        check(self.local_steps > 1 or self.sync_steps == 0, "sync_steps", self.sync_steps,
-              "0 unless local_steps > 1")
         check(self.local_steps == 1 or self.delay == 0, "delay", self.delay,
               f"0 with local_steps={self.local_steps} (inner steps send nothing to delay; "
               f"local_delay=1 overlaps the outer exchange instead)")

@@ -160,7 +160,7 @@ def probe_config(config):
     without Adam or local steps (a throwaway state keeps nothing past the probe)."""
     from dataclasses import replace
     return replace(config, warmup="none", dense_steps=None, adam="off", delay=0,
-                   local_steps=1, local_delay=0, topology="flat")
+                   local_steps=1, local_delay=0, sync_steps=0, topology="flat")
 
 
 def probe_times(make_state, params, group, pairs, local, device=None) -> tuple[float, float]:
