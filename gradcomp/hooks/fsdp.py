@@ -263,26 +263,26 @@ class _Adapter:
             if post != 1:
                 out.mul_(post)
             return
-        spans, _ = lay.mine(out, whole=False)
-        x = torch.cat([out[o : o + m] for o, m in spans])
-        if post != 1:
-            x.div_(post)
-        x = self.state.reduce(x, lay.piece, b, params())
-        if post != 1:
-            x = x * post
-        torch._foreach_copy_([out[o : o + m] for o, m in spans], lay.mine(x, whole=False)[1])
+        self._rows(lay, out, post, lambda x: self.state.reduce(x, lay.piece, b, params()))
 
     def _synchronous(self, lay: _Layout, group, out: torch.Tensor) -> None:
         """One of the first ``sync_steps`` of local steps: this rank's rows of the node's
         average averaged over their replicas, dense (``dense_wire``), on the caller's
         thread."""
-        post = _post_factor(group, out)
+        b, wire = self.bucket(), optimizer_binding.dense_wire(self.state)
+        self._rows(lay, out, _post_factor(group, out), lambda x: self.state.reduce(
+            x, lay.piece, b, plain=synchronous(wire)))
+
+    @staticmethod
+    def _rows(lay: _Layout, out: torch.Tensor, post: float, reduce) -> None:
+        """This rank's rows of ``out`` (padded: cut out of it) through ``reduce`` (x -> their
+        average over the replicas), FSDP's ``post`` divide taken off before and put back
+        after, written back into ``out``."""
         spans, _ = lay.mine(out, whole=False)
         x = torch.cat([out[o : o + m] for o, m in spans])
         if post != 1:
             x.div_(post)
-        x = self.state.reduce(x, lay.piece, self.bucket(), plain=synchronous(
-            optimizer_binding.dense_wire(self.state)))
+        x = reduce(x)
         if post != 1:
             x = x * post
         torch._foreach_copy_([out[o : o + m] for o, m in spans], lay.mine(x, whole=False)[1])

@@ -221,8 +221,12 @@ class LocalSteps:
         # G is taken at the first step, not at registration: a model loaded after register()
         # (from a checkpoint, or pretrained weights) starts the first round
         if self.start is None:
-            self.start = [self._flat_params(ts) for _, ts in self._outer_buckets]
-            self._reanchor()
+            self._start_here()
+
+    def _start_here(self) -> None:
+        """G = the parameters as they now are (every rank's the same): a first round starts."""
+        self.start = [self._flat_params(ts) for _, ts in self._outer_buckets]
+        self._reanchor()
 
     def _shared_anchor(self) -> bool:
         """Whether R is G itself: local_delay=0 and fp32 parameters (which hold G exactly)."""
@@ -244,8 +248,7 @@ class LocalSteps:
         if self._inner <= S:
             if self._inner == S:  # the first round starts where every rank now stands
                 with torch.no_grad():
-                    self.start = [self._flat_params(ts) for _, ts in self._outer_buckets]
-                    self._reanchor()
+                    self._start_here()
             return
         if (self._inner - S) % self.config.local_steps == 0:
             with torch.no_grad():
