@@ -90,6 +90,10 @@ class MethodConfig:
     outer_lr, outer_momentum: the outer optimizer's learning rate and Nesterov momentum.
     local_delay: 1 overlaps a round's outer exchange with the next round's inner steps and
         applies it one round late (Streaming DiLoCo, Douillard et al. 2025); 0 = at once.
+    fragments: with local_steps > 1, the parameters in N groups of about equal size (module
+        order), each exchanged every ``local_steps`` steps at its own offset in the round
+        (Streaming DiLoCo's fragments): the peak bytes of one exchange fall N-fold. 1 = the
+        whole model at the round's end.
     sync_steps: with local_steps > 1, the first N optimizer steps synchronous (Post-local
         SGD, Lin et al., ICLR 2020): each step's gradient averaged over every rank, in
         ``dense_wire``, and the rounds start after them; with Adam/AdamW (``adam`` "auto"
@@ -139,6 +143,7 @@ class MethodConfig:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     local_delay: int = 0
+    fragments: int = 1
     sync_steps: int = 0
     adam: str = "auto"
     exact: str = ""
@@ -206,6 +211,9 @@ class MethodConfig:
               "0 (outer step at the round's end) or 1 (one round late, overlapped)")
         check(self.local_steps > 1 or self.local_delay == 0, "local_delay", self.local_delay,
               "0 unless local_steps > 1")
+        check(1 <= self.fragments <= max(self.local_steps, 1), "fragments", self.fragments,
+              f"an integer in [1, local_steps={self.local_steps}] (each fragment syncs at its "
+              f"own step of the round)")
         check(0 <= self.sync_steps <= MAX_STEPS, "sync_steps", self.sync_steps,
               "an integer >= 0 and <= 2**53")
         check(self.local_steps == 1 or self.delay == 0, "delay", self.delay,

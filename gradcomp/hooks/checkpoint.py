@@ -23,9 +23,10 @@ from .optimizer import FROZEN_SLOT
 from .options import quote
 from .topology import SEP, base_name
 
-# the layout of state_dict(); checkpoints without a "format" key (gradcomp <= 0.1) are format 1
-# and load the same way
-FORMAT = 2
+# the layout of state_dict(); checkpoints without a "format" key are format 1 and load the same
+# way; format 2 keeps local steps' outer momentum under "momentum" and its exchange in flight
+# under "round" (local_steps.py reads both)
+FORMAT = 3
 _MAX_STEP = 2**53
 # how long a load's agreement waits for every rank to call it (a rank that loads while the
 # others train raises after it, its state unchanged); as long as an exchange's turn waits
@@ -108,8 +109,8 @@ def check_checkpoint(sd, state) -> None:
         raise TypeError(f"gradcomp checkpoint: expected the dict of state_dict(), got "
                         f"{type(sd).__name__}")
     fmt = sd.get("format", 1)
-    if type(fmt) is not int or fmt not in (1, FORMAT):
-        raise _bad("format", fmt, f"1 or {FORMAT} (this gradcomp writes {FORMAT})")
+    if type(fmt) is not int or not 1 <= fmt <= FORMAT:
+        raise _bad("format", fmt, f"1 to {FORMAT} (this gradcomp writes {FORMAT})")
     missing = [k for k in ("method", "config", "world_size", "step", "memory") if k not in sd]
     if missing:
         raise ValueError(f"gradcomp checkpoint: missing key(s) {', '.join(missing)}: not a "
@@ -231,7 +232,8 @@ def _check_warmup(wu) -> None:
 
 def _check_local(loc, state) -> None:
     """local_steps' rounds (hooks/local_steps.py): per parameter, the round's start, anchor
-    and outer momentum, and the outer exchange in flight."""
+    and the outer optimizer's state ("momentum" in format 2), and per fragment the outer
+    exchange in flight ("round" in format 2)."""
     if loc is None:
         raise ValueError("checkpoint has no local_steps state (saved with local_steps=1)")
     if not isinstance(loc, dict):
@@ -241,11 +243,11 @@ def _check_local(loc, state) -> None:
     # what the rounds lay out: every trainable parameter, under HSDP this rank's rows of each
     names = [n for n in numels if SEP in n] or list(state.param_names.values())
 
-    def named(what, d):
+    def named(what, d, whole=True):  # (a fragment's exchange: its own parameters)
         if d is None:
             return
         _check_names(what, d)
-        lacking = [n for n in names if n not in d]
+        lacking = [n for n in names if n not in d] if whole else []
         if lacking:
             raise ValueError(f"checkpoint's local_steps state lacks parameters "
                              f"{', '.join(lacking[:5])}")
@@ -253,14 +255,28 @@ def _check_local(loc, state) -> None:
             _check_tensor(f"{what} of {n!r}", t, numels.get(n))
     for key in ("start", "anchor", "momentum"):
         named(f"local {key}", loc.get(key))
-    rnd = loc.get("round")
-    if rnd is not None:
+    outer = loc.get("outer")
+    if outer is not None:
+        if not (isinstance(outer, dict) and isinstance(outer.get("state"), dict)
+                and isinstance(outer.get("groups"), list)):
+            raise _bad("local outer", type(outer).__name__, "None or a dict with state (per "
+                                                            "key, values by parameter name) "
+                                                            "and groups (a list)")
+        for key, d in outer["state"].items():
+            _check_names(f"local outer {key}", d)
+    rounds = loc.get("rounds", {} if loc.get("round") is None else {0: loc["round"]})
+    if not isinstance(rounds, dict):
+        raise _bad("local rounds", type(rounds).__name__, "a dict: fragment -> its exchange")
+    F = state.config.fragments
+    for f, rnd in rounds.items():
+        if type(f) is not int or not 0 <= f < F:
+            raise _bad("local rounds' fragment", f, f"an integer in [0, fragments={F})")
         if not isinstance(rnd, dict) or not all(k in rnd for k in (
                 "step", "averages", "buffers_average", "buffers_sent")):
-            raise _bad("local round", rnd, "None or a dict with step, averages, "
-                                           "buffers_average, buffers_sent")
+            raise _bad("local round", rnd, "a dict with step, averages, buffers_average, "
+                                           "buffers_sent")
         _check_int("local round step", rnd["step"])
-        named("local round averages", rnd["averages"])
+        named("local round averages", rnd["averages"], whole=F == 1)
         for key in ("buffers_average", "buffers_sent"):
             if rnd[key] is not None:
                 _check_tensor(f"local round {key}", rnd[key])

@@ -6,7 +6,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import optimizer as optimizer_binding
 from .agree import Groups, agree, check_log_dir, discard, fingerprint, load_group, trainable
-from .local_steps import check_local
+from .local_steps import check_local, check_outer_optimizer
 from .options import for_optimizer, is_auto, merge_options
 from .plan import Plan
 from .state import GradcompState
@@ -79,7 +79,7 @@ def check_group(model: DistributedDataParallel, process_group) -> list:
 
 def register(model: DistributedDataParallel, method: str, *, optimizer=None, scaler=None,
              lanes: int = LANES, process_group=None, log_dir=None, log_all_ranks=False,
-             log_details=False, **options) -> GradcompState:
+             log_details=False, outer_optimizer=None, **options) -> GradcompState:
     """``gradcomp.register`` for a DDP model (hooks/register.py checked the model, the
     process group and ``lanes``): validate and agree, the process groups, the state built
     once from its plan (hooks/plan.py), the hook, then the optimizer."""
@@ -96,7 +96,7 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
     writes = log_all_ranks or dist.get_rank(group) == 0
     (name, config), mine = agree(
         group, ranks, lambda: _validate(model, method, optimizer, scaler, lanes, writes, log_dir,
-                                        len(ranks), options),
+                                        len(ranks), options, outer_optimizer),
         lambda _: discard(None, groups.made))
     with groups.undone_on_error():
         plan = _plan(model, name, config, group, ranks, groups, lanes, mine["ranks per node"],
@@ -106,14 +106,15 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
     # only once every rank agreed: nothing attached on a refusal
     optimizer_binding.bind(state, optimizer, module=model.module,
                            bucket_bytes=getattr(model, "bucket_bytes_cap", None),
-                           warn=dist.get_rank(group) == 0)
+                           warn=dist.get_rank(group) == 0, outer_optimizer=outer_optimizer)
     if log_dir is not None and writes:
         from torch.utils.tensorboard import SummaryWriter
         state.attach(SummaryWriter(log_dir), details=log_details)
     return state
 
 
-def _validate(model, method, optimizer, scaler, lanes, writes, log_dir, world, options):
+def _validate(model, method, optimizer, scaler, lanes, writes, log_dir, world, options,
+              outer_optimizer=None):
     """Registration's checks on this rank (agree() compares the result on every rank):
     (method, config), and what must be equal everywhere."""
     _check_compiled_autograd(model)
@@ -130,6 +131,7 @@ def _validate(model, method, optimizer, scaler, lanes, writes, log_dir, world, o
                          f"{config.delay} steps later; use delay=0, or bfloat16 without a "
                          f"scaler")
     check_local(config, optimizer, scaler)
+    check_outer_optimizer(outer_optimizer, config)
     local = node_size(config, world)
     return (name, config), {"method": name, **config.to_dict(), "lanes": lanes,
                             "ranks per node": local,

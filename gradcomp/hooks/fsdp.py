@@ -58,7 +58,7 @@ from .options import for_optimizer, is_auto
 from .. import comm
 from .agree import Groups, agree, check_log_dir, discard, fingerprint, load_group, trainable
 from .guard import check_steps, step_flag
-from .local_steps import synchronous
+from .local_steps import check_outer_optimizer, synchronous
 from .plan import Plan, Sharding
 from .state import GradcompState
 from .topology import SEP
@@ -349,7 +349,8 @@ def check_model(model):
 
 
 def register(model, method: str, *, optimizer=None, scaler=None, log_dir=None,
-             log_all_ranks=False, log_details=False, **options) -> GradcompState:
+             log_all_ranks=False, log_details=False, outer_optimizer=None,
+             **options) -> GradcompState:
     """``gradcomp.register`` for a ``fully_shard``-ed model (see the module doc): validate
     and agree, the process groups, the state built once from its plan (hooks/plan.py), FSDP's
     hooks, then the optimizer."""
@@ -360,7 +361,7 @@ def register(model, method: str, *, optimizer=None, scaler=None, log_dir=None,
     writes = log_all_ranks or dist.get_rank(world) == 0
     (name, config, names, numels, layouts, pieces), _ = agree(
         world, everyone, lambda: _validate(model, units, info, hsdp, method, optimizer, scaler,
-                                           writes, log_dir, options),
+                                           writes, log_dir, options, outer_optimizer),
         lambda _: discard(None, groups.made))
     with groups.undone_on_error():
         plan = Plan(sharding=Sharding.HSDP if hsdp else Sharding.FSDP,
@@ -374,7 +375,8 @@ def register(model, method: str, *, optimizer=None, scaler=None, log_dir=None,
                               plan=dataclasses.replace(plan, owned_groups=tuple(groups.made)))
     _install(model, state, units, layouts, alone)
     optimizer_binding.bind(state, optimizer, module=model, bucket_bytes=_ONE_OUTER_BUCKET,
-                           pieces=pieces, warn=dist.get_rank(world) == 0, stacklevel=5)
+                           pieces=pieces, warn=dist.get_rank(world) == 0, stacklevel=5,
+                           outer_optimizer=outer_optimizer)
     if log_dir is not None and writes:
         from torch.utils.tensorboard import SummaryWriter
         state.attach(SummaryWriter(log_dir), details=log_details)
@@ -393,7 +395,8 @@ def _exchange_group(info, hsdp: bool, groups):
     return replicas[info.shard_mesh_rank]
 
 
-def _validate(model, units, info, hsdp, method, optimizer, scaler, writes, log_dir, options):
+def _validate(model, units, info, hsdp, method, optimizer, scaler, writes, log_dir, options,
+              outer_optimizer=None):
     """Registration's checks on this rank (agree() compares the result on every rank):
     (name, config, parameter names, numels, each unit's layout, HSDP's outer pieces)."""
     if is_auto(method):
@@ -407,6 +410,7 @@ def _validate(model, units, info, hsdp, method, optimizer, scaler, writes, log_d
     name, config = for_optimizer(method, options, optimizer)
     optimizer_binding.check_method(name, config, optimizer)
     _refuse(name, config, scaler, hsdp, optimizer)
+    check_outer_optimizer(outer_optimizer, config)
     names, numels = trainable(model)
     W, me = info.shard_mesh_size, info.shard_mesh_rank
     layouts = [_Layout(g, names, W, me, hsdp) for _, _, g in units]

@@ -72,20 +72,20 @@ DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
 
 
 class _Round:
-    """An outer exchange in flight: its step, each bucket's future (the average of D), the
-    buffers' future and this rank's buffers when it was sent."""
+    """An outer exchange in flight: its step, the outer buckets it carries and each one's
+    future (the average of D), the buffers' future and this rank's buffers when sent."""
 
-    def __init__(self, step, futures, buffers_future=None, buffers_sent=None):
-        self.step, self.futures = step, futures
+    def __init__(self, step, buckets, futures, buffers_future=None, buffers_sent=None):
+        self.step, self.buckets, self.futures = step, list(buckets), futures
         self.buffers_future, self.buffers_sent = buffers_future, buffers_sent
 
     def __getstate__(self):  # waited for: futures do not pickle
-        return {"step": self.step, "averages": self.averages(), "buffers_avg": self.buffers(),
-                "buffers_sent": self.buffers_sent}
+        return {"step": self.step, "buckets": self.buckets, "averages": self.averages(),
+                "buffers_avg": self.buffers(), "buffers_sent": self.buffers_sent}
 
     def __setstate__(self, d):
-        self.__dict__.update(_Round.done(d["step"], d["averages"], d["buffers_avg"],
-                                         d["buffers_sent"]).__dict__)
+        self.__dict__.update(_Round.done(d["step"], d["buckets"], d["averages"],
+                                         d["buffers_avg"], d["buffers_sent"]).__dict__)
 
     def averages(self) -> list[torch.Tensor]:
         return [f.wait() for f in self.futures]
@@ -94,12 +94,12 @@ class _Round:
         return self.buffers_future.wait() if self.buffers_future is not None else None
 
     @classmethod
-    def done(cls, step, averages, buffers_avg, buffers_sent) -> "_Round":
+    def done(cls, step, buckets, averages, buffers_avg, buffers_sent) -> "_Round":
         def ready(t):
             f = torch.futures.Future()
             f.set_result(t)
             return f
-        return cls(step, [ready(a) for a in averages],
+        return cls(step, buckets, [ready(a) for a in averages],
                    ready(buffers_avg) if buffers_avg is not None else None, buffers_sent)
 
 
@@ -131,29 +131,80 @@ def synchronous(wire: str):
     return average
 
 
+def fragment_of(numels: list[int], fragments: int) -> list[int]:
+    """Each parameter's fragment: ``fragments`` groups of consecutive parameters (module
+    order) of about equal size, a parameter going where its middle element falls."""
+    total = sum(numels)
+    out, acc = [], 0
+    for n in numels:
+        out.append(min(fragments - 1, (2 * acc + n) * fragments // (2 * max(total, 1))))
+        acc += n
+    return out
+
+
+def default_outer(config):
+    """The outer optimizer's factory from ``outer_lr`` and ``outer_momentum``: torch's SGD
+    with Nesterov momentum (DiLoCo's), on the global point G with the average as gradient."""
+    mu = config.outer_momentum
+
+    def make(params):
+        return torch.optim.SGD(params, lr=config.outer_lr, momentum=mu, nesterov=mu > 0,
+                               foreach=False)
+    return make
+
+
+def check_outer_optimizer(factory, config) -> None:
+    """``outer_optimizer=``: a callable that builds a torch optimizer over a list of tensors,
+    with ``local_steps`` > 1 (TypeError or ValueError naming what is wrong)."""
+    if factory is None:
+        return
+    if config.local_steps == 1:
+        raise ValueError("outer_optimizer= with local_steps=1: there is no outer step; allowed "
+                         "with local_steps > 1 (or leave it out)")
+    if isinstance(factory, torch.optim.Optimizer) or not callable(factory):
+        raise TypeError(f"outer_optimizer={factory!r}: allowed a callable that builds the "
+                        f"optimizer from a list of tensors, e.g. lambda params: "
+                        f"torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)")
+    probe = factory([torch.zeros(2)])
+    if not isinstance(probe, torch.optim.Optimizer):
+        raise TypeError(f"outer_optimizer built {type(probe).__name__}: allowed a callable "
+                        f"returning a torch.optim.Optimizer")
+
+
 class LocalSteps:
     """A component of the state: local steps and the outer step (see the module doc). Its
-    exchanges go through the state's ``send`` (given at ``bind``), in the global order."""
+    exchanges go through the state's ``send`` (given at ``bind``), in the global order.
+
+    The outer step is a torch optimizer (``outer_optimizer``, a factory; by default SGD with
+    Nesterov momentum from ``outer_lr`` and ``outer_momentum``) over G, one flat fp32
+    tensor per outer bucket, whose gradient is the round's average A. With ``fragments=N``
+    the outer buckets are cut per fragment and fragment f ends its rounds at step
+    (f + 1) H / N of each round; everything else is per bucket."""
 
     def __init__(self, config):
         self.config = config
         self._inner = 0                      # optimizer steps taken (inner steps)
         self.start: list | None = None       # per outer bucket: G, fp32 flat
         self._anchor: list | None = None     # per outer bucket: R, where this round's D starts
-        self._outer_m: list | None = None    # per outer bucket: outer momentum
-        self._round: _Round | None = None    # local_delay=1: the exchange in flight
+        self._outer_saved: dict | None = None  # the outer optimizer's state while it is unbuilt
+        self._rounds: dict[int, _Round] = {}   # local_delay=1: per fragment, the exchange in flight
         self._runtime()
 
     def _runtime(self) -> None:
         """The runtime part (not pickled): the model's tensors, the optimizer's hooks."""
         self._outer_buckets: list = []       # [(slices, parameter tensors)]
+        self._fragments: list = []           # per fragment: its outer buckets' indices
         self._outer_buffers: list = []       # [(name, buffer)] floating-point buffers
         self._hooks: list = []
         self._send = None
+        self._factory = default_outer(self.config)
+        self._opt = None                     # the outer optimizer, built over ``start``
 
     def __getstate__(self):
         d = self.__dict__.copy()
-        for k in ("_outer_buckets", "_outer_buffers", "_hooks", "_send"):
+        d["_outer_saved"] = self._outer_state()
+        for k in ("_outer_buckets", "_fragments", "_outer_buffers", "_hooks", "_send",
+                  "_factory", "_opt"):
             del d[k]
         return d
 
@@ -182,27 +233,44 @@ class LocalSteps:
         """Whether an optimizer's steps run the rounds (``bind``)."""
         return bool(self._hooks)
 
-    def bind(self, params, buffers, bucket_bytes: int | None, send) -> None:
+    def bind(self, params, buffers, bucket_bytes: int | None, send, outer_optimizer=None) -> None:
         """Lay the outer buckets out: ``params``, (name, tensor) pairs in module order (under
-        HSDP each rank's own rows of each parameter, named as its memory is), cut at
-        ``bucket_bytes`` of fp32; ``buffers``: (name, buffer) pairs averaged every round.
-        ``send(bucket, x, slices, tensors, last, plain)`` queues one exchange and returns
-        (its future, its step): the method's (``plain`` False) or the plain average. The
-        optimizer's steps then call :meth:`inner_pre` and :meth:`inner_post`
-        (hooks/optimizer.py installs them: ``hook``)."""
+        HSDP each rank's own rows of each parameter, named as its memory is), in
+        ``fragments`` groups, each cut at ``bucket_bytes`` of fp32; ``buffers``: (name,
+        buffer) pairs averaged every round. ``send(bucket, x, slices, tensors, first, last,
+        plain)`` queues one exchange and returns (its future, its step): the method's
+        (``plain`` False) or the plain average. ``outer_optimizer``: the outer step's
+        factory (None: :func:`default_outer`). The optimizer's steps then call
+        :meth:`inner_pre` and :meth:`inner_post` (hooks/optimizer.py installs them: ``hook``)."""
+        params = list(params)
+        F = self.config.fragments
+        where = fragment_of([p.numel() for _, p in params], F)
+        empty = sorted(set(range(F)) - set(where))
+        if empty:
+            raise ValueError(f"fragments={F}: the model's {len(params)} parameters leave "
+                             f"fragment(s) {empty} empty (fragments are whole parameters of "
+                             f"about equal size); allowed at most {len(set(where))} here")
         cap = bucket_bytes or DEFAULT_BUCKET_BYTES
-        buckets, cur, size = [], [], 0
-        for name, p in params:
-            if cur and size + 4 * p.numel() > cap:
+        buckets, self._fragments = [], []
+        for f in range(F):
+            first = len(buckets)
+            cur, size = [], 0
+            for (name, p), g in zip(params, where):
+                if g != f:
+                    continue
+                if cur and size + 4 * p.numel() > cap:
+                    buckets.append(cur)
+                    cur, size = [], 0
+                cur.append((name, p))
+                size += 4 * p.numel()
+            if cur:
                 buckets.append(cur)
-                cur, size = [], 0
-            cur.append((name, p))
-            size += 4 * p.numel()
-        if cur:
-            buckets.append(cur)
+            self._fragments.append(list(range(first, len(buckets))))
         self._outer_buckets = [(flat_slices(b), [p for _, p in b]) for b in buckets]
         self._outer_buffers = [(n, b) for n, b in buffers if b.dtype.is_floating_point]
         self._send = send
+        if outer_optimizer is not None:
+            self._factory = outer_optimizer
 
     def hook(self, handles: list) -> None:
         """The optimizer's step hooks that run the rounds (removed at close)."""
@@ -217,6 +285,9 @@ class LocalSteps:
     def _flat_params(self, tensors) -> torch.Tensor:
         return torch.cat([t.detach().reshape(-1).float() for t in tensors])
 
+    def _flat_bucket(self, b: int) -> torch.Tensor:
+        return self._flat_params(self._outer_buckets[b][1])
+
     def inner_pre(self, optimizer, args, kwargs) -> None:
         # G is taken at the first step, not at registration: a model loaded after register()
         # (from a checkpoint, or pretrained weights) starts the first round
@@ -225,22 +296,26 @@ class LocalSteps:
 
     def _start_here(self) -> None:
         """G = the parameters as they now are (every rank's the same): a first round starts."""
-        self.start = [self._flat_params(ts) for _, ts in self._outer_buckets]
-        self._reanchor()
+        self.start = [self._flat_bucket(b) for b in range(len(self._outer_buckets))]
+        self._opt = None  # (built over G at the first outer step)
+        self._reanchor(range(len(self.start)))
 
     def _shared_anchor(self) -> bool:
         """Whether R is G itself: local_delay=0 and fp32 parameters (which hold G exactly)."""
         return not self.config.local_delay and all(
             t.dtype == torch.float32 for _, ts in self._outer_buckets for t in ts)
 
-    def _reanchor(self) -> None:
-        """R = the parameters as they now are, where the next D is measured from. Not G for
-        half-precision parameters: they hold G rounded, and that rounding is no progress
-        (measured from G it would pull G towards its rounded value every round)."""
+    def _reanchor(self, buckets) -> None:
+        """R = the parameters of ``buckets`` as they now are, where their next D is measured
+        from. Not G for half-precision parameters: they hold G rounded, and that rounding is
+        no progress (measured from G it would pull G towards its rounded value every round)."""
         if self._shared_anchor():
             self._anchor = self.start
-        else:
-            self._anchor = [self._flat_params(ts) for _, ts in self._outer_buckets]
+            return
+        if self._anchor is None or self._anchor is self.start:
+            self._anchor = list(self.start)
+        for b in buckets:
+            self._anchor[b] = self._flat_bucket(b)
 
     def inner_post(self, optimizer, args, kwargs) -> None:
         self._inner += 1
@@ -250,53 +325,71 @@ class LocalSteps:
                 with torch.no_grad():
                     self._start_here()
             return
-        if (self._inner - S) % self.config.local_steps == 0:
-            with torch.no_grad():
-                self._round_end()
+        H, F = self.config.local_steps, self.config.fragments
+        t = (self._inner - S) % H
+        for f in range(F):
+            if t == (f + 1) * H // F % H:
+                with torch.no_grad():
+                    self._fragment_end(f)
 
-    def _round_end(self) -> None:
-        deltas = [r - self._flat_params(ts) for r, (_, ts) in zip(self._anchor, self._outer_buckets)]
+    def _fragment_end(self, f: int) -> None:
+        """Fragment ``f``'s round ends: send its D, apply its outer step (now, or the one in
+        flight with local_delay=1), and measure its next D from here."""
+        bs = self._fragments[f]
+        deltas = [self._anchor[b] - self._flat_bucket(b) for b in bs]
+        with_buffers = f == len(self._fragments) - 1
         if not self.config.local_delay:
-            self._outer_apply(self._outer_send(deltas), None)
+            self._outer_apply(self._outer_send(bs, deltas, with_buffers), None)
         else:
-            pending, self._round = self._round, None
+            pending = self._rounds.pop(f, None)
             if pending is not None:
                 self._outer_apply(pending, deltas)
-            self._round = self._outer_send(deltas)
-        self._reanchor()
+            self._rounds[f] = self._outer_send(bs, deltas, with_buffers)
+        self._reanchor(bs)
 
-    def _outer_send(self, deltas) -> _Round:
-        """Queue each bucket's exchange of ``deltas`` (and the buffers' plain average) in the
-        global order; returns the round in flight."""
-        n = len(self._outer_buckets)
+    def _outer_send(self, bs, deltas, with_buffers: bool) -> _Round:
+        """Queue each of buckets ``bs``' exchange of ``deltas`` (and, ``with_buffers``, the
+        buffers' plain average) in the global order; returns the round in flight."""
         buffers = None
-        if self._outer_buffers:
+        if with_buffers and self._outer_buffers:
             buffers = torch.cat([b.detach().reshape(-1).float() for _, b in self._outer_buffers])
         futures, bfut, step = [], None, None
-        for b, ((slices, tensors), d) in enumerate(zip(self._outer_buckets, deltas)):
-            fut, s = self._send(b, d, slices, tensors, b == n - 1 and buffers is None, False)
+        for i, (b, d) in enumerate(zip(bs, deltas)):
+            slices, tensors = self._outer_buckets[b]
+            fut, s = self._send(b, d, slices, tensors, i == 0,
+                                i == len(bs) - 1 and buffers is None, False)
             futures.append(fut)
             step = s if step is None else step
         if buffers is not None:
             slices = flat_slices((f"buffer:{name}", t) for name, t in self._outer_buffers)
-            bfut, s = self._send(n, buffers.clone(), slices, None, True, True)
+            bfut, s = self._send(len(self._outer_buckets), buffers.clone(), slices, None,
+                                 not bs, True, True)
             step = s if step is None else step
-        return _Round(step, futures, bfut, buffers)
+        return _Round(step, bs, futures, bfut, buffers)
+
+    def _optimizer(self) -> torch.optim.Optimizer:
+        """The outer optimizer over G (built at its first step, its saved state loaded)."""
+        if self._opt is None:
+            self._opt = self._factory(self.start)
+            if self._outer_saved is not None:
+                self._opt.load_state_dict(self._unname_outer(
+                    self._outer_saved, self._opt.state_dict()["param_groups"]))
+            self._outer_saved = None
+        return self._opt
 
     def _outer_apply(self, rnd: _Round, progress) -> None:
-        """The outer step with the round's averages: G = G - lr (A + mu m); parameters =
-        G (local_delay=0) or G - ``progress`` (local_delay=1: this rank's progress since)."""
-        lr, mu = self.config.outer_lr, self.config.outer_momentum
+        """The outer step with the round's averages A as G's gradient (the outer optimizer's
+        step; by default G = G - lr (A + mu m)); parameters = G (local_delay=0) or
+        G - ``progress`` (local_delay=1: this rank's progress since)."""
         avgs = rnd.averages()
-        if self._outer_m is None and mu:
-            self._outer_m = [torch.zeros_like(a) for a in avgs]
-        for b, (g, a, (_, tensors)) in enumerate(zip(self.start, avgs, self._outer_buckets)):
-            if mu:
-                m = self._outer_m[b]
-                m.mul_(mu).add_(a)
-                a = a.add(m, alpha=mu)
-            g.add_(a, alpha=-lr)
-            self._copy_into(tensors, g if progress is None else g - progress[b])
+        opt = self._optimizer()
+        for b, a in zip(rnd.buckets, avgs):
+            self.start[b].grad = a
+        opt.step()
+        for i, b in enumerate(rnd.buckets):
+            self.start[b].grad = None
+            g = self.start[b]
+            self._copy_into(self._outer_buckets[b][1], g if progress is None else g - progress[i])
         avg = rnd.buffers()
         if avg is not None:
             if rnd.buffers_sent is not None and self.config.local_delay:
@@ -312,54 +405,92 @@ class LocalSteps:
             off += t.numel()
 
     def drain(self, before: int | None = None) -> None:
-        """Wait for the outer exchange in flight (local_delay=1) if it is of a step before
-        ``before`` (None: any)."""
-        if self._round is not None and (before is None or self._round.step < before):
-            self._round.averages()
-            self._round.buffers()
+        """Wait for the outer exchanges in flight (local_delay=1) of steps before ``before``
+        (None: any)."""
+        for rnd in self._rounds.values():
+            if before is None or rnd.step < before:
+                rnd.averages()
+                rnd.buffers()
 
     def flush(self) -> None:
-        """With ``local_delay=1``: wait for the outer exchange in flight and apply it to the
+        """With ``local_delay=1``: wait for the outer exchanges in flight and apply them to the
         parameters (and buffers) now; called at a round's end, every rank then holds the
         global point. No ``optimizer.step()`` is needed after it."""
-        if self._round is not None:
-            rnd, self._round = self._round, None
+        for f in sorted(self._rounds):
+            rnd = self._rounds.pop(f)
             with torch.no_grad():
-                progress = [r - self._flat_params(ts)
-                            for r, (_, ts) in zip(self._anchor, self._outer_buckets)]
+                progress = [self._anchor[b] - self._flat_bucket(b) for b in rnd.buckets]
                 self._outer_apply(rnd, progress)
-                self._reanchor()
+                self._reanchor(rnd.buckets)
 
     # ------------------------------------------------------------------ checkpoints
-    def _named(self, flats) -> dict | None:
+    def _named(self, flats, buckets=None) -> dict | None:
+        """Per parameter name, its part of ``flats`` (one flat tensor per bucket of
+        ``buckets``, every outer bucket where None)."""
         if flats is None:
             return None
+        buckets = range(len(self._outer_buckets)) if buckets is None else buckets
         return {s.name: f[s.offset : s.offset + s.numel].clone()
-                for (slices, _), f in zip(self._outer_buckets, flats) for s in slices}
+                for b, f in zip(buckets, flats) for s in self._outer_buckets[b][0]}
 
-    def _flats(self, named) -> list | None:
+    def _flats(self, named, buckets=None) -> list | None:
         if named is None:
             return None
-        missing = [s.name for slices, _ in self._outer_buckets for s in slices if s.name not in named]
+        buckets = range(len(self._outer_buckets)) if buckets is None else buckets
+        missing = [s.name for b in buckets for s in self._outer_buckets[b][0]
+                   if s.name not in named]
         if missing:
             raise ValueError(f"checkpoint's local_steps state lacks parameters "
                              f"{', '.join(missing[:5])}")
-        return [torch.cat([named[s.name].reshape(-1).float() for s in slices])
-                for slices, _ in self._outer_buckets]
+        return [torch.cat([named[s.name].reshape(-1).float() for s in self._outer_buckets[b][0]])
+                for b in buckets]
+
+    def _outer_state(self) -> dict | None:
+        """The outer optimizer's state per parameter name: {"state": {key: {name: value}},
+        "groups": its param groups' settings}; a tensor laid out as G is cut per parameter,
+        any other value (a step count) repeated for each of the bucket's parameters."""
+        if self._opt is None:
+            return self._outer_saved
+        sd = self._opt.state_dict()
+        state: dict = {}
+        for b, entries in sd["state"].items():
+            slices, g = self._outer_buckets[b][0], self.start[b]
+            for key, v in entries.items():
+                named = state.setdefault(key, {})
+                for s in slices:
+                    named[s.name] = (v[s.offset : s.offset + s.numel].clone()
+                                     if torch.is_tensor(v) and v.shape == g.shape else v)
+        return {"state": state,
+                "groups": [{k: v for k, v in g.items() if k != "params"}
+                           for g in sd["param_groups"]]}
+
+    def _unname_outer(self, saved: dict, groups: list) -> dict:
+        """:meth:`_outer_state`'s inverse for this layout: the state_dict of an optimizer
+        whose param groups are ``groups`` (the saved groups' settings put over them)."""
+        state: dict = {}
+        for key, named in saved["state"].items():
+            for b, (slices, _) in enumerate(self._outer_buckets):
+                if not all(s.name in named for s in slices):
+                    continue
+                v = named[slices[0].name]
+                if torch.is_tensor(v) and v.dim() == 1 and v.numel() == slices[0].numel:
+                    v = torch.cat([named[s.name].reshape(-1) for s in slices])
+                state.setdefault(b, {})[key] = v
+        for g, settings in zip(groups, saved["groups"] or ()):
+            g.update({k: v for k, v in settings.items() if k != "params"})
+        return {"state": state, "param_groups": groups}
 
     def state_dict(self) -> dict | None:
-        """The rounds' state: inner steps taken, G, this round's start, the outer momentum,
-        and the exchange in flight (waited for: its averages and the buffers sent)."""
+        """The rounds' state: inner steps taken, G, this round's start, the outer optimizer's
+        state, and the exchanges in flight (waited for: their averages and buffers sent)."""
         if not self.active:
             return None
-        rnd = None
-        if self._round is not None:
-            r = self._round
-            rnd = {"step": r.step, "averages": self._named(r.averages()),
-                   "buffers_average": r.buffers(), "buffers_sent": r.buffers_sent}
+        rounds = {f: {"step": r.step, "averages": self._named(r.averages(), r.buckets),
+                      "buffers_average": r.buffers(), "buffers_sent": r.buffers_sent}
+                  for f, r in self._rounds.items()}
         return {"inner_steps": self._inner, "start": self._named(self.start),
-                "anchor": self._named(self._anchor), "momentum": self._named(self._outer_m),
-                "round": rnd}
+                "anchor": self._named(self._anchor), "outer": self._outer_state(),
+                "rounds": rounds}
 
     def load_state_dict(self, sd: dict | None) -> None:
         if not self.active:
@@ -369,7 +500,27 @@ class LocalSteps:
         self._inner = sd["inner_steps"]
         self.start = self._flats(sd["start"])
         self._anchor = self.start if self._shared_anchor() else self._flats(sd["anchor"])
-        self._outer_m = self._flats(sd["momentum"])
-        r = sd.get("round")
-        self._round = None if r is None else _Round.done(
-            r["step"], self._flats(r["averages"]), r["buffers_average"], r["buffers_sent"])
+        self._opt, self._outer_saved = None, _outer_of(sd)
+        self._rounds = {}
+        for f, r in _rounds_of(sd).items():
+            bs = self._fragments[f]
+            self._rounds[f] = _Round.done(r["step"], bs, self._flats(r["averages"], bs),
+                                          r["buffers_average"], r["buffers_sent"])
+
+
+def _outer_of(sd: dict) -> dict | None:
+    """The outer optimizer's saved state; a checkpoint of the hand-written outer step keeps
+    its Nesterov momentum under "momentum" (torch's SGD calls it momentum_buffer)."""
+    if "outer" in sd:
+        return sd["outer"]
+    if sd.get("momentum") is None:
+        return None
+    return {"state": {"momentum_buffer": sd["momentum"]}, "groups": None}
+
+
+def _rounds_of(sd: dict) -> dict:
+    """Per fragment, the exchange in flight; a checkpoint without fragments keeps its one
+    exchange under "round"."""
+    if "rounds" in sd:
+        return {int(f): r for f, r in sd["rounds"].items()}
+    return {} if sd.get("round") is None else {0: sd["round"]}

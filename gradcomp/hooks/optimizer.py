@@ -306,19 +306,21 @@ def step_hooks(optimizer, key: str, pre, post) -> list:
 
 
 def bind(state, optimizer, *, module=None, bucket_bytes=None, pieces=None, warn: bool = False,
-         stacklevel: int = 4) -> None:
+         stacklevel: int = 4, outer_optimizer=None) -> None:
     """Attach to the user's optimizer all that the state's settings need, once every rank
     agreed (the adapters call this last): with ``local_steps`` the rounds' step hooks
     (hooks/local_steps.py); else the SGD momentum a method applies itself (DGC), the Adam binding
     (:class:`FrozenVariance`) and, with ``warn``, the measured-accuracy warning. ``pieces``:
-    what the rounds average under HSDP: (name, tensor) pairs of this rank's rows."""
+    what the rounds average under HSDP: (name, tensor) pairs of this rank's rows;
+    ``outer_optimizer``: the rounds' outer step (hooks/local_steps.py)."""
     if optimizer is None:
         return
     if state.rounds.active:  # inner steps are the optimizer's own; the rounds end in its hooks
         if pieces is None:  # every trainable parameter of ``module`` in module order
             names = state.param_names
             pieces = [(names[id(p)], p) for p in module.parameters() if id(p) in names]
-        state.rounds.bind(pieces, module.named_buffers(), bucket_bytes, state.send_outer)
+        state.rounds.bind(pieces, module.named_buffers(), bucket_bytes, state.send_outer,
+                          outer_optimizer)
         # the steps that run (not a wrapper's skips)
         state.rounds.hook(step_hooks(optimizer, "local", state.rounds.inner_pre,
                                      state.rounds.inner_post))

@@ -12,12 +12,12 @@ from .state import GradcompState
 
 # register()'s own keywords (every other keyword is an option of the method)
 OWN = ("optimizer", "scaler", "lanes", "process_group", "log_dir", "log_all_ranks",
-       "log_details")
+       "log_details", "outer_optimizer")
 
 
 def register(model, method: str, *, optimizer=None, scaler=None, lanes: int | None = None,
              process_group=None, log_dir=None, log_all_ranks=False, log_details=False,
-             **options) -> GradcompState:
+             outer_optimizer=None, **options) -> GradcompState:
     """Register a gradcomp communication hook on a DDP model (or a ``fully_shard`` model:
     docs/fsdp.md) and return its state.
 
@@ -29,7 +29,10 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int | No
     job, whose loss scale the gradients carry; the hook keeps its memory unscaled so that
     scale changes do not corrupt it (not with ``delay``: a rank's overflow would reach the
     others only D steps later). With ``local_steps`` > 1 ``optimizer`` is required: the
-    outer step runs from its step post-hook every ``local_steps`` steps (hooks/local_steps.py).
+    outer step runs from its step post-hook every ``local_steps`` steps (hooks/local_steps.py);
+    ``outer_optimizer``: the outer step's optimizer, a callable building it from a list of
+    tensors (default: torch's SGD with Nesterov momentum from ``outer_lr`` and
+    ``outer_momentum``, which it then replaces).
     ``lanes``: DDP only, how many buckets' exchanges run side by side (4 where None;
     docs/topology.md). ``log_dir``: TensorBoard scalars per step (rank 0
     only unless ``log_all_ranks``; ``log_details`` adds costly diagnostics such as PowerSGD's
@@ -65,6 +68,7 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int | No
     group, ranks = _first_group(model, sharded, process_group)
     agree(group, ranks, check, lambda _: None)
     common = dict(optimizer=optimizer, scaler=scaler, log_dir=log_dir,
+                  outer_optimizer=outer_optimizer,
                   log_all_ranks=log_all_ranks, log_details=log_details, **options)
     if sharded:
         return fsdp.register(model, method, **common)

@@ -171,11 +171,15 @@ def submit_slices(state, bucket: int, buf: torch.Tensor, slices, tensors=None
     return ex.fut
 
 
-def outer(state, bucket, x, slices, tensors, last, plain):
+def outer(state, bucket, x, slices, tensors, first, last, plain):
     """Local steps' outer exchange of one bucket (hooks/local_steps.py) in the global
-    order: the method's (a step of its own), or ``plain``: the buffers' plain average.
+    order: the method's, ``first`` of its exchange starting a step of its own (a fragment's
+    buckets do not start at bucket 0), or ``plain``: the buffers' plain average.
     Returns (its future, its step)."""
-    step = state.begin(bucket) if not plain else max(state.step - 1, 0)
+    if plain:
+        step = max(state.step - 1, 0)
+    else:
+        step = state.begin(0 if first else bucket)
     if not plain:
         state.warmup.observe(step, x, slices)
     live = state.compressor.live([s.name for s in slices]) if not plain else None
