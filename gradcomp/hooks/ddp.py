@@ -6,7 +6,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import optimizer as optimizer_binding
 from .agree import Groups, agree, check_log_dir, discard, fingerprint, load_group, trainable
-from .local_steps import check_local, check_outer_optimizer
+from .local_steps import check_fragments, check_local, check_outer_optimizer
 from .options import for_optimizer, is_auto, merge_options
 from .plan import Plan
 from .state import GradcompState
@@ -132,6 +132,7 @@ def _validate(model, method, optimizer, scaler, lanes, writes, log_dir, world, o
                          f"scaler")
     check_local(config, optimizer, scaler)
     check_outer_optimizer(outer_optimizer, config)
+    check_fragments(config, [p.numel() for p in model.module.parameters() if p.requires_grad])
     local = node_size(config, world)
     return (name, config), {"method": name, **config.to_dict(), "lanes": lanes,
                             "ranks per node": local,

@@ -58,7 +58,7 @@ from .options import for_optimizer, is_auto
 from .. import comm
 from .agree import Groups, agree, check_log_dir, discard, fingerprint, load_group, trainable
 from .guard import check_steps, step_flag
-from .local_steps import check_outer_optimizer, synchronous
+from .local_steps import check_fragments, check_outer_optimizer, synchronous
 from .plan import Plan, Sharding
 from .state import GradcompState
 from .topology import SEP
@@ -417,6 +417,8 @@ def _validate(model, units, info, hsdp, method, optimizer, scaler, writes, log_d
     if hsdp:  # the memory holds this rank's pieces: their sizes are what a checkpoint holds
         numels.update({s.name: s.numel for lay in layouts for s in lay.piece})
     pieces = _outer_pieces(units, names, me, W, config)
+    if pieces is not None:
+        check_fragments(config, [t.numel() for _, t in pieces])
     return (name, config, names, numels, layouts, pieces), {
         "method": name, **config.to_dict(), "mesh": list(info.mesh.mesh.shape),
         **fingerprint(model, optimizer, scaler)}

@@ -142,6 +142,19 @@ def fragment_of(numels: list[int], fragments: int) -> list[int]:
     return out
 
 
+def check_fragments(config, numels: list[int]) -> list[int]:
+    """Each parameter's fragment (``numels``: the parameters the rounds lay out, in order);
+    ValueError where a fragment would hold none."""
+    F = config.fragments
+    where = fragment_of(numels, F)
+    empty = sorted(set(range(F)) - set(where))
+    if empty and config.local_steps > 1:
+        raise ValueError(f"fragments={F}: the model's {len(numels)} parameters leave "
+                         f"fragment(s) {empty} empty (fragments are whole parameters of "
+                         f"about equal size); allowed at most {len(set(where))} here")
+    return where
+
+
 def default_outer(config):
     """The outer optimizer's factory from ``outer_lr`` and ``outer_momentum``: torch's SGD
     with Nesterov momentum (DiLoCo's), on the global point G with the average as gradient."""
@@ -244,12 +257,7 @@ class LocalSteps:
         :meth:`inner_pre` and :meth:`inner_post` (hooks/optimizer.py installs them: ``hook``)."""
         params = list(params)
         F = self.config.fragments
-        where = fragment_of([p.numel() for _, p in params], F)
-        empty = sorted(set(range(F)) - set(where))
-        if empty:
-            raise ValueError(f"fragments={F}: the model's {len(params)} parameters leave "
-                             f"fragment(s) {empty} empty (fragments are whole parameters of "
-                             f"about equal size); allowed at most {len(set(where))} here")
+        where = check_fragments(self.config, [p.numel() for _, p in params])
         cap = bucket_bytes or DEFAULT_BUCKET_BYTES
         buckets, self._fragments = [], []
         for f in range(F):
