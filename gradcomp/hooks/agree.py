@@ -181,7 +181,7 @@ def fingerprint(module, optimizer, scaler) -> dict:
     out = {"parameters (names, shapes, dtypes)": h.hexdigest()[:16],
            "scaler": scaler is not None}
     if optimizer is not None:
-        out.update(optimizer_binding.fingerprint(optimizer))
+        out.update(optimizer_binding.settings(optimizer))
     return out
 
 

@@ -4,7 +4,7 @@ and FSDP adapters once every rank agreed), the step hooks every binding register
 it matters, :func:`after_closure`), DGC's momentum read from SGD's param groups
 (:class:`SGDMomentum`) and the checks of DGC's options against it (:func:`momentum_options`),
 local steps' rounds (their step hooks, installed by :func:`bind`), what every rank's
-optimizer must agree on (:func:`fingerprint`) and the Adam binding below. No other module of
+optimizer must agree on (:func:`settings`) and the Adam binding below. No other module of
 the library reads an optimizer's groups or hooks its steps (tests/test_design.py).
 
 Adam and AdamW with compressed gradients (:class:`FrozenVariance`). Error feedback makes the
@@ -212,7 +212,7 @@ def unwrap(optimizer):
     return optimizer
 
 
-def fingerprint(optimizer) -> dict:
+def settings(optimizer) -> dict:
     """What every rank's optimizer must agree on: its class and its groups' hyperparameters
     (hooks/agree.py compares them across ranks at registration)."""
     opt = unwrap(optimizer)

@@ -5,7 +5,7 @@ config (``GradcompState.submit`` names the bucket's parameters, then calls it):
             under a hierarchical topology); the rounds' outer exchange goes through
             :meth:`GradcompState.send_outer` from hooks/local_steps.py
   Now       the exchange on its lane; DDP waits for its future
-  Delayed   ``delay=D``: a copy exchanged in the background, the local gradient applied now
+  Late      ``delay=D``: a copy exchanged in the background, the local gradient applied now
             plus the correction (average - local) of step t - D (hooks/delayed.py)
 """
 from __future__ import annotations
@@ -104,7 +104,7 @@ class Now(Way):
         return ex.fut
 
 
-class Delayed(Now):
+class Late(Now):
     """Delayed averaging: exchange a copy in the background, apply the local gradient now
     plus the correction (average - local) of step - D. The copy, and the parameters where
     the method reads them (DGC's weight decay), are taken now: the optimizer updates the
@@ -206,4 +206,4 @@ def choose(config):
     """The way a state with ``config`` submits its buckets."""
     if config.local_steps > 1:
         return Inner
-    return Delayed if config.delay else Now
+    return Late if config.delay else Now
