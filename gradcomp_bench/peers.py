@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -113,6 +114,8 @@ class TorchftDiLoCo:
     harness's rows; ``close()`` takes torchft's hooks off and shuts it down."""
 
     def __init__(self, net, optimizer, rank: int, world: int, opts: dict):
+        # torchft's Rust side logs every quorum and commit at INFO
+        os.environ.setdefault("RUST_LOG", "warn")
         from torchft.coordination import LighthouseServer
         from torchft.local_sgd import DiLoCo
         from torchft.manager import Manager
