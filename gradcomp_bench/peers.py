@@ -88,10 +88,10 @@ def fragments(net: torch.nn.Module, n: int) -> list[torch.nn.Module]:
                                                              torch.nn.ModuleList)) else []
         units += inner or [child]
     units = [u for u in units if any(True for _ in u.parameters())]
-    if len(list(net.parameters(recurse=False))) or sum(
-            p.numel() for u in units for p in u.parameters()) != sum(p.numel() for p in net.parameters()):
-        raise ValueError(f"fragments={n}: {type(net).__name__}'s parameters do not split "
-                         f"into its top-level modules")
+    ids = [id(p) for u in units for p in u.parameters()]
+    if len(ids) != len(set(ids)) or set(ids) != {id(p) for p in net.parameters()}:
+        raise ValueError(f"fragments={n}: {type(net).__name__}'s parameters do not split into "
+                         f"its top-level modules without sharing (each fragment syncs its own)")
     if n > len(units):
         raise ValueError(f"fragments={n}: {type(net).__name__} has {len(units)} modules to "
                          f"split; allowed 1 to {len(units)}")
@@ -100,7 +100,8 @@ def fragments(net: torch.nn.Module, n: int) -> list[torch.nn.Module]:
         prefix.append(prefix[-1] + sum(p.numel() for p in u.parameters()))
     cuts, lo = [], 1
     for k in range(1, n):  # the boundary nearest k/n of the parameters, a unit left for each later cut
-        j = min(range(lo, len(units) - (n - k) + 1), key=lambda j: abs(prefix[j] - k * prefix[-1] / n))
+        j = min(range(lo, len(units) - (n - k) + 1),
+                key=lambda j: abs(prefix[j] - k * prefix[-1] / n))
         cuts.append(j)
         lo = j + 1
     bounds = [0] + cuts + [len(units)]
