@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import data, models
+from . import data, models, peers
 from gradcomp.hooks import build_config, parse_spec, register
 
 # Baselines that are not gradcomp methods: torch's own hooks, no communication at all
@@ -45,6 +45,8 @@ def parse_method(spec: str) -> tuple[str, dict]:
     library's own :func:`gradcomp.parse_spec` (and checked by its config), a baseline's with
     its defaults filled in. ValueError names what is wrong."""
     spec, ordered = split_ordered(spec)
+    if peers.is_peer(spec) and not ordered:  # another library's method (peers.py)
+        return peers.parse(spec)
     if ordered and not is_gradcomp(spec):
         raise ValueError(f"{spec + ORDERED!r}: {ORDERED} is for gradcomp's methods")
     name, _, rest = spec.strip().partition(":")
@@ -70,7 +72,8 @@ def parse_method(spec: str) -> tuple[str, dict]:
 
 
 def is_gradcomp(spec: str) -> bool:
-    return split_ordered(spec)[0].partition(":")[0] not in BASELINES
+    spec = split_ordered(spec)[0]
+    return spec.partition(":")[0] not in BASELINES and not peers.is_peer(spec)
 
 
 def _in_order(hook):
@@ -200,6 +203,9 @@ def train(rank: int, world: int, cfg: TrainConfig | dict) -> dict:
     cfg = TrainConfig(**cfg) if isinstance(cfg, dict) else cfg
     if cfg.model in models.LANGUAGE_MODELS:
         return train_lm(rank, world, cfg)
+    if peers.is_peer(cfg.method):
+        raise ValueError(f"{cfg.method!r}: peers run on the language models "
+                         f"({', '.join(models.LANGUAGE_MODELS)})")
     torch.manual_seed(cfg.seed)
     if cfg.synthetic:
         (xtr, ytr), (xte, yte) = data.synthetic(seed=cfg.seed)
@@ -375,7 +381,13 @@ def train_lm(rank: int, world: int, cfg: TrainConfig) -> dict:
                               else data.load_text(cfg.data))
     device = _device(cfg, rank)
     net = models.build(cfg.model).to(device)
-    model = _ddp(net, cfg, device) if cfg.parallel == "ddp" else _shard(net, cfg, world, device)
+    peer = peers.is_peer(cfg.method)
+    if peer and cfg.parallel != "ddp":
+        raise ValueError(f"{cfg.method!r} with parallel={cfg.parallel!r}: a peer runs each "
+                         f"rank as its own replica; allowed parallel='ddp'")
+    # a peer's replicas step on their own gradients: no DDP
+    model = (net if peer else _ddp(net, cfg, device) if cfg.parallel == "ddp"
+             else _shard(net, cfg, world, device))
     opt_name = "adamw" if cfg.optimizer == "auto" else cfg.optimizer
     if opt_name == "adamw":
         opt = torch.optim.AdamW(models.decay_groups(net, cfg.weight_decay), lr=cfg.lr,
@@ -385,7 +397,8 @@ def train_lm(rank: int, world: int, cfg: TrainConfig) -> dict:
                               momentum=cfg.momentum)
     else:
         raise ValueError(f"optimizer={cfg.optimizer!r}: allowed 'auto', 'adamw', 'sgd'")
-    state = attach(model, cfg.method, opt, **cfg.options)
+    state = (peers.attach(net, cfg.method, opt, rank, world) if peer
+             else attach(model, cfg.method, opt, **cfg.options))
     total = cfg.max_steps or 1000
     sched = lm_schedule(opt, total, cfg.warmup_steps or max(1, total // 20))
     T = cfg.seq_len or net.context
