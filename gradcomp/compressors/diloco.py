@@ -45,16 +45,16 @@ class DiLoCoConfig(MethodConfig):
     (each parameter cut from its own first element), a multiple of 8; a row carries one fp32
     scale, or 2^(bits-1) at 1 to 3 bits (0.125 bits per value at 3 bits and 1024).
     min_numel: 0 (every parameter quantized: a row's scale fits a small one too).
-    Defaults, measured on the GPT with AdamW (2000 steps, 2 ranks; bench/RESULTS.md,
-    "Accuracy with AdamW", and docs/delay-and-local-steps.md): ``local_steps`` 2 and 3 bits;
-    with Adam/AdamW (``adam_defaults``) the first 200 steps synchronous in int4 rows, Adam's
-    second moment then frozen, the clip off the inner steps and ``outer_lr`` 1: -1.19% on
-    the mean of 3 seeds at 17.1x fewer bytes than allreduce over the run (each rank's own
-    second moment with ``outer_lr`` 1.5: +1.24%). The steps per round set the loss: 5 per
-    round in int8 (19x) ended 4.0% above allreduce, 2 per round 0.7-2.4% on single seeds
-    with 1, 3 or 4 bits; the bits set the bytes. Without Adam ``outer_lr`` 1.5 without
-    ``outer_momentum``: each rank's steps are shorter in noisy coordinates than DDP's, about
-    1/sqrt(W); DiLoCo's 0.7 and 0.9 were tuned for hundreds of steps per round."""
+    Defaults with Adam/AdamW (``adam_defaults``), measured on the GPT (2000 steps, 2 ranks;
+    bench/RESULTS.md, "Local steps and torchft's DiLoCo"): DiLoCo's own outer step
+    (``outer_lr`` 0.7, Nesterov ``outer_momentum`` 0.9) every 16 steps, 3 bits per value,
+    after 100 synchronous steps in int4 rows, each rank's Adam left as it is (``adam`` off:
+    its own second moment, the user's clip). The synchronous start is what holds a short
+    run (the GPT-tiny test's 300 steps: +0.20 nats without it, +0.06 with 50 steps, +0.025
+    with 100); the frozen second moment of the 2-steps-a-round setting (sync_steps=200,
+    outer_lr 1) lost 0.18 nats there with the Nesterov outer step. Without Adam:
+    ``local_steps`` 2, ``outer_lr`` 1.5 without ``outer_momentum`` (each rank's steps are
+    shorter in noisy coordinates than DDP's, about 1/sqrt(W)); the CNN rows of RESULTS."""
 
     min_numel: int = 0
     local_steps: int = 2
@@ -78,10 +78,10 @@ class DiLoCo(Compressor):
     # against allreduce's 1.6083 / 1.6027 / 1.6227 (-1.19% on the mean), 17.1x fewer bytes
     # (bench/RESULTS.md, "Accuracy with AdamW")
     measured = {"adamw_gap_pct": {"local": -1.19}}
-    # with Adam/AdamW: the first 200 steps synchronous in int4 rows, Adam's second moment then
-    # frozen for the inner steps, and the plain average as the outer step (each rank's inner
-    # step is then linear in its gradients: the average of the ranks' steps is DDP's length)
-    adam_defaults = {"sync_steps": 200, "outer_lr": 1.0, "dense_wire": "int4"}
+    # with Adam/AdamW: 100 synchronous steps in int4 rows, then DiLoCo's outer step every 16
+    # steps, each rank's Adam its own (adam off)
+    adam_defaults = {"local_steps": 16, "sync_steps": 100, "outer_lr": 0.7,
+                     "outer_momentum": 0.9, "dense_wire": "int4", "adam": "off"}
     description = ("local steps, outer Nesterov, the pseudo-gradient dense in 1 to 8 bits with "
                    "per-row scales and error feedback (DiLoCo)")
     messages = (ROWS,)

@@ -148,7 +148,8 @@ def warn_measured(state, optimizer, stacklevel: int = 3) -> None:
     method, config = state.method, state.config
     local = config.local_steps > 1  # Adam's own inner steps, the pseudo-gradient sent
     mode = LOCAL if local else adam_mode(state)
-    if method in _warned or not is_adam(optimizer) or config.adam == Adam.OFF:
+    own = METHODS[method].compressor.adam_defaults.get("adam")  # (off: the method's choice)
+    if method in _warned or not is_adam(optimizer) or (config.adam == Adam.OFF and own != "off"):
         return
     gap = adam_gap(method, mode)
     if gap is None or gap <= HOLDS_PCT:
