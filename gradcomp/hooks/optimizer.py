@@ -334,6 +334,46 @@ def bind(state, optimizer, *, module=None, bucket_bytes=None, pieces=None, warn:
         warn_measured(state, optimizer, stacklevel=stacklevel)
 
 
+def refuse_unseen_adam(state) -> None:
+    """``register()`` without ``optimizer=``: gradcomp cannot see the optimizer, and with
+    Adam/AdamW it must bind it (the second moment frozen once compression starts, the
+    method's Adam defaults), or the compressed gradients reach Adam's second moment
+    (``adam="off"``: measured to lose accuracy, docs/adam.md). So the first
+    ``step()`` of an optimizer holding the model's parameters is looked at, once, through
+    torch's global step pre-hook: Adam/AdamW raises there (on every rank: each takes the
+    same step) naming the fix; any other optimizer goes on, the hook removed. Binding it
+    then would be too late: the method's Adam defaults shape the config, and every rank's
+    optimizer is compared at registration."""
+    if state.compressor.stateless or state.config.adam == Adam.OFF:
+        return
+    import weakref
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    ref, handle = weakref.ref(state), []
+
+    def pre(opt, args, kwargs):
+        st = ref()
+        if st is None:
+            handle[0].remove()
+            return
+        names = st.param_names
+        if not any(id(p) in names for g in opt.param_groups for p in g["params"]):
+            return  # another model's optimizer
+        handle[0].remove()
+        if is_adam(opt):
+            name = type(unwrap(opt)).__name__
+            raise ValueError(
+                f"gradcomp: {st.method!r} was registered without optimizer=, and {name} "
+                f"steps the model's parameters: with Adam/AdamW gradcomp binds the optimizer "
+                f"(Adam's second moment frozen once compression starts, the method's Adam "
+                f"defaults; docs/adam.md), else the compressed gradients reach Adam's second "
+                f"moment and lose accuracy. Register with gradcomp.register(model, "
+                f"{st.method!r}, optimizer=opt), or with adam='off' to run without the "
+                f"binding")
+    handle.append(register_optimizer_step_pre_hook(pre))
+    state.on_close(handle[0].remove)
+
+
 def after_closure(args, kwargs, fn):
     """Run ``fn`` from an optimizer step pre-hook once the step's gradients exist. With
     ``step(closure)`` (Lightning's automatic optimization, LBFGS-style loops) the closure's
