@@ -30,9 +30,7 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int | No
     scale changes do not corrupt it (not with ``delay``: a rank's overflow would reach the
     others only D steps later). With ``local_steps`` > 1 ``optimizer`` is required: the
     outer step runs from its step post-hook every ``local_steps`` steps (hooks/local_steps.py).
-    With Adam/AdamW ``optimizer`` is required (the binding: docs/adam.md): registered
-    without it, the first ``step()`` of an Adam/AdamW holding the model's parameters raises
-    ValueError naming the fix (``adam="off"`` runs without the binding).
+    With Adam/AdamW too (docs/adam.md): without it, an Adam/AdamW's first ``step()`` raises.
     ``lanes``: DDP only, how many buckets' exchanges run side by side (4 where None;
     docs/topology.md). ``log_dir``: TensorBoard scalars per step (rank 0
     only unless ``log_all_ranks``; ``log_details`` adds costly diagnostics such as PowerSGD's
@@ -74,7 +72,7 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int | No
     else:
         state = ddp.register(model, method, process_group=process_group,
                              lanes=ddp.LANES if lanes is None else lanes, **common)
-    if optimizer is None:  # Adam/AdamW stepping the model refused at its first step
+    if optimizer is None:
         optimizer_binding.refuse_unseen_adam(state)
     return state
 
