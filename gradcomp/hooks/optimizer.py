@@ -768,7 +768,7 @@ def frozen_variance(state, optimizer):
             return None
         return FrozenVariance(optimizer, lambda p: id(p) in names,
                               lambda: not state.rounds.syncing, names, store=state.memory,
-                              unclip=not state.sharded)
+                              unclip=not state.sharded and not state.config.keep_clip)
     if comp.stateless:
         return None
     mode = adam_mode(state)
@@ -776,7 +776,8 @@ def frozen_variance(state, optimizer):
         optimizer, lambda p: id(p) in names and comp.compresses(names[id(p)], tuple(p.shape)),
         lambda: not warmup.dense(max(state.step - 1, 0)), names,
         precondition=mode == Adam.PRECONDITION, momentum=mode == Adam.MOMENTUM,
-        store=state.memory, unclip=not state.sharded and not state.config.delay)
+        store=state.memory, unclip=not (state.sharded or state.config.delay
+                                        or state.config.keep_clip))
 
 
 def adam_mode(state) -> "Adam":
