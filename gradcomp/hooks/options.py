@@ -129,6 +129,16 @@ def build_config(method: str, **options):
 
 
 def methods() -> list[dict]:
-    """Every method with its description and options {name: (type, default)}."""
-    return [{"name": s.name, "description": s.description, "options": s.config.options()}
-            for s in METHODS.values()]
+    """Every method with its description, its options {name: (type, default)} (the defaults
+    with SGD, or any optimizer but Adam/AdamW) and ``adam_defaults``: {name: value} of the
+    options that ``register(..., optimizer=opt)`` sets otherwise for Adam/AdamW where the
+    user gave none (the method's measured Adam defaults, ``Compressor.adam_defaults``;
+    ``dense_wire="auto"`` resolved: bfloat16 with Adam/AdamW where the method sets none)."""
+    out = []
+    for s in METHODS.values():
+        adam = dict(s.compressor.adam_defaults)
+        if not s.compressor.stateless and s.config().local_steps == 1:
+            adam.setdefault("dense_wire", "bfloat16")
+        out.append({"name": s.name, "description": s.description,
+                    "options": s.config.options(), "adam_defaults": adam})
+    return out
