@@ -405,11 +405,17 @@ def _check_compatible(state, sd: dict) -> None:
         if state.method_probe is not None and sd.get("method") != state.method:
             auto = (f"; method='auto' chose {state.method!r} in this job: to resume, register "
                     f"the method the checkpoint's job ran, {quote(sd.get('method'))}")
+        if sd.get("method") != state.method:
+            raise ValueError(f"checkpoint is for method {quote(sd.get('method'))}; this "
+                             f"state runs {state.method!r}{auto}: register the method it was "
+                             f"saved with to resume it")
         differ = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
-        raise ValueError(f"checkpoint is for method {quote(sd.get('method'))} with "
-                         f"{quote(sd.get('config'), 600)}; this state runs {state.method!r} "
-                         f"with {config.to_dict()}{auto}"
-                         + (f" (options that differ: {', '.join(differ)})" if differ else ""))
+        shown = "; ".join(f"{k}: saved {quote(saved.get(k), 60)}, this state "
+                          f"{quote(mine.get(k), 60)}" for k in differ[:8])
+        more = f" and {len(differ) - 8} more" if len(differ) > 8 else ""
+        raise ValueError(f"checkpoint of {state.method!r} was saved with other options than "
+                         f"this state's: {shown}{more}; register with the options it was "
+                         f"saved with to resume it")
     _check_adam(state, sd)
     if sd.get("world_size") != state.world_size:
         raise ValueError(f"checkpoint was saved with world size {sd.get('world_size')}; "

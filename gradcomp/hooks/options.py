@@ -44,7 +44,8 @@ def parse_spec(spec: str, auto: bool = False) -> tuple[str, dict]:
     name, _, rest = spec.strip().partition(":")
     name = name.strip()
     if name not in METHODS and not (auto and name == AUTO):
-        raise ValueError(f"unknown method {quote(name)}: allowed {allowed}")
+        near = _nearest(name, [*METHODS, *([AUTO] if auto else [])])
+        raise ValueError(f"unknown method {quote(name)}{near}: allowed {allowed}")
     cfg = MethodConfig if name == AUTO else METHODS[name].config
     opts = {}
     for item in filter(None, (s.strip() for s in rest.split(","))):

@@ -15,9 +15,9 @@ OWN = ("optimizer", "scaler", "lanes", "process_group", "log_dir", "log_all_rank
        "log_details")
 
 
-def register(model, method: str, *, optimizer=None, scaler=None, lanes: int | None = None,
-             process_group=None, log_dir=None, log_all_ranks=False, log_details=False,
-             **options) -> GradcompState:
+def register(model, method: str, *args, optimizer=None, scaler=None,
+             lanes: int | None = None, process_group=None, log_dir=None, log_all_ranks=False,
+             log_details=False, **options) -> GradcompState:
     """Register a gradcomp communication hook on a DDP model (or a ``fully_shard`` model:
     docs/fsdp.md) and return its state.
 
@@ -52,6 +52,7 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int | No
 
     def check():  # every argument, on every rank, before anything else is collective
         _check_model(model, sharded)
+        _check_positional(method, args)
         check_arguments(method, options, optimizer, scaler, lanes, log_all_ranks, log_details)
         if sharded and lanes is not None:
             raise ValueError(f"lanes={quote(lanes)} with an FSDP model: it has no effect there "
@@ -83,6 +84,17 @@ def _check_model(model, sharded: bool) -> None:
         raise TypeError(f"register() needs a torch.nn.parallel.DistributedDataParallel "
                         f"model or a model sharded with torch.distributed.fsdp.fully_shard,"
                         f" got {type(model).__name__}")
+
+
+def _check_positional(method, args) -> None:
+    """register() takes the model and the method by position, the rest by keyword: an
+    optimizer (or anything) given by position is named, with the call to write."""
+    if args:
+        kinds = ", ".join(type(a).__name__ for a in args)
+        raise TypeError(f"gradcomp.register takes the model and the method by position and "
+                        f"everything else by keyword; got {len(args)} more positional "
+                        f"argument(s) ({kinds}): write gradcomp.register(model, "
+                        f"{quote(method)}, optimizer=opt)")
 
 
 def _check_groups(model, sharded: bool, process_group) -> None:
