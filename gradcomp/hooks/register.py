@@ -68,11 +68,8 @@ def register(model, method: str, *args, optimizer=None, scaler=None,
     agree(group, ranks, check, lambda _: None)
     common = dict(optimizer=optimizer, scaler=scaler, log_dir=log_dir,
                   log_all_ranks=log_all_ranks, log_details=log_details, **options)
-    if sharded:
-        state = fsdp.register(model, method, **common)
-    else:
-        state = ddp.register(model, method, process_group=process_group,
-                             lanes=ddp.LANES if lanes is None else lanes, **common)
+    state = fsdp.register(model, method, **common) if sharded else ddp.register(
+        model, method, process_group=process_group, lanes=lanes or ddp.LANES, **common)
     if optimizer is None:
         optimizer_binding.refuse_unseen_adam(state)
     return state
