@@ -827,7 +827,7 @@ def test_a_local_steps_method_that_did_not_hold_warns_naming_one_that_did(monkey
 def _unseen_optimizer(rank, world):
     """register() without optimizer=: what the first step()s of AdamW, SGD, AdamW with
     adam='off', and an AdamW of another model raise (None: nothing), and whether the
-    global hook is gone after them."""
+    global hook is gone after close()."""
     from torch.optim.optimizer import _global_optimizer_pre_hooks as hooks
     out = {}
     for name, make, options in (
@@ -840,7 +840,7 @@ def _unseen_optimizer(rank, world):
         state = gradcomp.register(model, "onebit", min_numel=0, **options)
         other.step()  # not the model's: not looked at
         got = []
-        for step in range(2):  # the first step refused, then the hook is gone
+        for step in range(2):  # the first step refused, then nothing more
             x, y = batch(rank, step)
             opt.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward()
@@ -849,8 +849,8 @@ def _unseen_optimizer(rank, world):
                 got.append(None)
             except ValueError as exc:
                 got.append(str(exc))
-        out[name] = (got, len(hooks))
         state.close()
+        out[name] = (got, len(hooks))  # the global hook removed at close()
     return out
 
 

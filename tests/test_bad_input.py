@@ -182,6 +182,7 @@ def test_a_checkpoint_loaded_on_one_rank_only_raises_there_and_changes_nothing(s
     error, unchanged, step = out[0]
     assert error and "gradcomp's load_state_dict is collective" in error, error
     assert "LOAD_TIMEOUT_S" in error, error
+    assert f"rank(s) {', '.join(map(str, range(1, world)))} did not call it" in error, error
     assert all(u for _, u, _ in out), out
     assert [s for _, _, s in out] == [7] * world and all(e is None for e, _, _ in out[1:])
 

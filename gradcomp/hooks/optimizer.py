@@ -319,6 +319,7 @@ def bind(state, optimizer, *, module=None, bucket_bytes=None, pieces=None, warn:
             names = state.param_names
             pieces = [(names[id(p)], p) for p in module.parameters() if id(p) in names]
         state.rounds.bind(pieces, module.named_buffers(), bucket_bytes, state.send_outer)
+        _check_first_round(state, optimizer)  # (a pre-hook that runs before the rounds')
         # the steps that run (not a wrapper's skips)
         state.rounds.hook(step_hooks(optimizer, "local", state.rounds.inner_pre,
                                      state.rounds.inner_post))
@@ -341,25 +342,25 @@ def refuse_unseen_adam(state) -> None:
     (``adam="off"``: measured to lose accuracy, docs/adam.md). So the first
     ``step()`` of an optimizer holding the model's parameters is looked at, once, through
     torch's global step pre-hook: Adam/AdamW raises there (on every rank: each takes the
-    same step) naming the fix; any other optimizer goes on, the hook removed. Binding it
-    then would be too late: the method's Adam defaults shape the config, and every rank's
-    optimizer is compared at registration."""
+    same step) naming the fix; any other optimizer goes on (the hook a no-op until
+    close()). Binding it then would be too late: the method's Adam defaults shape the
+    config, and every rank's optimizer is compared at registration."""
     if state.compressor.stateless or state.config.adam == Adam.OFF:
         return
     import weakref
 
     from torch.optim.optimizer import register_optimizer_step_pre_hook
-    ref, handle = weakref.ref(state), []
+    ref, done = weakref.ref(state), []  # (the hook stays, a no-op, until close(): torch
+    # iterates the hooks' dict while it runs them)
 
     def pre(opt, args, kwargs):
         st = ref()
-        if st is None:
-            handle[0].remove()
+        if st is None or done:
             return
         names = st.param_names
         if not any(id(p) in names for g in opt.param_groups for p in g["params"]):
             return  # another model's optimizer
-        handle[0].remove()
+        done.append(True)
         if is_adam(opt):
             name = type(unwrap(opt)).__name__
             raise ValueError(
@@ -370,8 +371,21 @@ def refuse_unseen_adam(state) -> None:
                 f"moment and lose accuracy. Register with gradcomp.register(model, "
                 f"{st.method!r}, optimizer=opt), or with adam='off' to run without the "
                 f"binding")
-    handle.append(register_optimizer_step_pre_hook(pre))
-    state.on_close(handle[0].remove)
+    state.on_close(register_optimizer_step_pre_hook(pre).remove)
+
+
+def _check_first_round(state, optimizer) -> None:
+    """Local steps: at the first step, before the rounds take their global point from this
+    rank's model, every rank's model must be the same unless a checkpoint set the point
+    (hooks/checkpoint.py's ``check_same_start``); the hook goes after that step."""
+    done = []  # (the hook stays, a no-op, until close(): torch iterates its hooks' dict)
+
+    def pre(opt, args, kwargs):
+        if not done:
+            done.append(True)
+            from .checkpoint import check_same_start
+            check_same_start(state)
+    state.on_close(unwrap(optimizer).register_step_pre_hook(pre).remove)
 
 
 def after_closure(args, kwargs, fn):
