@@ -124,6 +124,12 @@ class MethodConfig:
         section 8), "float32" otherwise.
     exact: parameters sent uncompressed whatever their size: "|"-separated name patterns
         (fnmatch: "tok.weight|head.*"); "" (the default): none.
+    keep_clip: with Adam/AdamW, keep a gradient clip applied between backward and
+        ``step()`` (``clip_grad_norm_``) on the steps whose gradients are not DDP's exact
+        average: the compressed steps, and local steps' inner steps after ``sync_steps``.
+        False (the default): the clip is taken off those steps, announced once (its norm
+        carries the compression error or one rank's noise: measured better off,
+        docs/adam.md "Gradient clipping"); the dense steps keep it either way.
     With local_steps > 1 the method's step counter (``dense_steps``, the adaptive warm-up
     and its windows, random streams) counts outer rounds.
     """
@@ -148,6 +154,7 @@ class MethodConfig:
     adam: str = "auto"
     exact: str = ""
     dense_wire: str = "auto"
+    keep_clip: bool = False
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

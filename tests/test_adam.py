@@ -822,3 +822,46 @@ def test_a_local_steps_method_that_did_not_hold_warns_naming_one_that_did(monkey
     assert "adam=" not in msg
     # the same method with other settings is not what was measured: no warning
     assert _adamw_warning("diloco", {"local_steps": 3}, "", monkeypatch) == []
+
+
+def _unseen_optimizer(rank, world):
+    """register() without optimizer=: what the first step()s of AdamW, SGD, AdamW with
+    adam='off', and an AdamW of another model raise (None: nothing), and whether the
+    global hook is gone after close()."""
+    from torch.optim.optimizer import _global_optimizer_pre_hooks as hooks
+    out = {}
+    for name, make, options in (
+            ("adamw", torch.optim.AdamW, {}), ("sgd", torch.optim.SGD, {}),
+            ("off", torch.optim.AdamW, {"adam": "off"})):
+        net = small_net()
+        model = DDP(net)
+        opt = make(net.parameters(), lr=1e-3)
+        other = torch.optim.AdamW(nn.Linear(3, 3).parameters())
+        state = gradcomp.register(model, "onebit", min_numel=0, **options)
+        other.step()  # not the model's: not looked at
+        got = []
+        for step in range(2):  # the first step refused, then nothing more
+            x, y = batch(rank, step)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            try:
+                opt.step()
+                got.append(None)
+            except ValueError as exc:
+                got.append(str(exc))
+        state.close()
+        out[name] = (got, len(hooks))  # the global hook removed at close()
+    return out
+
+
+def test_adamw_registered_without_optimizer_is_refused_at_its_first_step(spawn):
+    """gradcomp cannot see an optimizer it was not given: the first step of an AdamW that
+    steps the model's parameters raises on every rank, naming the fix; SGD, adam='off' and
+    another model's AdamW go on."""
+    for r in spawn(_unseen_optimizer, 2, timeout=120):
+        (refused, then), left = r["adamw"]
+        assert "registered without optimizer=" in refused and "AdamW" in refused
+        assert "gradcomp.register(model, 'onebit', optimizer=opt)" in refused
+        assert then is None and left == 0
+        assert r["sgd"] == ([None, None], 0)
+        assert r["off"] == ([None, None], 0)

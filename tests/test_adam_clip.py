@@ -108,3 +108,48 @@ def test_ddp_clip_holds_in_the_dense_steps_and_is_off_in_the_compressed_ones(spa
         # a clip from the first step: the dense steps' exact gradients are clipped
         assert not torch.allclose(r["every"], r["free"], rtol=0, atol=1e-4)
         assert r["agree"]
+
+
+def _notice_and_keep_clip(rank, world):
+    """topk (two dense steps, then compressed), AdamW, a clip at 1e-3 on every step, with
+    and without keep_clip: the gradients' norm each compressed step of Adam steps on, and
+    the notices this rank was given."""
+    import warnings
+    out = {}
+    for keep in (False, True):
+        torch.manual_seed(0)
+        net = small_net()
+        model = DDP(net)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        state = gradcomp.register(model, "topk", optimizer=opt, dense_steps=2, min_numel=0,
+                                  ratio=0.1, keep_clip=keep)
+        norms, step_group = [], state.adam._step_group
+
+        def spy(group, params, *args, step_group=step_group, **kw):  # the frozen Adam step
+            norms.append(float(torch.linalg.vector_norm(torch.stack(
+                [p.grad.norm() for p in net.parameters()]))))
+            return step_group(group, params, *args, **kw)
+        state.adam._step_group = spy
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for step in range(5):
+                x, y = batch(rank, step)
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                torch.nn.utils.clip_grad_norm_(net.parameters(), 1e-3)
+                opt.step()
+        out[keep] = (norms, [str(w.message) for w in seen if "clip" in str(w.message)])
+        state.close()
+    return out
+
+
+def test_taking_the_clip_off_is_announced_once_and_keep_clip_keeps_it(spawn):
+    r0, r1 = spawn(_notice_and_keep_clip, world=2)
+    (off, notices), (kept, quiet) = r0[False], r0[True]
+    assert len(notices) == 1 and "from optimizer step 2" in notices[0]
+    assert "keep_clip=True" in notices[0]
+    assert r1[False][1] == [] and quiet == [] and r1[True][1] == []  # rank 0 only, once
+    assert len(off) == len(kept) == 3  # the compressed steps
+    # kept: Adam steps on the user's clipped norm; taken off: on the exchanged gradients'
+    assert all(abs(n - 1e-3) < 1e-6 for n in kept), kept
+    assert all(n > 1e-2 for n in off), off

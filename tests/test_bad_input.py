@@ -24,6 +24,7 @@ import gradcomp
     ("topk:ratio=0.1,ratio=0.2", {}, "given twice"),
     (None, {}, "method must be a name or spec string"),
     (3, {}, "method must be a name or spec string"),
+    ("dilocco", {}, r"unknown method 'dilocco' \(did you mean 'diloco'\?\)"),
 ])
 def test_refused_by_name(spec, options, match):
     with pytest.raises((TypeError, ValueError), match=match):
@@ -181,6 +182,7 @@ def test_a_checkpoint_loaded_on_one_rank_only_raises_there_and_changes_nothing(s
     error, unchanged, step = out[0]
     assert error and "gradcomp's load_state_dict is collective" in error, error
     assert "LOAD_TIMEOUT_S" in error, error
+    assert f"rank(s) {', '.join(map(str, range(1, world)))} did not call it" in error, error
     assert all(u for _, u, _ in out), out
     assert [s for _, _, s in out] == [7] * world and all(e is None for e, _, _ in out[1:])
 
@@ -290,13 +292,19 @@ def _misuse(rank, world, case):
         kw = {"process_group": alone[rank]}
     if case == "twice":
         gradcomp.register(model, "topk:ratio=0.5").close()
+    if case == "torch hook":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
+    args = ()
+    if case == "positional":  # the optimizer by position
+        args = (torch.optim.SGD(model.parameters(), lr=0.1),)
     if case == "logdir":  # tensorboard is an optional extra: as if it were not installed
         sys.modules["torch.utils.tensorboard"] = None
         kw = {"log_dir": "/nonexistent/runs"}
     try:
-        gradcomp.register(model, "topk:ratio=0.5", **kw)
+        gradcomp.register(model, "topk:ratio=0.5", *args, **kw)
         error = None
-    except ValueError as exc:
+    except (TypeError, ValueError) as exc:
         error = str(exc)
     if case == "logdir":  # nothing was attached: registering without it works
         del sys.modules["torch.utils.tensorboard"]
@@ -306,7 +314,11 @@ def _misuse(rank, world, case):
 
 @pytest.mark.parametrize("case,match", [
     ("group", "process_group= holds ranks"),
-    ("twice", "already has a communication hook"),
+    ("twice", "already has a communication hook: gradcomp's, registered with method 'topk'"),
+    ("torch hook", "already has a communication hook: torch.distributed.algorithms."
+                   "ddp_comm_hooks.default_hooks.allreduce_hook (registered with"),
+    ("positional", "got 1 more positional argument(s) (SGD): write gradcomp.register(model, "
+                   "'topk:ratio=0.5', optimizer=opt)"),
     ("logdir", "needs tensorboard"),
 ])
 def test_registration_misuse_is_refused_on_every_rank(case, match, spawn):

@@ -115,13 +115,14 @@ T5, T10 = "topk:ratio=0.05,warmup=none", "topk:ratio=0.1,warmup=none"
 
 @pytest.mark.parametrize("saved, new, net_fn, match", [
     (T5, "onebit", small_net, "checkpoint is for method 'topk'"),
-    (T5, T10, small_net, "checkpoint is for method 'topk'"),
+    (T5, T10, small_net, "other options than this state's: ratio: saved 0.05, this state 0.1;"),
     (T5, T5, _other_net, "parameters this model lacks"),
     (T5, T5, _narrower_net, "elements for parameter"),
 ])
 def test_a_checkpoint_for_something_else_is_refused(saved, new, net_fn, match, spawn):
     msgs = spawn(_load_into, 2, args=(saved, new, None, net_fn))
     assert all(m is not None and match in m for m in msgs), msgs
+    assert not any("min_numel" in m for m in msgs)  # the options that differ, not all of them
 
 
 def test_a_checkpoint_from_another_world_size_is_refused():
@@ -140,7 +141,7 @@ def test_a_checkpoint_is_compared_by_the_warm_up_that_runs():
     sd["config"]["warmup"] = "adaptive"
     st.load_state_dict(sd)
     sd["config"]["warmup"] = "none"
-    with pytest.raises(ValueError, match="checkpoint is for method 'topk'"):
+    with pytest.raises(ValueError, match="warmup: saved 'none', this state 'adaptive'; register"):
         st.load_state_dict(sd)
     loc = gradcomp.GradcompState(*gradcomp.build_config("topk:local_steps=4", min_numel=0))
     sd = loc.state_dict()
@@ -148,7 +149,7 @@ def test_a_checkpoint_is_compared_by_the_warm_up_that_runs():
     sd["config"]["warmup"] = "none"
     loc.load_state_dict(sd)
     sd["config"]["warmup"] = "adaptive"
-    with pytest.raises(ValueError, match="checkpoint is for method 'topk'"):
+    with pytest.raises(ValueError, match="warmup: saved 'adaptive', this state 'none'; register"):
         loc.load_state_dict(sd)
 
 
@@ -368,3 +369,65 @@ def test_an_error_inside_an_exchange_reaches_the_user_as_itself(spawn):
             "gradcomp: the ranks are at different steps of this state (from step 2 to 5"), first
         assert second[0] == "RuntimeError" and second[1].startswith(
             "gradcomp: an earlier exchange failed: gradcomp: the ranks are at different"), second
+
+
+# ---------------------------------------------------------------- local steps' slips
+LOCAL = "topk:ratio=0.05,local_steps=3"
+
+
+def _local_job(rank):
+    from conftest import small_net
+    net = small_net()
+    model = DDP(net, bucket_cap_mb=0.004)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    state = gradcomp.register(model, LOCAL, optimizer=opt, min_numel=0, lanes=1)
+    return net, model, opt, state
+
+
+def _slips(rank, world, path):
+    """A local-steps job saved mid-round (each rank its own model and state), then resumed
+    three ways: each rank's own model without gradcomp's state (the first step raises),
+    rank 0's model on every rank with each rank's own state (the load raises), each rank's
+    own model and state (goes on). Returns each resume's error (None: none)."""
+    from conftest import train_steps
+    net, model, opt, state = _local_job(rank)
+    train_steps(model, opt, rank, range(4))  # inner step 1 of round 2: the ranks differ
+    torch.save({"model": net.state_dict(), "gradcomp": state.state_dict()},
+               f"{path}/rank{rank}.pt")
+    state.close()
+    torch.distributed.barrier()
+    own = torch.load(f"{path}/rank{rank}.pt")
+    rank0 = torch.load(f"{path}/rank0.pt")
+    out = {}
+    for case, model_sd, gc_sd in (("no gradcomp state", own["model"], None),
+                                  ("rank 0's model", rank0["model"], own["gradcomp"]),
+                                  ("own model and state", own["model"], own["gradcomp"])):
+        net, model, opt, state = _local_job(rank)
+        net.load_state_dict(model_sd)
+        try:
+            if gc_sd is not None:
+                state.load_state_dict(gc_sd)
+            train_steps(model, opt, rank, range(4, 6))
+            out[case] = None
+        except ValueError as exc:
+            out[case] = str(exc)
+        state.close()
+    return out
+
+
+def test_local_steps_checkpoint_slips_raise_on_every_rank(spawn, tmp_path):
+    """Inside a round the ranks' models differ: resumed without gradcomp's state, the first
+    step raises (each rank's rounds would start from its own point for good); gradcomp's
+    state loaded beside rank 0's model raises at the load; each rank's own model and state
+    resume. Every rank raises, each naming the fix."""
+    for rank, out in enumerate(spawn(_slips, 2, args=(str(tmp_path),), timeout=120)):
+        first = out["no gradcomp state"]
+        assert first and "models differ at the first step of local steps" in first, first
+        assert "rank(s) 1 from rank 0" in first and "state.load_state_dict" in first
+        load = out["rank 0's model"]
+        if rank == 1:
+            assert load and "not the one its gradcomp state was saved with" in load, load
+            assert "each rank saves and loads its own model" in load
+        else:  # rank 0's model is its own: refused because rank 1 refused
+            assert load and "refused on rank(s) 1, so on every rank" in load, load
+        assert out["own model and state"] is None

@@ -18,6 +18,31 @@ def test_methods_lists_every_method_with_options():
     assert all(m["description"] for m in got.values())
 
 
+def test_methods_shows_the_defaults_adam_and_adamw_get():
+    """``adam_defaults``: the options register() sets otherwise with Adam/AdamW, each what a
+    registration with AdamW and no options builds (dense_wire "auto" as it runs: bfloat16)."""
+    from gradcomp.hooks.options import for_optimizer
+    got = {m["name"]: m for m in gradcomp.methods()}
+    assert got["diloco"]["adam_defaults"] == {"sync_steps": 200, "outer_lr": 1.0,
+                                              "dense_wire": "int4"}
+    assert got["diloco"]["options"]["outer_lr"] == ("float", 1.5)  # with SGD
+    assert got["onebit"]["adam_defaults"] == {"chunk": 64, "scales": "bfloat16",
+                                              "dense_wire": "int4"}
+    assert got["powersgd"]["adam_defaults"] == {"dense_wire": "bfloat16"}
+    assert got["allreduce"]["adam_defaults"] == {}
+    w = torch.nn.Parameter(torch.zeros(2))
+    for opt in (torch.optim.AdamW([w]), torch.optim.Adam([w]), torch.optim.SGD([w], lr=0.1)):
+        adam = not isinstance(opt, torch.optim.SGD)
+        for name, m in got.items():
+            built = for_optimizer(name, {}, opt)[1].to_dict()
+            if adam and built["dense_wire"] == "auto" and "dense_wire" in m["adam_defaults"]:
+                built["dense_wire"] = "bfloat16"  # what "auto" runs with Adam/AdamW
+            want = {k: d for k, (_, d) in m["options"].items()}
+            if adam:
+                want.update(m["adam_defaults"])
+            assert built == want, (name, type(opt).__name__)
+
+
 def test_spec_string_is_parsed_and_typed():
     name, cfg = gradcomp.build_config("powersgd:rank=3,error_feedback=false,min_numel=0")
     assert (name, cfg.rank, cfg.error_feedback, cfg.min_numel) == ("powersgd", 3, False, 0)

@@ -114,10 +114,13 @@ def _train_random(rank, world, seed):
             out.append((name, opts, "refused", str(exc)[:60], None))
             continue
         H = state.config.local_steps  # a method whose defaults take local steps: whole rounds
-        train_steps(model, opt, rank, range(4 if H == 1 else 2 * H))
+        first = state.config.sync_steps if H > 1 else 0  # (local steps: then the rounds)
+        steps = 4 if H == 1 else first + 2 * H
+        train_steps(model, opt, rank, range(steps))
         state.flush() if hasattr(state, "flush") else None
         flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
-        since = state.stats()["compressing_since"]
+        # compressed from the first step, or (local steps) the first after sync_steps
+        since = (state.stats()["compressing_since"], first, H)
         state.close()
         out.append((name, opts, bool(torch.isfinite(flat).all()), flat, since))
     return out
@@ -133,6 +136,5 @@ def test_accepted_random_settings_train_finite_and_equal_on_2_ranks(seed, spawn)
         assert ok, f"{name} {opts}: non-finite parameters"
         assert since == since1
         if "warmup" not in opts and "dense_steps" not in opts:
-            assert since == 0, f"{name} {opts}: not compressed from the first step"
-        if not (opts.get("local_steps", 1) > 1):
-            assert torch.equal(a, b), f"{name} {opts}: ranks differ"
+            assert since[0] == since[1], f"{name} {opts}: not compressed from the first step"
+        assert torch.equal(a, b), f"{name} {opts}: ranks differ"  # (local steps: a round's end)

@@ -63,3 +63,54 @@ def test_plain_allreduce_never_switches():
     _check_totals(seen)
     assert [s["compressing_since"] for s in seen] == [None, None]
     assert seen[-1]["run_ratio"] == 1.0
+
+
+# ---------------------------------------------------------------- local steps, 2 ranks
+H, S, STEPS = 3, 4, 13  # sync_steps, then three rounds of H inner steps
+
+
+def _local_against_allreduce(rank, world):
+    """Each step's stats() of plain ``allreduce`` and of sparseloco's local steps (S
+    synchronous steps, then rounds of H), the same STEPS optimizer steps."""
+    import gradcomp
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from conftest import batch, small_net
+    out = {}
+    for spec in ("allreduce", f"sparseloco:chunk=64,k=8,local_steps={H},sync_steps={S}"):
+        model = DDP(small_net(), bucket_cap_mb=0.004)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        state = gradcomp.register(model, spec, optimizer=opt, min_numel=0)
+        seen = []
+        for step in range(STEPS):
+            x, y = batch(rank, step)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            seen.append(state.stats())
+        state.close()
+        out[spec.partition(":")[0]] = seen
+    return out
+
+
+def test_local_steps_count_optimizer_steps_and_the_bytes_results_counts(spawn):
+    """With local steps every count is in optimizer steps: ``step``, ``compressing_since``
+    (where the rounds began, after sync_steps), ``run_raw_bytes`` (one gradient per optimizer
+    step, not per round) and ``run_ratio``: an allreduce of every step's gradient over the
+    wire bytes, the figure bench/RESULTS.md reports (allreduce's run wire / the method's)."""
+    from conftest import small_net
+    grad = 4 * sum(p.numel() for p in small_net().parameters())
+    for r in spawn(_local_against_allreduce, 2):
+        ar, loc = r["allreduce"], r["sparseloco"]
+        assert [s["step"] for s in loc] == list(range(1, STEPS + 1))
+        assert [s["rounds"] for s in loc] == [max(i + 1 - S, 0) // H for i in range(STEPS)]
+        assert [s["compressing_since"] for s in loc] == [None] * S + [S] * (STEPS - S)
+        assert loc[-1]["warmup_switch_step"] == S
+        assert [s["run_raw_bytes"] for s in loc] == [grad * (i + 1) for i in range(STEPS)]
+        assert ar[-1]["run_raw_bytes"] == loc[-1]["run_raw_bytes"] == STEPS * grad
+        assert ar[-1]["run_ratio"] == pytest.approx(1.0)  # 2 ranks: the ring's 2(W-1)/W = 1
+        last = loc[-1]
+        assert last["run_raw_wire_bytes"] == STEPS * grad
+        assert last["run_ratio"] == pytest.approx(ar[-1]["run_wire_bytes"] / last["run_wire_bytes"])
+        # 4 dense fp32 synchronous steps in 13: the run saves less than 13/4, more than 2
+        assert 2 < last["run_ratio"] < STEPS / S

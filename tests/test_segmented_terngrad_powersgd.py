@@ -91,8 +91,7 @@ def terngrad_reference(x, params, cfg, step, W, e=None):
     out, res = torch.empty_like(x), {}
     for p in params:
         v = x[p.offset : p.offset + p.numel]
-        if p.size < cfg.min_numel:  # dense: bf16 on the wire, the W rows summed in order, / W
-            v = v.bfloat16().float()
+        if p.size < cfg.min_numel:  # dense: as it is on the wire, the W rows summed in order, / W
             total = v.clone()
             for _ in range(W - 1):
                 total += v
@@ -146,10 +145,10 @@ def test_terngrad_bucket_equals_per_parameter_reference(spec, W, backend, monkey
                 e[p.name] = want_r.clone()
 
 
-def test_terngrad_small_layers_go_bf16_alone_or_beside_compressed_ones():
+def test_terngrad_small_layers_go_exact_alone_or_beside_compressed_ones():
     """A layer under ``min_numel`` comes back the same whether its bucket holds compressed
-    layers (the message's bf16 field) or only small ones (TernGrad's dense step in a
-    compressed step): every rank's value in bf16, averaged in fp32, bit for bit."""
+    layers (the message's fp32 field) or only small ones (TernGrad's dense step in a
+    compressed step): every rank's value as it is, averaged in fp32, bit for bit."""
     method = compressor("terngrad", min_numel=6)
     params = lay_out(MIXED)
     small = [p for p in params if p.numel < 6]
@@ -159,9 +158,9 @@ def test_terngrad_small_layers_go_bf16_alone_or_beside_compressed_ones():
     y = torch.cat([x[p.offset:p.offset + p.numel] for p in small])
     got = by_name(method.reduce(y.clone(), Ctx(alone, 0, ParamMemory(), 2)), alone)
     for p in small:
-        v = x[p.offset:p.offset + p.numel].bfloat16().float()
+        v = x[p.offset:p.offset + p.numel]
         assert torch.equal(got[p.name], mixed[p.name]) and torch.equal(got[p.name], (v + v) / 2)
-        assert not torch.equal(got[p.name], x[p.offset:p.offset + p.numel])  # rounded: bf16
+        assert torch.equal(got[p.name], v)  # sent as it is: not rounded
 
 
 def test_terngrad_reference_above_is_not_blind():
@@ -679,3 +678,30 @@ def test_powersgd_average_by_a_scaled_q_is_the_divided_product(W):
         got = got.div_(W)
     want = bmm(P, Q.transpose(1, 2)).div_(W)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def _tiny_layers(rank, world):
+    """Plain DDP beside terngrad with every tensor under ``min_numel``, compressed steps
+    from the first (warmup none): the parameters after 4 SGD steps."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gradcomp
+    from conftest import small_net, train_steps
+    out = []
+    for spec in (None, "terngrad"):
+        net = small_net()
+        model = DDP(net, bucket_cap_mb=0.004)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if spec:
+            state = gradcomp.register(model, spec, optimizer=opt, min_numel=10**6,
+                                      warmup="none")
+        train_steps(model, opt, rank, range(4))
+        out.append(torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
+    return out, state.stats()["compressing"]
+
+
+def test_terngrad_with_every_tensor_under_min_numel_is_plain_ddp(spawn):
+    """``min_numel``: a tensor below it is sent as it is; with every tensor below it,
+    TernGrad's compressed steps are DDP's, bit for bit (2 ranks)."""
+    for (ddp, tern), compressing in spawn(_tiny_layers, 2):
+        assert compressing and torch.equal(ddp, tern)

@@ -20,10 +20,10 @@ ones go dense):
      Philox per four elements), so its codes do not depend on its bucket, and the CPU
      reference and the GPU kernel draw the same numbers.
   5. Allgather the codes, five to a byte in base 3 (3^5 = 243 <= 256: 1.6 bits a value),
-     the scalers when not shared, and the dense layers' values in bf16; decode s * q;
+     the scalers when not shared, and the dense layers' values as they are (fp32); decode s * q;
      average. A bucket of dense layers alone goes the same way in the compressed steps (a
      layer's result never depends on its bucket's neighbours).
-Each rank sends n/5 bytes (+4 bytes per layer, +2 per dense value): 20x less than fp32, but
+Each rank sends n/5 bytes (+4 bytes per layer, +4 per dense value): 20x less than fp32, but
 allgather means every rank receives (W-1) * n/5 bytes, so the saving shrinks as W grows past
 8 or so.
 
@@ -190,8 +190,8 @@ MESSAGE = Message(
     Field("scales", torch.float32, "n_scales", "each compressed layer's scaler (its max "
           "magnitude after clipping); none with `share_scalers` (a max-allreduce before "
           "gives every rank the same ones)"),
-    Field("dense", torch.bfloat16, "n_dense", "the values of the parameters sent "
-          "uncompressed (below `min_numel`, or named in `exact`), rounded to bf16"))
+    Field("dense", torch.float32, "n_dense", "the values of the parameters sent "
+          "uncompressed (below `min_numel`, or named in `exact`), as they are (fp32)"))
 
 def _shifts(device) -> torch.Tensor:
     """A 2-bit code's place in the kernels' bytes, first value lowest: 0, 2, 4, 6 (made on
@@ -266,7 +266,7 @@ class TernGrad(Compressor):
                 res.add_(unclipped).sub_(y)
             lay.gather(res, e)
             lay.zero_dense(e)  # sent exactly
-        d = dense_values(x, dense).to(torch.bfloat16)
+        d = dense_values(x, dense)
         sent = scale[:0] if cfg.share_scalers else scale  # shared: every rank has them
         msg = MESSAGE.bind(npad=lay.npad, n_scales=sent.numel(), n_dense=d.numel())
         got = msg.unpack(ctx.comm.allgather(msg.pack(
@@ -278,19 +278,19 @@ class TernGrad(Compressor):
         kernels.ternary_decompress(codes, scales, lay.seg, full, 1.0 / W, accumulate=False)
         out = x  # x is not read again (its dense values are in the message): no fresh buffer
         lay.gather(full, out)
-        put_dense(got["dense"].float(), dense, out)
+        put_dense(got["dense"], dense, out)
         return out
 
     def dense(self, x, ctx):
         """A bucket of parameters sent uncompressed: in a compressed step as the message's
-        ``dense`` field goes (every rank's values in bf16 by allgather, summed in fp32 in rank
-        order, divided by W: :func:`put_dense`'s arithmetic), so a parameter's result does not
+        ``dense`` field goes (every rank's fp32 values by allgather, summed in rank order,
+        divided by W: :func:`put_dense`'s arithmetic; with 2 ranks a plain allreduce's bits), so a parameter's result does not
         depend on whether it shares its bucket with compressed ones; the warm-up's steps as
         ``dense_wire`` says."""
         if getattr(ctx, "dense_wire", None) is not None:
             return super().dense(x, ctx)
-        got = ctx.comm.allgather(x.to(torch.bfloat16).view(torch.uint8))
-        put_dense(got.view(torch.bfloat16).float(), ctx.params, x)
+        got = ctx.comm.allgather(x.contiguous().view(torch.uint8))
+        put_dense(got, ctx.params, x)
         return x
 
     def _layout(self, params, big, dense, device):

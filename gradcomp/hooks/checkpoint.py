@@ -28,14 +28,16 @@ from .topology import SEP, base_name
 # under "round" (local_steps.py reads both)
 FORMAT = 3
 _MAX_STEP = 2**53
-# how long a load's agreement waits for every rank to call it (a rank that loads while the
-# others train raises after it, its state unchanged); as long as an exchange's turn waits
-LOAD_TIMEOUT_S = 600.0
+# how long a load waits for every rank to call it (a rank that loads while the others train
+# raises after it naming the ranks that did not come, its state unchanged): a load's ranks
+# arrive within seconds of each other, and a rank left waiting holds the others up in their
+# next exchange meanwhile
+LOAD_TIMEOUT_S = 60.0
 LOAD = ("gradcomp's load_state_dict",
         "every rank checks the checkpoint it was given, and a load is every rank's or none",
         "ranks loaded checkpoints of different steps (every rank loads its own state_dict() "
         "written at the same step)",
-        "not every rank called it within gradcomp.hooks.checkpoint.LOAD_TIMEOUT_S seconds "
+        "not every rank joined its agreement within gradcomp.hooks.checkpoint.LOAD_TIMEOUT_S seconds "
         "(this rank's state is unchanged; a rank that did not load trains on as before), or "
         "an earlier load's agreement failed so (loads into this state fail from then on: "
         "close() it and register anew)")
@@ -154,6 +156,8 @@ def check_checkpoint(sd, state) -> None:
     if state.rounds.active:
         _check_local(sd.get("local"), state)
     _check_compatible(state, sd)
+    if state.rounds.active:
+        _check_own_model(sd.get("model_digest"), state)
 
 
 def _check_memory(mem, state) -> None:
@@ -282,6 +286,58 @@ def _check_local(loc, state) -> None:
                 _check_tensor(f"local round {key}", rnd[key])
 
 
+SAVE_EACH_MODEL = ("under local_steps the ranks' models differ inside a round (each took "
+                   "its own inner steps), so each rank saves and loads its own model beside "
+                   "its own state_dict(), model first; or save at a round's end with "
+                   "local_delay=0, where every rank holds the same model (docs/checkpoints.md)")
+
+
+def _same(a, b) -> bool:
+    """Two digests of :meth:`LocalSteps.digest` equal up to the rounding of a sum taken on
+    other hardware."""
+    def close(x, y):
+        sq = max(abs(x[1]), abs(y[1]))
+        return abs(x[1] - y[1]) <= 1e-9 * sq and abs(x[0] - y[0]) <= 1e-6 * sq ** 0.5
+    return len(a) == len(b) and all(close(x, y) for x, y in zip(a, b))
+
+
+def _check_own_model(saved, state) -> None:
+    """Local steps: the model this rank holds at the load is the one its state was saved
+    with (each rank's differs inside a round: rank 0's model loaded on every rank would
+    resume every other rank from the wrong point)."""
+    if saved is None:
+        return
+    if not (isinstance(saved, list) and all(isinstance(x, (list, tuple)) and len(x) == 2
+                                            for x in saved)):
+        raise _bad("model_digest", saved, "a list of (sum, sum of squares) per parameter")
+    mine = state.rounds.digest()
+    if mine is not None and not _same(saved, mine):
+        raise ValueError(f"gradcomp checkpoint: the model this rank holds is not the one its "
+                         f"gradcomp state was saved with (rank {_rank(state)}'s): "
+                         f"{SAVE_EACH_MODEL}")
+
+
+def check_same_start(state) -> None:
+    """Local steps, at the first step of a first round that no checkpoint started: every
+    rank's model is the same (the rounds' global point is taken from it, on each rank), else
+    every rank raises naming the ranks that differ. A job resumed inside a round without
+    gradcomp's state would otherwise run on with each rank's own point for good."""
+    group = state.load_group
+    if group is None or not dist.is_initialized() or state.rounds.start is not None:
+        return
+    mine = state.rounds.digest()
+    everyone = comm.all_gather_object(mine, group)
+    ranks = dist.get_process_group_ranks(group)
+    differ = [r for r, d in zip(ranks, everyone) if d is not None and not _same(d, everyone[0])]
+    if differ:
+        raise ValueError(f"gradcomp: the ranks' models differ at the first step of local steps "
+                         f"(rank(s) {', '.join(map(str, differ))} from rank {ranks[0]}): each "
+                         f"rank's rounds would start from its own point and never meet. A job "
+                         f"resumed inside a round must load every rank's own gradcomp state "
+                         f"(state.load_state_dict(...) on every rank) with its own model: "
+                         f"{SAVE_EACH_MODEL}")
+
+
 def state_dict(state) -> dict:
     """Everything needed to resume ``state`` exactly, assembled from its components' own
     ``state_dict()``: memory by parameter name (memory.py), the step counter, the delayed
@@ -312,6 +368,8 @@ def plain_state_dict(state) -> dict:
           "pending": state.delay.state_dict(),
           "local": state.rounds.state_dict(), "warmup": state.warmup.state_dict(),
           "exchanges": exchanged(state)}
+    if state.rounds.active:  # this rank's model, which differs from the others' in a round
+        sd["model_digest"] = state.rounds.digest()
     sd["digest"] = tensor_digest(sd)
     return sd
 
@@ -363,9 +421,48 @@ def load(state, read) -> None:
     if group is None or not dist.is_initialized():
         sd = build()[0]
     else:
-        sd = agree(group, dist.get_process_group_ranks(group), build, lambda _: None,
-                   what=LOAD)[0]
+        ranks = dist.get_process_group_ranks(group)
+        _arrive(group, ranks)
+        sd = agree(group, ranks, build, lambda _: None, what=LOAD)[0]
     restore(state, sd)
+
+
+_LOADS: dict = {}  # a load group's name -> its loads so far on this rank (None: one failed)
+
+
+def _arrive(group, ranks) -> None:
+    """Every rank of ``group`` marks its arrival at this load in the job's store and waits
+    for the others' marks (``LOAD_TIMEOUT_S``); a rank left waiting raises naming the ranks
+    that did not come (those that loaded on one rank only, ``if rank == 0: load``), its state
+    unchanged. Skipped where the job has no store to reach (the agreement's own timeout then
+    ends the wait)."""
+    import datetime
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        name = group.group_name
+    except (AttributeError, RuntimeError, ValueError):
+        return
+    n = _LOADS.get(name, 0)
+    if n is None:
+        raise RuntimeError("gradcomp: an earlier load into this state was not joined by every "
+                           "rank, so the ranks' loads no longer pair up: close() the state, "
+                           "register anew and load on every rank")
+    _LOADS[name] = n + 1
+    keys = [f"gradcomp/load/{name}/{n}/rank{r}" for r in ranks]
+    store.set(keys[ranks.index(dist.get_rank())], "1")
+    try:
+        store.wait(keys, datetime.timedelta(seconds=LOAD_TIMEOUT_S))
+    except Exception:  # noqa: BLE001  (the store's timeout: DistStoreError, RuntimeError)
+        missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
+        if not missing:
+            return
+        _LOADS[name] = None
+        raise RuntimeError(
+            f"gradcomp's load_state_dict is collective (every rank loads its own checkpoint "
+            f"at the same point), and rank(s) {', '.join(map(str, missing))} did not call it "
+            f"within gradcomp.hooks.checkpoint.LOAD_TIMEOUT_S = {LOAD_TIMEOUT_S:g} s: call "
+            f"load_state_dict on every rank, not under 'if rank == 0'. This rank's state is "
+            f"unchanged") from None
 
 
 _RANK_KEY = re.compile(r"rank\d+")
@@ -421,11 +518,17 @@ def _check_compatible(state, sd: dict) -> None:
         if state.method_probe is not None and sd.get("method") != state.method:
             auto = (f"; method='auto' chose {state.method!r} in this job: to resume, register "
                     f"the method the checkpoint's job ran, {quote(sd.get('method'))}")
+        if sd.get("method") != state.method:
+            raise ValueError(f"checkpoint is for method {quote(sd.get('method'))}; this "
+                             f"state runs {state.method!r}{auto}: register the method it was "
+                             f"saved with to resume it")
         differ = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
-        raise ValueError(f"checkpoint is for method {quote(sd.get('method'))} with "
-                         f"{quote(sd.get('config'), 600)}; this state runs {state.method!r} "
-                         f"with {config.to_dict()}{auto}"
-                         + (f" (options that differ: {', '.join(differ)})" if differ else ""))
+        shown = "; ".join(f"{k}: saved {quote(saved.get(k), 60)}, this state "
+                          f"{quote(mine.get(k), 60)}" for k in differ[:8])
+        more = f" and {len(differ) - 8} more" if len(differ) > 8 else ""
+        raise ValueError(f"checkpoint of {state.method!r} was saved with other options than "
+                         f"this state's: {shown}{more}; register with the options it was "
+                         f"saved with to resume it")
     _check_adam(state, sd)
     if sd.get("world_size") != state.world_size:
         raise ValueError(f"checkpoint was saved with world size {sd.get('world_size')}; "

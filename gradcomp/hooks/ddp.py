@@ -113,16 +113,27 @@ def register(model: DistributedDataParallel, method: str, *, optimizer=None, sca
     return state
 
 
+def _hook_owner(fn, hook_state) -> str:
+    """Whose communication hook a DDP model holds, in words."""
+    if isinstance(hook_state, GradcompState):
+        return (f"gradcomp's, registered with method {hook_state.method!r} (gradcomp.register "
+                f"was called on this model before)")
+    where = ".".join(filter(None, (getattr(fn, "__module__", None),
+                                   getattr(fn, "__qualname__", None) or repr(fn))))
+    return f"{where} (registered with model.register_comm_hook)"
+
+
 def _validate(model, method, optimizer, scaler, lanes, writes, log_dir, world, options,
               outer_optimizer=None):
     """Registration's checks on this rank (agree() compares the result on every rank):
     (method, config), and what must be equal everywhere."""
     _check_compiled_autograd(model)
     if getattr(model, "_comm_hooks", None):
-        raise ValueError(f"this DDP model already has a communication hook "
-                         f"({model._comm_hooks[0][0].__qualname__}): DDP takes one per "
-                         f"model; register gradcomp once (state.close() does not remove "
-                         f"it), or wrap the module in a new DDP to change method")
+        raise ValueError(f"this DDP model already has a communication hook: "
+                         f"{_hook_owner(*model._comm_hooks[0][:2])}. DDP takes one hook "
+                         f"per model and keeps it (state.close() does not remove it): "
+                         f"register gradcomp once per DDP model, or wrap the module in a "
+                         f"new DistributedDataParallel to change the method")
     check_log_dir(log_dir, writes)  # before anything is attached
     name, config = _method_config(model, method, optimizer, options)
     if scaler is not None and config.delay:

@@ -233,6 +233,7 @@ class _Adapter:
         out = out.reshape(-1)
         lay.check(out.numel(), per_rank=True)
         if self.state.rounds.active:  # an inner step: the node's average, nothing across nodes
+            self.state.telemetry.hand(out.numel() * out.element_size())
             if self.state.rounds.syncing and lay.piece:  # ... but in the first sync_steps
                 self._synchronous(lay, group, out)
             return

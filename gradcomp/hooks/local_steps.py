@@ -432,6 +432,16 @@ class LocalSteps:
                 self._reanchor(rnd.buckets)
 
     # ------------------------------------------------------------------ checkpoints
+    def digest(self) -> list | None:
+        """Per parameter the rounds lay out, (sum, sum of squares) of this rank's values in
+        float64, on the host (one read: at a save, a load, the first step): what
+        hooks/checkpoint.py compares to tell one rank's model from another's."""
+        ts = [t.detach() for _, tensors in self._outer_buckets for t in tensors]
+        if not ts:
+            return None
+        return torch.stack([torch.stack([t.double().sum(), t.double().square().sum()])
+                            for t in ts]).cpu().tolist()
+
     def _named(self, flats, buckets=None) -> dict | None:
         """Per parameter name, its part of ``flats`` (one flat tensor per bucket of
         ``buckets``, every outer bucket where None)."""

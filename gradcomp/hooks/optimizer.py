@@ -322,6 +322,7 @@ def bind(state, optimizer, *, module=None, bucket_bytes=None, pieces=None, warn:
             pieces = [(names[id(p)], p) for p in module.parameters() if id(p) in names]
         state.rounds.bind(pieces, module.named_buffers(), bucket_bytes, state.send_outer,
                           outer_optimizer)
+        _check_first_round(state, optimizer)  # (a pre-hook that runs before the rounds')
         # the steps that run (not a wrapper's skips)
         state.rounds.hook(step_hooks(optimizer, "local", state.rounds.inner_pre,
                                      state.rounds.inner_post))
@@ -335,6 +336,59 @@ def bind(state, optimizer, *, module=None, bucket_bytes=None, pieces=None, warn:
     state.bind_adam(optimizer)
     if warn:
         warn_measured(state, optimizer, stacklevel=stacklevel)
+
+
+def refuse_unseen_adam(state) -> None:
+    """``register()`` without ``optimizer=``: gradcomp cannot see the optimizer, and with
+    Adam/AdamW it must bind it (the second moment frozen once compression starts, the
+    method's Adam defaults), or the compressed gradients reach Adam's second moment
+    (``adam="off"``: measured to lose accuracy, docs/adam.md). So the first
+    ``step()`` of an optimizer holding the model's parameters is looked at, once, through
+    torch's global step pre-hook: Adam/AdamW raises there (on every rank: each takes the
+    same step) naming the fix; any other optimizer goes on (the hook a no-op until
+    close()). Binding it then would be too late: the method's Adam defaults shape the
+    config, and every rank's optimizer is compared at registration."""
+    if state.compressor.stateless or state.config.adam == Adam.OFF:
+        return
+    import weakref
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    ref, done = weakref.ref(state), []  # (the hook stays, a no-op, until close(): torch
+    # iterates the hooks' dict while it runs them)
+
+    def pre(opt, args, kwargs):
+        st = ref()
+        if st is None or done:
+            return
+        names = st.param_names
+        if not any(id(p) in names for g in opt.param_groups for p in g["params"]):
+            return  # another model's optimizer
+        done.append(True)
+        if is_adam(opt):
+            name = type(unwrap(opt)).__name__
+            raise ValueError(
+                f"gradcomp: {st.method!r} was registered without optimizer=, and {name} "
+                f"steps the model's parameters: with Adam/AdamW gradcomp binds the optimizer "
+                f"(Adam's second moment frozen once compression starts, the method's Adam "
+                f"defaults; docs/adam.md), else the compressed gradients reach Adam's second "
+                f"moment and lose accuracy. Register with gradcomp.register(model, "
+                f"{st.method!r}, optimizer=opt), or with adam='off' to run without the "
+                f"binding")
+    state.on_close(register_optimizer_step_pre_hook(pre).remove)
+
+
+def _check_first_round(state, optimizer) -> None:
+    """Local steps: at the first step, before the rounds take their global point from this
+    rank's model, every rank's model must be the same unless a checkpoint set the point
+    (hooks/checkpoint.py's ``check_same_start``); the hook goes after that step."""
+    done = []  # (the hook stays, a no-op, until close(): torch iterates its hooks' dict)
+
+    def pre(opt, args, kwargs):
+        if not done:
+            done.append(True)
+            from .checkpoint import check_same_start
+            check_same_start(state)
+    state.on_close(unwrap(optimizer).register_step_pre_hook(pre).remove)
 
 
 def after_closure(args, kwargs, fn):
@@ -731,7 +785,7 @@ def frozen_variance(state, optimizer):
             return None
         return FrozenVariance(optimizer, lambda p: id(p) in names,
                               lambda: not state.rounds.syncing, names, store=state.memory,
-                              unclip=not state.sharded)
+                              unclip=not state.sharded and not state.config.keep_clip)
     if comp.stateless:
         return None
     mode = adam_mode(state)
@@ -739,7 +793,8 @@ def frozen_variance(state, optimizer):
         optimizer, lambda p: id(p) in names and comp.compresses(names[id(p)], tuple(p.shape)),
         lambda: not warmup.dense(max(state.step - 1, 0)), names,
         precondition=mode == Adam.PRECONDITION, momentum=mode == Adam.MOMENTUM,
-        store=state.memory, unclip=not state.sharded and not state.config.delay)
+        store=state.memory, unclip=not (state.sharded or state.config.delay
+                                        or state.config.keep_clip))
 
 
 def adam_mode(state) -> "Adam":

@@ -44,7 +44,8 @@ def parse_spec(spec: str, auto: bool = False) -> tuple[str, dict]:
     name, _, rest = spec.strip().partition(":")
     name = name.strip()
     if name not in METHODS and not (auto and name == AUTO):
-        raise ValueError(f"unknown method {quote(name)}: allowed {allowed}")
+        near = _nearest(name, [*METHODS, *([AUTO] if auto else [])])
+        raise ValueError(f"unknown method {quote(name)}{near}: allowed {allowed}")
     cfg = MethodConfig if name == AUTO else METHODS[name].config
     opts = {}
     for item in filter(None, (s.strip() for s in rest.split(","))):
@@ -129,6 +130,16 @@ def build_config(method: str, **options):
 
 
 def methods() -> list[dict]:
-    """Every method with its description and options {name: (type, default)}."""
-    return [{"name": s.name, "description": s.description, "options": s.config.options()}
-            for s in METHODS.values()]
+    """Every method with its description, its options {name: (type, default)} (the defaults
+    with SGD, or any optimizer but Adam/AdamW) and ``adam_defaults``: {name: value} of the
+    options that ``register(..., optimizer=opt)`` sets otherwise for Adam/AdamW where the
+    user gave none (the method's measured Adam defaults, ``Compressor.adam_defaults``;
+    ``dense_wire="auto"`` resolved: bfloat16 with Adam/AdamW where the method sets none)."""
+    out = []
+    for s in METHODS.values():
+        adam = dict(s.compressor.adam_defaults)
+        if not s.compressor.stateless and s.config().local_steps == 1:
+            adam.setdefault("dense_wire", "bfloat16")
+        out.append({"name": s.name, "description": s.description,
+                    "options": s.config.options(), "adam_defaults": adam})
+    return out

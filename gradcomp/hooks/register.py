@@ -15,9 +15,9 @@ OWN = ("optimizer", "scaler", "lanes", "process_group", "log_dir", "log_all_rank
        "log_details", "outer_optimizer")
 
 
-def register(model, method: str, *, optimizer=None, scaler=None, lanes: int | None = None,
-             process_group=None, log_dir=None, log_all_ranks=False, log_details=False,
-             outer_optimizer=None, **options) -> GradcompState:
+def register(model, method: str, *args, optimizer=None, scaler=None,
+             lanes: int | None = None, process_group=None, log_dir=None, log_all_ranks=False,
+             log_details=False, outer_optimizer=None, **options) -> GradcompState:
     """Register a gradcomp communication hook on a DDP model (or a ``fully_shard`` model:
     docs/fsdp.md) and return its state.
 
@@ -33,6 +33,7 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int | No
     ``outer_optimizer``: the outer step's optimizer, a callable building it from a list of
     tensors (default: torch's SGD with Nesterov momentum from ``outer_lr`` and
     ``outer_momentum``, which it then replaces).
+    With Adam/AdamW too (docs/adam.md): without it, an Adam/AdamW's first ``step()`` raises.
     ``lanes``: DDP only, how many buckets' exchanges run side by side (4 where None;
     docs/topology.md). ``log_dir``: TensorBoard scalars per step (rank 0
     only unless ``log_all_ranks``; ``log_details`` adds costly diagnostics such as PowerSGD's
@@ -54,6 +55,7 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int | No
 
     def check():  # every argument, on every rank, before anything else is collective
         _check_model(model, sharded)
+        _check_positional(method, args)
         check_arguments(method, options, optimizer, scaler, lanes, log_all_ranks, log_details)
         if sharded and lanes is not None:
             raise ValueError(f"lanes={quote(lanes)} with an FSDP model: it has no effect there "
@@ -70,10 +72,11 @@ def register(model, method: str, *, optimizer=None, scaler=None, lanes: int | No
     common = dict(optimizer=optimizer, scaler=scaler, log_dir=log_dir,
                   outer_optimizer=outer_optimizer,
                   log_all_ranks=log_all_ranks, log_details=log_details, **options)
-    if sharded:
-        return fsdp.register(model, method, **common)
-    return ddp.register(model, method, process_group=process_group,
-                        lanes=ddp.LANES if lanes is None else lanes, **common)
+    state = fsdp.register(model, method, **common) if sharded else ddp.register(
+        model, method, process_group=process_group, lanes=lanes or ddp.LANES, **common)
+    if optimizer is None:
+        optimizer_binding.refuse_unseen_adam(state)
+    return state
 
 
 def _check_model(model, sharded: bool) -> None:
@@ -82,6 +85,17 @@ def _check_model(model, sharded: bool) -> None:
         raise TypeError(f"register() needs a torch.nn.parallel.DistributedDataParallel "
                         f"model or a model sharded with torch.distributed.fsdp.fully_shard,"
                         f" got {type(model).__name__}")
+
+
+def _check_positional(method, args) -> None:
+    """register() takes the model and the method by position, the rest by keyword: an
+    optimizer (or anything) given by position is named, with the call to write."""
+    if args:
+        kinds = ", ".join(type(a).__name__ for a in args)
+        raise TypeError(f"gradcomp.register takes the model and the method by position and "
+                        f"everything else by keyword; got {len(args)} more positional "
+                        f"argument(s) ({kinds}): write gradcomp.register(model, "
+                        f"{quote(method)}, optimizer=opt)")
 
 
 def _check_groups(model, sharded: bool, process_group) -> None:

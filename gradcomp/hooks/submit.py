@@ -65,6 +65,7 @@ class Inner(Way):
                                f"(model, ..., optimizer=opt) or call gradcomp.hooks.optimizer."
                                f"bind(state, opt, module=model.module, bucket_bytes="
                                f"model.bucket_bytes_cap) before training")
+        st.telemetry.hand(buf.numel() * buf.element_size())
         fut = future(buf)
         sync, step = st.rounds.syncing, st.rounds.inner
         if not sync and st.adam is not None:  # the norms of what goes back, for the clip

@@ -35,6 +35,7 @@ class Telemetry:
         self._written = -1     # the last step whose scalars went to the writer
         self._run = [Traffic(), 0]  # every exchange's so far (a step run again included: its
         # bytes did cross); host integers the lanes already hold, so no device sync
+        self._handed = 0  # local steps: the gradients' bytes of every optimizer step
         self.writer = None
         self.details = False
 
@@ -95,6 +96,18 @@ class Telemetry:
                 for old in [k for k in self._records if k < keep]:
                     del self._records[old]
 
+    def hand(self, nbytes: int) -> None:
+        """Local steps: the adapter was handed ``nbytes`` of an optimizer step's gradients
+        (what plain DDP would all-reduce; the run's raw bytes count these, not the rounds'
+        pseudo-gradients)."""
+        with self._lock:
+            self._handed += nbytes
+
+    def handed(self) -> int:
+        """The gradients' bytes handed over so far (:meth:`hand`)."""
+        with self._lock:
+            return self._handed
+
     def forget(self, step: int) -> None:
         """``step`` runs again (its gradients were not finite): drop what it recorded."""
         with self._lock:
@@ -150,55 +163,68 @@ class Telemetry:
 
 
 def state_stats(state) -> dict:
-    """Bytes of the latest step: ``raw_bytes`` (the gradients' own size, what a plain
-    allreduce hands over), ``sent_bytes`` (the messages this rank handed to collectives),
-    ``wire_bytes`` / ``raw_wire_bytes`` (what ring-style collectives put on this rank's
-    link for those two; ``intra_node_wire_bytes`` the part that stayed inside a node
-    under a hierarchical topology, ``inter_node_wire_bytes`` the rest, which crossed
-    between nodes (under a flat topology all of it may), their ``ratio``, the number of
-    ``collectives``, and the seconds spent inside collectives (``comm_s``) and
-    compressing/decompressing (``codec_s``), summed over the step's buckets, and
-    ``codec_cpu_s``: the exchanging threads' CPU time outside collectives (``codec_s``
-    is wall time: on cores shared with backward it also counts the waits for a core;
-    this is what the codec took from them; on a GPU, the host's time). With
-    ``delay=D`` the latest step whose exchanges have all finished is D steps back. The
-    warm-up's schedule: ``compressing`` (whether the step in flight is compressed; False
-    for plain allreduce), ``warmup_switch_step`` (the first compressed step; None while
-    the adaptive rule has not decided) and ``warmup_norm_change`` (the adaptive rule's last
-    window ratio r, None before two windows). ``topology``: "flat" or "hierarchical";
-    ``topology_probe``: what ``topology=auto`` measured on several nodes (seconds per
-    exchange of one bucket each way, the slowest rank's, and the choice), None where it
-    did not run; ``method_probe``: what ``method="auto"`` measured (each candidate's
-    seconds per exchange of the probe bucket, the choice, the predicted exchange seconds
-    per step), None where it did not run.
-
-    Over the run so far (every exchange recorded since this state was created: a
-    checkpoint does not carry them, so a resumed job counts from its resumption):
-    ``run_raw_bytes``, ``run_sent_bytes``, ``run_wire_bytes`` and ``run_ratio`` (raw /
-    sent: the dense warm-up's steps weigh in), and
-    ``compressing_since``: the first compressed step once the step in flight has
-    reached it (None before the switch, and for plain allreduce)."""
-    tel, step = state.telemetry, state.step - 1
-    t, raw = tel.record(step - state.config.delay)
+    """What the state has done, counted in optimizer steps (calls of ``optimizer.step()``)
+    for every method, ``local_steps`` included; docs/troubleshooting.md's table describes
+    every key. The latest exchange's bytes (with ``local_steps`` the latest round's, with
+    ``delay=D`` the step D back): ``raw_bytes`` (the gradients' own), ``sent_bytes``
+    (handed to collectives), ``wire_bytes`` (on this rank's link: a ring allreduce
+    2(W-1)/W of a message, an allgather (W-1), an all-to-all (W-1)/W), their split inside
+    and between nodes, ``ratio``, collectives and seconds. ``step`` (``rounds``: outer
+    rounds started), the warm-up's ``compressing``, ``warmup_switch_step`` (the optimizer
+    step compression starts at; with local steps where the first compressed round begins,
+    after ``sync_steps``), ``compressing_since`` (that step once reached), the probes'
+    measurements. Over the run since this state was created (a resumed job counts from its
+    resumption): ``run_raw_bytes`` (every optimizer step's gradients: what plain DDP's
+    allreduce hands over), ``run_sent_bytes``, ``run_wire_bytes`` (every exchange's, the
+    dense warm-up's and ``sync_steps``' included), ``run_raw_wire_bytes`` (a ring allreduce
+    of the raw bytes) and ``run_ratio`` = ``run_raw_wire_bytes / run_wire_bytes``, the
+    figure bench/RESULTS.md reports (in one process, with no wire: raw / sent)."""
+    tel, last = state.telemetry, state.step - 1
+    t, raw = tel.record(last - state.config.delay)
     run, run_raw = tel.totals()
-    switch = state.warmup.switch_step()
+    step, run_raw, switch, started, compressing = _in_optimizer_steps(state, run_raw)
     W = state.world_size
-    return {
-        "step": state.step, "raw_bytes": raw, "sent_bytes": t.sent,
-        "wire_bytes": t.wire, "raw_wire_bytes": raw * 2 * (W - 1) / W,
+    ring = 2 * (W - 1) / W
+    if run.wire:
+        run_ratio = run_raw * ring / run.wire
+    else:
+        run_ratio = run_raw / run.sent if run.sent else float("inf")
+    out = {
+        "step": step, "raw_bytes": raw, "sent_bytes": t.sent,
+        "wire_bytes": t.wire, "raw_wire_bytes": raw * ring,
         "intra_node_wire_bytes": t.intra, "inter_node_wire_bytes": t.wire - t.intra,
         "ratio": raw / t.sent if t.sent else float("inf"),
         "collectives": t.collectives,
         "comm_s": t.comm_s, "codec_s": t.total_s - t.comm_s,
         "codec_cpu_s": t.total_cpu_s - t.comm_cpu_s,
-        "compressing": bool(state.warmup.compressing(max(step, 0))),
+        "compressing": compressing,
         "warmup_switch_step": switch, "warmup_norm_change": state.warmup.ratio,
         "run_raw_bytes": run_raw, "run_sent_bytes": run.sent, "run_wire_bytes": run.wire,
-        "run_ratio": run_raw / run.sent if run.sent else float("inf"),
-        "compressing_since": switch if switch is not None and step >= switch else None,
+        "run_raw_wire_bytes": run_raw * ring, "run_ratio": run_ratio,
+        "compressing_since": switch if started else None,
         "topology": "hierarchical" if state.local_size else "flat",
         "topology_probe": state.topology_probe, "method_probe": state.method_probe,
     }
+    if state.rounds.active:
+        out["rounds"] = state.step
+    return out
+
+
+def _in_optimizer_steps(state, run_raw: int):
+    """(optimizer steps taken, the run's raw bytes, the optimizer step compression starts
+    at, whether the run has reached it, whether the step in flight is compressed). With
+    local steps the state's steps and the warm-up count rounds, and the raw bytes are one
+    gradient per optimizer step (those the adapter was handed), not one per round."""
+    last, switch = state.step - 1, state.warmup.switch_step()
+    if not state.rounds.active:
+        started = switch is not None and last >= switch
+        return state.step, run_raw, switch, started, bool(state.warmup.compressing(max(last, 0)))
+    step = state.rounds.inner
+    if switch is not None:  # (with fragments, N exchanges a round)
+        c = state.config
+        switch = c.sync_steps + switch // c.fragments * c.local_steps
+    started = switch is not None and step - 1 >= switch
+    return step, state.telemetry.handed(), switch, started, started
 
 
 def attach_writer(state, writer, details: bool = False) -> None:

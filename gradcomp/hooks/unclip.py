@@ -20,6 +20,9 @@ of the gradients between backward and the step is taken off the same way. No hos
 collective. Not under FSDP/HSDP (a rank's gradients are its shard: the clip's norm is a
 collective the hook does not see).
 
+The first step the clip comes off is announced once (rank 0, a UserWarning); the option
+``keep_clip=True`` keeps the user's clip on every step (no :class:`Unclip` is made).
+
 Inner steps whose Adam keeps its own second moment (no ``sync_steps``) keep the clip: there
 Adam's normalisation absorbs most of a uniform rescale, and on the GPT of bench/RESULTS.md
 (2000 steps, diloco without sync_steps) taking it off moved seed 0 from 1.6389 to 1.6206 and
@@ -43,6 +46,23 @@ def by_device(ts) -> list[list[torch.Tensor]]:
     return list(out.values())
 
 
+def announce(step) -> None:
+    """Once per binding, on rank 0, at the first step the clip comes off: say so, and how to
+    keep it (nothing can tell from the host, without a device read, whether the user
+    clips: the notice goes out either way)."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    import warnings
+    warnings.warn(
+        f"gradcomp: from optimizer step {step} on, a gradient clip applied between backward "
+        f"and step() (clip_grad_norm_) is taken off the steps Adam takes on compressed (or, "
+        f"with local steps, each rank's own) gradients: their norm is not the norm of DDP's "
+        f"average, and a clip of it was measured to cost accuracy (docs/adam.md, 'Gradient "
+        f"clipping'); the dense steps keep it. Register with keep_clip=True to keep it.",
+        UserWarning, stacklevel=2)
+
+
 class Unclip:
     """One step's records of what the exchanges handed back, and the rescale that takes a
     clip off that step. ``params``: name -> parameter, those whose handed-back norm is
@@ -56,6 +76,7 @@ class Unclip:
         self._norms: list = []   # this step's (parameter names, norms of what went back)
         self._step = None
         self._orders: dict = {}  # the names' order of a step's records -> name order
+        self._announced = False
 
     def record(self, step: int, back: torch.Tensor, slices, scale=None) -> None:
         """What an exchange of step ``step`` handed back: ``back`` (the bucket as the
@@ -81,10 +102,13 @@ class Unclip:
     def apply(self, grad_scale=None) -> None:
         """Take the clip off the step about to be taken (from its pre-hook); ``grad_scale``:
         the loss scale a fused optimizer's gradients still carry."""
-        records = self._norms
+        records, step = self._norms, self._step
         self.forget()
         if not records:
             return
+        if not self._announced:
+            self._announced = True
+            announce(step)
         names = tuple(n for r in records for n in r[0])
         hit = self._orders.get(names)
         if hit is None:  # once per layout: the records in name order
