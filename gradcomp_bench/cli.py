@@ -796,20 +796,27 @@ def cmd_seeds(args) -> int:
 
 
 def cmd_report(args) -> int:
+    """RESULTS.md from the rows and the spec, and the README's part the spec's [readme]
+    describes (``--readme none``: not the README)."""
     from . import results_report
+    out = Path(args.out)
+    readme = None if args.readme == "none" else Path(args.readme)
     try:
         text = results_report.build(args.spec)
+        readme_text = results_report.readme(args.spec, readme.read_text()) if readme else None
     except (OSError, ValueError, KeyError) as exc:
         raise UsageError(f"{args.spec}: {type(exc).__name__}: {exc}") from None
-    out = Path(args.out)
+    files = [(out, text)] + ([(readme, readme_text)] if readme_text is not None else [])
     if args.check:
-        same = out.is_file() and out.read_text() == text
-        print(f"{out}: " + ("up to date" if same else "differs from what the rows and the spec "
-                            "give; run gradcomp-bench report"))
-        return 0 if same else 1
-    out.write_text(text)
+        stale = [p for p, t in files if not (p.is_file() and p.read_text() == t)]
+        for p, _ in files:
+            print(f"{p}: " + ("differs from what the rows and the spec give; run "
+                              "gradcomp-bench report" if p in stale else "up to date"))
+        return 1 if stale else 0
+    for p, t in files:
+        p.write_text(t)
+        print(f"{p}: {len(t.encode())} bytes")
     size = len(text.encode())
-    print(f"{out}: {size} bytes")
     if size > results_report.LIMIT_BYTES:
         print(f"gradcomp-bench: warning: {out} is over {results_report.LIMIT_BYTES} bytes",
               file=sys.stderr)
@@ -925,12 +932,16 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--plot", default=None, metavar="DIR",
                    help="language-model runs: the val-loss and val-loss-vs-bytes figures of "
                         "all the files together, into DIR")
-    rp = sub.add_parser("report", help="bench/RESULTS.md from bench/results/**/*.json and the "
-                                        "spec of its sections, bench/report.toml")
+    rp = sub.add_parser("report", help="bench/RESULTS.md and README's method table from "
+                                        "bench/results/**/*.json and bench/report.toml")
     rp.add_argument("--spec", default="bench/report.toml")
     rp.add_argument("--out", default="bench/RESULTS.md")
+    rp.add_argument("--readme", default="README.md",
+                    help="the README whose \"Which method to pick\" the spec's [readme] writes "
+                         "(none: leave it)")
     rp.add_argument("--check", action="store_true",
-                    help="write nothing; exit 1 if --out differs from what the rows give")
+                    help="write nothing; exit 1 if --out or --readme differs from what the rows "
+                         "give")
     pl = sub.add_parser("plan", help="cost model: projected step time per method for 8-1024 "
                                       "ranks and 100 Mbit/s-400 Gbit/s; --check against the "
                                       "rig's measurements")
