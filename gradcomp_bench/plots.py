@@ -102,7 +102,7 @@ def ddp(doc: dict, path):
              "measured on loopback only: every line is a projection")
     return _finish(fig, ax, path, f"step time vs link bandwidth, {world} ranks"
                    + (f", {model}" if model else "") + "\nlines: projected from each method's "
-                   f"measured compute time and bytes, never below compute-only; {where}",
+                   f"measured compute time and bytes, never below compute-only\n{where}",
                    "link bandwidth (bit/s)", "ms per step (log)")
 
 

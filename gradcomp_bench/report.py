@@ -67,10 +67,10 @@ def mark_noise(rows: list[dict]) -> None:
         r["within_noise"] = x < 1.0 or (d is not None and abs(x - 1.0) <= d)
 
 
-# A rank of compute-only (``noop``) is one thread of work per step: on a quiet machine it gets
-# its whole core (0.95-1.0 of a core per wall second on the 2-core rig, nothing else running);
-# beside another 2-rank job each rank gets about half. Under 0.8, other processes took over a
-# fifth of the cores the ranks needed, and a codec thread competes with them as well.
+# A compute-only (``noop``) rank is one thread of work per step (no exchange, one intra-op
+# thread): with its core to itself its CPU time is its wall time; another 2-rank job on the
+# same 2 cores would leave it about half; at load average 13 on the 2-core rig it got 11%. Under
+# 0.8, other processes took over a fifth of the cores the ranks needed.
 BUSY_CPU_SHARE = 0.8
 # How far compute-only's own step may move between its runs before the ratios to it rank
 # nothing: in the ResNet-18 runs RESULTS reports (ddp_resnet18_100mbit_s4*/s5*, latency_*)
