@@ -192,7 +192,8 @@ def combine_rounds(rows: list[dict], methods: list[str]) -> list[dict]:
             if (key not in ("world", "link_bps") and not isinstance(v, bool)
                     and all(isinstance(x, (int, float)) for x in vals)):
                 row[key] = statistics.median(vals)
-        row["rounds"] = [{"step_s": r["step_s"], "x_compute": r.get("x_compute")} for r in rs]
+        row["rounds"] = [{"step_s": r["step_s"], "x_compute": r.get("x_compute"),
+                          "cpu_share": r.get("cpu_share")} for r in rs]
         ratios = [r["x_compute"] for r in rs if r.get("x_compute") is not None]
         if ratios:
             row["x_compute_lo"], row["x_compute_hi"] = min(ratios), max(ratios)

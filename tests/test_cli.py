@@ -249,7 +249,9 @@ def test_ddp_rounds_rotate_the_order_and_pair_each_ratio_with_its_rounds_noop(
         slow = 1 + 0.1 * len(calls)
         calls.append(cfg.method)
         base = {"noop": 1.0, "allreduce": 1.2, "ddp": 1.5}[cfg.method]
-        return [{"step_times": [base * slow] * 4}]
+        # the second round's compute-only ranks had 70% of a core: the machine was busy then
+        share = 0.7 if len(calls) == 6 else 1.0
+        return [{"step_times": [base * slow] * 4, "cpu_times": [share * base * slow] * 4}]
 
     code, doc = _fake_ddp_rounds(monkeypatch, tmp_path, fake, 3)
     assert code == 0
@@ -265,6 +267,9 @@ def test_ddp_rounds_rotate_the_order_and_pair_each_ratio_with_its_rounds_noop(
     assert [r["step_s"] for r in rows["ddp"]["rounds"]] == pytest.approx(
         [1.5 * slow[2], 1.5 * slow[4], 1.5 * slow[6]])
     assert rows["noop"]["x_compute"] == 1.0
+    assert [r["cpu_share"] for r in rows["noop"]["rounds"]] == pytest.approx([1.0, 0.7, 1.0])
+    assert doc["machine"]["too_busy"] and doc["machine"]["cpu_share"] == pytest.approx(
+        0.7 / cli._cores_per_rank([2], 1, False))
     assert sorted(r["round"] for r in doc["raw"]) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     assert "x rounds" in capsys.readouterr().out
     assert cli.main(["ddp", "--synthetic", "--rounds", "0"]) == 2
