@@ -285,8 +285,7 @@ def cmd_ddp(args) -> int:
             r[f"at_{_rate_name(bw)}_s"] = bench.project(r, bw, noop.get((r["world"],
                                                                            r["link_bps"])))
     report.mark_noise(rows)
-    machine = report.machine_check(rows, cores_per_rank=_cores_per_rank(worlds, per_node,
-                                                                        torchrun),
+    machine = report.machine_check(rows, cores_per_rank=_cores_per_rank(worlds, torchrun),
                                    load=(load_before, _load()))
     setup = _setup(args, worlds, rates, latency if args.link else 0.0, torchrun, per_node)
     doc = _write_json(args, out_dir, "ddp", {"setup": setup, "machine": machine, "rows": rows,
@@ -314,10 +313,12 @@ def _load() -> float | None:
         return None
 
 
-def _cores_per_rank(worlds, per_node, torchrun) -> float:
-    """The share of a core each rank on this machine can have when nothing else runs."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if torchrun else max(worlds)
-    return min(1.0, (os.cpu_count() or 1) / local)
+def _cores_per_rank(worlds, torchrun) -> dict:
+    """Per world size, the share of a core each rank on this machine can have when nothing
+    else runs (local ranks all run here; under torchrun LOCAL_WORLD_SIZE of them)."""
+    cores = os.cpu_count() or 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return {w: min(1.0, cores / (local if torchrun else w)) for w in worlds}
 
 
 def _setup(args, worlds, rates, latency, torchrun, per_node) -> dict:

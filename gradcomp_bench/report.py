@@ -78,23 +78,26 @@ BUSY_CPU_SHARE = 0.8
 BUSY_DRIFT = 0.2
 
 
-def machine_check(rows: list[dict], cores_per_rank: float = 1.0,
+def machine_check(rows: list[dict], cores_per_rank: float | dict = 1.0,
                   load: tuple | None = None) -> dict:
     """Whether the machine was quiet enough for ``rows`` (a ``ddp`` run's, after
     :func:`mark_noise`) to rank the methods: ``too_busy`` and its ``reasons``, from the
     compute-only runs: the smallest share of a core a rank got (``cpu_share``, against the
-    ``cores_per_rank`` it could have), and how far the compute-only step moved between its
+    ``cores_per_rank`` it could have: one figure, or one per world size), and how far the
+    compute-only step moved between its
     runs (``reference_drift``). ``load``: the 1-minute load average before and after the run,
     kept to be shown (it counts the run's own ranks)."""
     shares, drifts = [], []
     for r in rows:
         if r["method"] != "noop":
             continue
-        shares += [x for x in [r.get("cpu_share"), r.get("cpu_share_after")]
+        could = (cores_per_rank.get(r["world"], 1.0) if isinstance(cores_per_rank, dict)
+                 else cores_per_rank)
+        shares += [x / could for x in [r.get("cpu_share"), r.get("cpu_share_after")]
                    + [k.get("cpu_share") for k in r.get("rounds") or []] if x is not None]
         if r.get("reference_drift") is not None:
             drifts.append(r["reference_drift"])
-    share = min(shares) / cores_per_rank if shares else None
+    share = min(shares) if shares else None
     drift = max(drifts) if drifts else None
     reasons = []
     if share is not None and share < BUSY_CPU_SHARE:

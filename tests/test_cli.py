@@ -269,7 +269,7 @@ def test_ddp_rounds_rotate_the_order_and_pair_each_ratio_with_its_rounds_noop(
     assert rows["noop"]["x_compute"] == 1.0
     assert [r["cpu_share"] for r in rows["noop"]["rounds"]] == pytest.approx([1.0, 0.7, 1.0])
     assert doc["machine"]["too_busy"] and doc["machine"]["cpu_share"] == pytest.approx(
-        0.7 / cli._cores_per_rank([2], 1, False))
+        0.7 / cli._cores_per_rank([2], False)[2])
     assert sorted(r["round"] for r in doc["raw"]) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     assert "x rounds" in capsys.readouterr().out
     assert cli.main(["ddp", "--synthetic", "--rounds", "0"]) == 2
@@ -513,6 +513,10 @@ def test_busy_machine_is_told_from_the_compute_only_runs():
         assert "load average 3.4 before the run" in text
         assert max(map(len, text.splitlines())) <= 100
     assert not report.machine_check([_noop(0.45, 0.46, 0.1)], cores_per_rank=0.5)["too_busy"]
+    # --world 2,4 on 2 cores: each world judged against its own share of a core
+    both = [_noop(0.45, 0.46, 0.1), {**_noop(0.45, 0.46, 0.1), "world": 4}]
+    got = report.machine_check(both, cores_per_rank={2: 1.0, 4: 0.5})
+    assert got["too_busy"] and got["cpu_share"] == pytest.approx(0.45)
     # nothing measured on the CPU (GPU ranks), one run of compute-only: nothing to judge by
     assert report.machine_check([_noop()]) == {
         "too_busy": False, "reasons": [], "cpu_share": None, "reference_drift": None,
@@ -571,7 +575,7 @@ def test_ddp_on_a_busy_machine_says_so_in_the_output_and_the_json(tmp_path, monk
     code, doc = _fake_ddp_rounds(monkeypatch, tmp_path, fake, 1)
     out = capsys.readouterr().out
     assert code == 0 and doc["machine"]["too_busy"]
-    assert doc["machine"]["cpu_share"] == pytest.approx(0.5 / cli._cores_per_rank([2], 1, False))
+    assert doc["machine"]["cpu_share"] == pytest.approx(0.5 / cli._cores_per_rank([2], False)[2])
     assert doc["setup"]["model"] == "resnet_small" and doc["setup"]["link"].startswith("loopback")
     assert "WARNING: this machine was too busy to measure" in out
     assert out.index("WARNING: this machine") < out.index("x compute")
