@@ -1,4 +1,5 @@
-"""``gradcomp-bench report``: bench/RESULTS.md from the recorded rows.
+"""``gradcomp-bench report``: bench/RESULTS.md from the recorded rows, and README's method
+table from the same rows (:func:`readme`).
 
 The report is a function of two inputs: the rows in ``bench/results/**/*.json`` and the
 hand-written spec ``bench/report.toml`` (which sections exist; per table the JSON files that
