@@ -105,6 +105,10 @@ def summarize(method: str, res: dict, world: int, rate_bps: float | None, warmup
     for k in ("forward_s", "backward_s", "rest_s", "tail_s"):  # the step's split (train._phases)
         got = [p[k] for p in ph if k in p]
         row[k] = statistics.median(got) if got else None
+    parallel = (res.get("config") or {}).get("parallel", "ddp")
+    if row["ratio"] is None and wire > 0 and parallel == "ddp":
+        # torch's hooks and DDP report no stats: fp32 allreduce's bytes against theirs
+        row["ratio"] = 2 * (world - 1) / world * model_bytes(model_name)[0] / wire
     link_s = wire * 8 / rate_bps if rate_bps else 0.0
     row["nocomm_s"] = max(0.0, row["step_s"] - link_s)  # what is left without the wire time
     sizes = res.get("bucket_bytes")
@@ -188,7 +192,8 @@ def combine_rounds(rows: list[dict], methods: list[str]) -> list[dict]:
             if (key not in ("world", "link_bps") and not isinstance(v, bool)
                     and all(isinstance(x, (int, float)) for x in vals)):
                 row[key] = statistics.median(vals)
-        row["rounds"] = [{"step_s": r["step_s"], "x_compute": r.get("x_compute")} for r in rs]
+        row["rounds"] = [{"step_s": r["step_s"], "x_compute": r.get("x_compute"),
+                          "cpu_share": r.get("cpu_share")} for r in rs]
         ratios = [r["x_compute"] for r in rs if r.get("x_compute") is not None]
         if ratios:
             row["x_compute_lo"], row["x_compute_hi"] = min(ratios), max(ratios)
@@ -196,9 +201,27 @@ def combine_rounds(rows: list[dict], methods: list[str]) -> list[dict]:
     return out
 
 
-def project(row: dict, bps: float) -> float:
-    """Step time at another bandwidth from the measured non-communication time and bytes."""
-    return row["nocomm_s"] + row["wire_bytes"] * 8 / bps
+def project(row: dict, bps: float, floor: float | None = None) -> float:
+    """Step time at another bandwidth from the measured non-communication time and bytes,
+    held at ``floor`` or above (the compute-only step: no exchange makes a step faster than
+    computing it; a non-communication time under it is the machine's noise)."""
+    t = row["nocomm_s"] + row["wire_bytes"] * 8 / bps
+    return t if floor is None else max(t, floor)
+
+
+def cpu_share(results: list[dict], warmup: int) -> float | None:
+    """The smallest share of a core any rank got over the measured steps (its CPU seconds
+    per wall second; None where the ranks did not run on the CPU). Each rank's step is one
+    thread's work: below ~1 other processes took the rest."""
+    shares = []
+    for res in results:
+        cpu, wall = res.get("cpu_times"), res.get("step_times")
+        if not cpu or not wall:
+            continue
+        cpu, wall = cpu[warmup:] or cpu, wall[warmup:] or wall
+        if sum(wall) > 0:
+            shares.append(sum(cpu) / sum(wall))
+    return min(shares) if shares else None
 
 
 # --------------------------------------------------------------------------- overlap

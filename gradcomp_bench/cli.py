@@ -21,7 +21,10 @@ import os
 import re
 import statistics
 import sys
+import textwrap
 from pathlib import Path
+
+from . import model_names
 
 DEFAULT_METHODS = ("ddp,noop,allreduce,fp16,torch-powersgd:rank=2,dgc:ratio=0.001,onebit,"
                    "terngrad,powersgd:rank=2,topk:ratio=0.01")
@@ -214,6 +217,7 @@ def cmd_ddp(args) -> int:
     if link_note:
         print(link_note, file=sys.stderr)
     rows, raw, failed, after = [], [], [], {}
+    load_before = _load()
     scalars = report.Scalars(args.tensorboard)
     quiet = torchrun and int(os.environ["RANK"]) != 0
     for w, rate, m, k in _progress(
@@ -229,13 +233,14 @@ def cmd_ddp(args) -> int:
                           ranks_per_node=per_node if args.parallel == "hsdp" else 0)
         try:
             if torchrun:
-                res = _torchrun_ranks(cfg)[0]
+                ranks = _torchrun_ranks(cfg)
             elif rate is None:
-                res = bench.run_train(w, cfg, per_node=per_node)[0]
+                ranks = bench.run_train(w, cfg, per_node=per_node)
             else:
                 from .netlink import Link
                 with Link(rate, latency, n=w // per_node) as link:
-                    res = bench.run_train(w, cfg, link=link, per_node=per_node)[0]
+                    ranks = bench.run_train(w, cfg, link=link, per_node=per_node)
+            res = ranks[0]
         except RankError as exc:
             # one method's failure (torch's PowerSGD hook on gloo can abort on a collective
             # mismatch, bench/torch_powersgd_gloo.py) must not lose the runs around it: it
@@ -249,8 +254,9 @@ def cmd_ddp(args) -> int:
                   + failed[-1]["error"], file=sys.stderr)
             continue
         row = bench.summarize(m, res, w, rate, args.warmup, args.model)
+        row["cpu_share"] = bench.cpu_share(ranks, args.warmup)
         if k == AFTER:
-            after[(w, rate)] = row["step_s"]
+            after[(w, rate)] = (row["step_s"], row["cpu_share"])
             raw.append({"method": m, "world": w, "link_bps": rate, "round": 0, "after": True,
                         "step_times": res["step_times"]})
             continue
@@ -271,15 +277,21 @@ def cmd_ddp(args) -> int:
     if quiet:
         return 0
     rows = bench.combine_rounds(rows, methods)
+    noop = {(r["world"], r["link_bps"]): r["step_s"] for r in rows if r["method"] == "noop"}
     for r in rows:
         if r["method"] == "noop" and (r["world"], r["link_bps"]) in after:
-            r["step_after_s"] = after[(r["world"], r["link_bps"])]
+            r["step_after_s"], r["cpu_share_after"] = after[(r["world"], r["link_bps"])]
         for bw in (1e8, 1e9, 1e10):  # the step projected to other links (bench.project)
-            r[f"at_{_rate_name(bw)}_s"] = bench.project(r, bw)
+            r[f"at_{_rate_name(bw)}_s"] = bench.project(r, bw, noop.get((r["world"],
+                                                                           r["link_bps"])))
     report.mark_noise(rows)
-    doc = _write_json(args, out_dir, "ddp", {"rows": rows, "raw": raw,
+    machine = report.machine_check(rows, cores_per_rank=_cores_per_rank(worlds, torchrun),
+                                   load=(load_before, _load()))
+    setup = _setup(args, worlds, rates, latency if args.link else 0.0, torchrun, per_node)
+    doc = _write_json(args, out_dir, "ddp", {"setup": setup, "machine": machine, "rows": rows,
+                                             "raw": raw,
                                              **({"failed": failed} if failed else {})})
-    print(ddp_table(rows))
+    print(ddp_table(rows, setup, machine))
     if rows:
         _plot(doc, out_dir)
     if failed:
@@ -291,6 +303,44 @@ def cmd_ddp(args) -> int:
 
 
 AFTER = -1  # the round of compute-only's closing run (``ddp`` with one round)
+
+
+def _load() -> float | None:
+    """The 1-minute load average (None where the system has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def _cores_per_rank(worlds, torchrun) -> dict:
+    """Per world size, the share of a core each rank on this machine can have when nothing
+    else runs (local ranks all run here; under torchrun LOCAL_WORLD_SIZE of them)."""
+    cores = os.cpu_count() or 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return {w: min(1.0, cores / (local if torchrun else w)) for w in worlds}
+
+
+def _setup(args, worlds, rates, latency, torchrun, per_node) -> dict:
+    """What the run measured, for the header and the JSON: the model (its parameters and
+    fp32 gradient), the ranks, the link, the batch and the steps."""
+    import torch
+    from .models import build
+    with torch.device("meta"):
+        params = sum(p.numel() for p in build(args.model).parameters())
+    if torchrun:
+        link = "your network (torchrun)"
+    elif rates == [None]:
+        link = "loopback (no shaped link: messages cross memory)"
+    else:
+        link = (", ".join(f"a real {_rate_name(r)} link" for r in rates)
+                + " (network namespaces, tc tbf)")
+        if latency:
+            link += f", {latency * 1e3:g} ms one way"
+    return {"model": args.model, "parameters": params, "grad_MB": 4 * params / 1e6,
+            "worlds": worlds, "ranks_per_node": per_node, "link": link,
+            "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
+            "rounds": args.rounds, "device": args.device, "cores": os.cpu_count()}
 
 
 def _delay_opts(method, args):
@@ -352,13 +402,45 @@ def _rate_name(rate):
 NOISE_MARK = "*"
 
 
-def ddp_table(rows) -> str:
+# one line per column of the ddp table: what its figure is
+DDP_LEGEND = {
+    "method": "noop: compute only, no communication; ddp: DDP without a hook; fp16, "
+              "torch-powersgd: torch's own hooks; the rest: gradcomp's",
+    "W": "ranks",
+    "link": "the link between the ranks (loopback: none)",
+    "step ms": "median step time over the measured steps",
+    "p20-p80": "the 20th-80th percentile of the step times (ms)",
+    "x compute": "step / the compute-only step (noop, no communication) of the same run: "
+                 "1.00 = the exchange is free",
+    "x rounds": "the range of x compute over the --rounds",
+    "x paced": "x compute counted in forwards ((step / forward) / noop's): the machine's "
+               "drift cancels",
+    "wire MB": "MB each rank puts on the wire per step (gradcomp: measured; DDP and torch's "
+               "hooks: computed)",
+    "ratio": "fp32 allreduce's bytes on the wire per rank / this method's: x fewer bytes "
+             "(- : sends nothing)",
+}
+
+
+def ddp_header(setup: dict) -> str:
+    """The line that says what a ``ddp`` run measured: the model, the ranks and the link."""
+    from .models import describe
+    worlds = ", ".join(map(str, setup["worlds"]))
+    return (f"{setup['model']} ({describe(setup['model'])}, {setup['parameters'] / 1e6:.2f}M "
+            f"parameters, {setup['grad_MB']:.1f} MB of fp32 gradient), {worlds} ranks, "
+            f"{setup['link']}; batch {setup['batch']} per rank, {setup['steps']} steps timed "
+            f"after {setup['warmup']}")
+
+
+def ddp_table(rows, setup: dict | None = None, machine: dict | None = None) -> str:
     """The key columns, one row per method, within 100 characters for the default methods
     (the rest of each row is in the JSON: the mean, the bound and the floor, the codec's
     time, the step's split, the step projected to 100 Mbit/s, 1 and 10 Gbit/s
-    (``at_100mbit_s``, ``at_1000mbit_s``, ``at_10000mbit_s``), where it beats DDP); a world
-    and link shared by every row go in a line above it; a ratio to compute-only that says
-    nothing is marked and footnoted (``report.mark_noise``)."""
+    (``at_100mbit_s``, ``at_1000mbit_s``, ``at_10000mbit_s``), where it beats DDP); above it
+    what was measured (``setup``: :func:`ddp_header`) and, where ``machine`` says so
+    (``report.machine_check``), that the machine was too busy to measure; a world and link
+    shared by every row go in a line above it; below it one line per column; a ratio to
+    compute-only that says nothing is marked and footnoted (``report.mark_noise``)."""
     from . import report
     view = []
     for r in rows:
@@ -379,13 +461,26 @@ def ddp_table(rows) -> str:
             ("step_ms", "step ms", ".0f"), ("spread", "p20-p80", ""),
             ("x_compute", "x compute", ""), ("x_range", "x rounds", ""),
             ("x_paced", "x paced", ""), ("wire_MB", "wire MB", ".3f"),
-            ("ratio", "ratio", ".0f")]
-    title = ""
+            ("ratio", "ratio", ".1f")]
+    out = []
+    if setup:
+        out.append(textwrap.fill(ddp_header(setup), width=100))
+    warning = report.busy_warning(machine)
+    if warning:
+        out.append(warning)
     if len({(v["world"], v["link"]) for v in view}) == 1:
-        title = f"world {view[0]['world']}, link {view[0]['link']}\n"
+        out.append(f"world {view[0]['world']}, link {view[0]['link']}")
         cols = [c for c in cols if c[0] not in ("world", "link")]
+    cols = report.visible(view, cols)
+    out.append(report.table(view, cols))
     note = report.noise_note(rows, NOISE_MARK, any((r.get("x_paced") or 1.0) < 1.0 for r in rows))
-    return title + report.table(view, report.visible(view, cols)) + ("\n" + note if note else "")
+    if note:
+        out.append(note)
+    out += [textwrap.fill(f"{h}: {DDP_LEGEND[h]}", width=100, subsequent_indent="  ")
+            for _, h, _ in cols if h in DDP_LEGEND]
+    if warning:
+        out.append("WARNING: too busy to measure (above; the JSON's \"machine\" says why).")
+    return "\n".join(out)
 
 
 # --------------------------------------------------------------------------- convergence
@@ -702,20 +797,27 @@ def cmd_seeds(args) -> int:
 
 
 def cmd_report(args) -> int:
+    """RESULTS.md from the rows and the spec, and the README's part the spec's [readme]
+    describes (``--readme none``: not the README)."""
     from . import results_report
+    out = Path(args.out)
+    readme = None if args.readme == "none" else Path(args.readme)
     try:
         text = results_report.build(args.spec)
+        readme_text = results_report.readme(args.spec, readme.read_text()) if readme else None
     except (OSError, ValueError, KeyError) as exc:
         raise UsageError(f"{args.spec}: {type(exc).__name__}: {exc}") from None
-    out = Path(args.out)
+    files = [(out, text)] + ([(readme, readme_text)] if readme_text is not None else [])
     if args.check:
-        same = out.is_file() and out.read_text() == text
-        print(f"{out}: " + ("up to date" if same else "differs from what the rows and the spec "
-                            "give; run gradcomp-bench report"))
-        return 0 if same else 1
-    out.write_text(text)
+        stale = [p for p, t in files if not (p.is_file() and p.read_text() == t)]
+        for p, _ in files:
+            print(f"{p}: " + ("differs from what the rows and the spec give; run "
+                              "gradcomp-bench report" if p in stale else "up to date"))
+        return 1 if stale else 0
+    for p, t in files:
+        p.write_text(t)
+        print(f"{p}: {len(t.encode())} bytes")
     size = len(text.encode())
-    print(f"{out}: {size} bytes")
     if size > results_report.LIMIT_BYTES:
         print(f"gradcomp-bench: warning: {out} is over {results_report.LIMIT_BYTES} bytes",
               file=sys.stderr)
@@ -729,7 +831,7 @@ def parser() -> argparse.ArgumentParser:
 
     def common(s, methods, model, batch):
         s.add_argument("--methods", default=methods, help="comma-separated method specs")
-        s.add_argument("--model", default=model)
+        s.add_argument("--model", default=model, help=model_names.help_text(model))
         s.add_argument("--data", default=None, help="CIFAR-10 python-layout directory")
         s.add_argument("--synthetic", action="store_true", help="use synthetic data")
         s.add_argument("--batch", type=int, default=batch,
@@ -808,7 +910,7 @@ def parser() -> argparse.ArgumentParser:
                         "stops still ends the run within about 70 s)")
     o = sub.add_parser("overlap", help="timeline: bucket exchanges during backward")
     o.add_argument("--methods", default="allreduce,dgc:ratio=0.001,onebit,terngrad,powersgd:rank=2")
-    o.add_argument("--model", default="resnet18")
+    o.add_argument("--model", default="resnet18", help=model_names.help_text("resnet18"))
     o.add_argument("--batch", type=int, default=32)
     o.add_argument("--json", default=None, metavar="PATH",
                    help="the run's rows (default OUT/overlap.json), written before plotting")
@@ -831,12 +933,16 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--plot", default=None, metavar="DIR",
                    help="language-model runs: the val-loss and val-loss-vs-bytes figures of "
                         "all the files together, into DIR")
-    rp = sub.add_parser("report", help="bench/RESULTS.md from bench/results/**/*.json and the "
-                                        "spec of its sections, bench/report.toml")
+    rp = sub.add_parser("report", help="bench/RESULTS.md and README's method table from "
+                                        "bench/results/**/*.json and bench/report.toml")
     rp.add_argument("--spec", default="bench/report.toml")
     rp.add_argument("--out", default="bench/RESULTS.md")
+    rp.add_argument("--readme", default="README.md",
+                    help="the README whose \"Which method to pick\" the spec's [readme] writes "
+                         "(none: leave it)")
     rp.add_argument("--check", action="store_true",
-                    help="write nothing; exit 1 if --out differs from what the rows give")
+                    help="write nothing; exit 1 if --out or --readme differs from what the rows "
+                         "give")
     pl = sub.add_parser("plan", help="cost model: projected step time per method for 8-1024 "
                                       "ranks and 100 Mbit/s-400 Gbit/s; --check against the "
                                       "rig's measurements")

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .model_names import DESCRIPTIONS
+
 
 class Block(nn.Module):
     def __init__(self, cin, cout, stride):
@@ -58,6 +60,11 @@ def resnet_small(classes=10, width=16):
 
 
 MODELS = {"resnet18": resnet18, "resnet18_narrow": resnet18_narrow, "resnet_small": resnet_small}
+
+
+def describe(name: str) -> str:
+    """A model in a few words, for ``--model``'s help and the benchmarks' headers."""
+    return DESCRIPTIONS.get(name, name)
 
 
 def build(name: str) -> nn.Module:

@@ -61,8 +61,12 @@ def kind(doc) -> str:
 
 
 def ddp(doc: dict, path):
-    """Step time against link bandwidth for the first world size: lines projected from each
-    method's measured compute time and bytes, hollow markers where it was measured."""
+    """Step time against link bandwidth for the first world size. Lines are projections,
+    drawn as such: each method's measured non-communication time plus its bytes at that
+    bandwidth, held at or above the compute-only step (``noop``, drawn as a measured
+    horizontal line: no exchange makes a step faster than computing it); large hollow
+    markers where a step was measured on a shaped link. A run the machine was too busy for
+    (``machine.too_busy``) says so on the figure."""
     from .bench import project
     rows = doc["rows"]
     world = rows[0]["world"]
@@ -73,17 +77,32 @@ def ddp(doc: dict, path):
     for r in rows:
         if r["world"] == world and r["method"] not in seen:
             seen[r["method"]] = [o for o in rows if o["world"] == world and o["method"] == r["method"]]
+    floor = seen["noop"][0]["step_s"] if "noop" in seen else None
+    any_measured = False
     for (method, mine), st in zip(seen.items(), styles()):
-        ax.plot(bws, [project(mine[0], b) * 1e3 for b in bws], label=method, markevery=4,
-                markersize=5, **st)
+        if method == "noop":
+            ax.axhline(floor * 1e3, color="black", linewidth=1.5,
+                       label="noop: compute only (measured)")
+            continue
+        ax.plot(bws, [project(mine[0], b, floor) * 1e3 for b in bws],
+                label=f"{method} (projected)", markevery=4, markersize=5, **st)
         measured = [(o["link_bps"], o["step_s"] * 1e3) for o in mine if o["link_bps"]]
         if measured:
+            any_measured = True
             ax.plot(*zip(*measured), linestyle="none", marker=st["marker"], markersize=11,
                     markerfacecolor="none", markeredgecolor=st["color"], markeredgewidth=1.5)
     ax.set_xscale("log")
     ax.set_yscale("log")  # the 10 Mbit/s end is 30x the compute-only step
-    return _finish(fig, ax, path, f"step time vs link bandwidth, {world} ranks (lines: projected "
-                   "from measured compute and bytes; large hollow markers: measured)",
+    if (doc.get("machine") or {}).get("too_busy"):
+        ax.text(0.5, 0.5, "machine too busy to measure:\nthese lines rank nothing",
+                transform=ax.transAxes, ha="center", va="center", fontsize=16, color="red",
+                alpha=0.6)
+    model = (doc.get("setup") or {}).get("model")
+    where = ("large hollow markers: measured on the link" if any_measured else
+             "measured on loopback only: every line is a projection")
+    return _finish(fig, ax, path, f"step time vs link bandwidth, {world} ranks"
+                   + (f", {model}" if model else "") + "\nlines: projected from each method's "
+                   f"measured compute time and bytes, never below compute-only\n{where}",
                    "link bandwidth (bit/s)", "ms per step (log)")
 
 

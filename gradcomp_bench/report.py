@@ -67,6 +67,65 @@ def mark_noise(rows: list[dict]) -> None:
         r["within_noise"] = x < 1.0 or (d is not None and abs(x - 1.0) <= d)
 
 
+# A compute-only (``noop``) rank is one thread of work per step (no exchange, one intra-op
+# thread): with its core to itself its CPU time is its wall time; another 2-rank job on the
+# same 2 cores would leave it about half; at load average 13 on the 2-core rig it got 11%. Under
+# 0.8, other processes took over a fifth of the cores the ranks needed.
+BUSY_CPU_SHARE = 0.8
+# How far compute-only's own step may move between its runs before the ratios to it rank
+# nothing: in the ResNet-18 runs RESULTS reports (ddp_resnet18_100mbit_s4*/s5*, latency_*)
+# its rounds moved 4-17%.
+BUSY_DRIFT = 0.2
+
+
+def machine_check(rows: list[dict], cores_per_rank: float | dict = 1.0,
+                  load: tuple | None = None) -> dict:
+    """Whether the machine was quiet enough for ``rows`` (a ``ddp`` run's, after
+    :func:`mark_noise`) to rank the methods: ``too_busy`` and its ``reasons``, from the
+    compute-only runs: the smallest share of a core a rank got (``cpu_share``, against the
+    ``cores_per_rank`` it could have: one figure, or one per world size), and how far the
+    compute-only step moved between its
+    runs (``reference_drift``). ``load``: the 1-minute load average before and after the run,
+    kept to be shown (it counts the run's own ranks)."""
+    shares, drifts = [], []
+    for r in rows:
+        if r["method"] != "noop":
+            continue
+        could = (cores_per_rank.get(r["world"], 1.0) if isinstance(cores_per_rank, dict)
+                 else cores_per_rank)
+        shares += [x / could for x in [r.get("cpu_share"), r.get("cpu_share_after")]
+                   + [k.get("cpu_share") for k in r.get("rounds") or []] if x is not None]
+        if r.get("reference_drift") is not None:
+            drifts.append(r["reference_drift"])
+    share = min(shares) if shares else None
+    drift = max(drifts) if drifts else None
+    reasons = []
+    if share is not None and share < BUSY_CPU_SHARE:
+        reasons.append(f"its compute-only ranks got {share:.0%} of the CPU time they could "
+                       f"have (other processes took the rest)")
+    if drift is not None and drift > BUSY_DRIFT:
+        reasons.append(f"the compute-only step moved {drift:.0%} between its runs")
+    out = {"too_busy": bool(reasons), "reasons": reasons, "cpu_share": share,
+           "reference_drift": drift, "thresholds": {"cpu_share": BUSY_CPU_SHARE,
+                                                    "reference_drift": BUSY_DRIFT}}
+    if load is not None:
+        out["load_before"], out["load_after"] = load
+    return out
+
+
+def busy_warning(machine: dict | None, width: int = 100) -> str | None:
+    """The lines printed above a ``ddp`` table measured on a busy machine (None: quiet)."""
+    if not machine or not machine.get("too_busy"):
+        return None
+    load = machine.get("load_before")
+    return textwrap.fill(
+        "WARNING: this machine was too busy to measure: " + "; ".join(machine["reasons"])
+        + (f" (load average {load:.1f} before the run)" if load is not None else "")
+        + ". The rows below do not rank the methods (a compressing method's codec competes "
+        "with the other jobs for the cores): rerun when `uptime` shows a load average under "
+        "the core count.", width=width)
+
+
 def noise_note(rows: list[dict], mark: str = "*", more: bool = False) -> str | None:
     """The footnote for the rows :func:`mark_noise` marked (None: none; ``more``: other
     cells were marked too)."""

@@ -1,4 +1,5 @@
-"""``gradcomp-bench report``: bench/RESULTS.md from the recorded rows.
+"""``gradcomp-bench report``: bench/RESULTS.md from the recorded rows, and README's method
+table from the same rows (:func:`readme`).
 
 The report is a function of two inputs: the rows in ``bench/results/**/*.json`` and the
 hand-written spec ``bench/report.toml`` (which sections exist; per table the JSON files that
@@ -21,6 +22,7 @@ import importlib.util
 import json
 import re
 import statistics
+import textwrap
 import tomllib
 from pathlib import Path
 
@@ -528,6 +530,112 @@ def render(spec: dict, root: Path) -> str:
         for t in s.get("table", []):
             out += _table(t, root)
     return "\n\n".join(x for x in out if x) + "\n"
+
+
+# --------------------------------------------------------------------------- README's table
+README_BEGIN = ("<!-- written by `gradcomp-bench report` from bench/results and bench/report.toml "
+                "([readme]): edit those, not this -->")
+README_END = "<!-- end of what `gradcomp-bench report` writes -->"
+FIGURE = re.compile(r"\{(\w+) (\S+) (\w+) (\S*?)(?: (min|max))?\}")
+
+
+def _find_table(spec: dict, title: str) -> dict:
+    for s in spec["section"]:
+        for t in s.get("table", []):
+            if t.get("title") == title:
+                return t
+    raise SpecError(f"[readme] source: no table titled {title!r} in the spec")
+
+
+def source_values(t: dict, root: Path, steps: int | None = None) -> dict[str, dict]:
+    """A RESULTS table's figures by method, from the same rows and the same rules as the
+    table: ``seeds`` (:func:`report.over_seeds`' row: ``mean_acc``, ``d_mean``, ``d_pct``,
+    ``x_fewer``, ``n_seeds``; ``steps`` picks a ``by_steps`` table's run length), ``runs``
+    (each group's mean over its runs, under its metric's name) and ``single`` (every column
+    of :data:`SINGLE_COLUMNS` of the method's first row)."""
+    kind = t.get("kind")
+    if kind == "seeds":
+        docs = _seed_docs(t, root)
+        if t.get("by_steps"):
+            docs = [d for d in docs if int(_argv_value(d.get("argv"), "--steps", 2000)) == steps]
+        out = {}
+        for r in report.over_seeds(docs, t.get("base", "allreduce")):
+            if "mean_acc" in r:
+                out[r["method"]] = {**r, "n_seeds": len(r["seeds"].split(", "))}
+        return out
+    if kind == "runs":
+        out: dict[str, dict] = {}
+        for g in t["groups"]:
+            runs = []
+            for path, opts in _entries(root, g["files"]):
+                doc = _load(path)
+                doc["rows"] = _rows(doc["rows"], opts)
+                runs.append(_run_metric(doc, g.get("metric", "x_compute")))
+            for m in dict.fromkeys(m for run in runs for m in run):
+                out.setdefault(m, {})[g.get("metric", "x_compute")] = _mean(
+                    [run.get(m) for run in runs])
+        return out
+    if kind == "single":
+        out = {}
+        for path, opts in _entries(root, t["files"]):
+            doc = _load(path)
+            noop = next((r for r in doc["rows"] if r["method"] == "noop"), None)
+            rows = _rows(doc["rows"], opts)
+            for r in rows:
+                out.setdefault(r["method"], {c: get(r, noop, rows[0])
+                                             for c, (_, _, get) in SINGLE_COLUMNS.items()})
+        return out
+    raise SpecError(f"[readme] source: table {t.get('title')!r} is of kind {kind!r}; "
+                    f"expected seeds, runs or single")
+
+
+def readme_block(spec: dict, root: Path) -> str:
+    """The README's part that ``spec["readme"]`` describes: its ``text`` with every figure
+    ``{source method metric format}`` (or ``{source * metric format min|max}``: the least or
+    greatest over the source's methods) filled from the named RESULTS table's rows; a figure
+    the rows do not have is an error, never a blank."""
+    rd = spec["readme"]
+    values = {}
+    for name, src in rd["sources"].items():
+        values[name] = source_values(_find_table(spec, src["table"]), root, src.get("steps"))
+
+    def fill(m: re.Match) -> str:
+        name, method, metric, fmt, agg = m.groups()
+        if name not in values:
+            raise SpecError(f"[readme] {m.group(0)}: no source {name!r}; the sources are "
+                            + ", ".join(values))
+        if method == "*":
+            got = [v[metric] for v in values[name].values() if v.get(metric) is not None]
+            v = (min if agg == "min" else max)(got) if got and agg else None
+        else:
+            v = values[name].get(method, {}).get(metric)
+        if v is None:
+            raise SpecError(f"[readme] {m.group(0)}: the rows of {rd['sources'][name]['table']!r}"
+                            f" have no {metric} for {method!r}")
+        return format(v, fmt)
+
+    # paragraphs are reflowed (a figure's width is the rows'); tables and lists stay as written
+    parts = [p if p.lstrip().startswith(("|", "-", "<", "#", "```")) else
+             textwrap.fill(" ".join(p.split()), width=96, break_on_hyphens=False,
+                           break_long_words=False)
+             for p in FIGURE.sub(fill, rd["text"].strip("\n")).split("\n\n")]
+    return "\n\n".join(parts)
+
+
+def readme(spec_path: Path, current: str) -> str | None:
+    """``current`` (the README's text) with the part between :data:`README_BEGIN` and
+    :data:`README_END` replaced by :func:`readme_block`; None where the spec has no
+    [readme]."""
+    spec_path = Path(spec_path).resolve()
+    spec = tomllib.loads(spec_path.read_text())
+    if "readme" not in spec:
+        return None
+    head, sep, rest = current.partition(README_BEGIN)
+    _, sep2, tail = rest.partition(README_END)
+    if not sep or not sep2:
+        raise SpecError(f"the README lacks the lines {README_BEGIN!r} ... {README_END!r}")
+    return (head + README_BEGIN + "\n\n" + readme_block(spec, spec_path.parent.parent)
+            + "\n\n" + README_END + tail)
 
 
 def build(spec_path: Path = SPEC) -> str:

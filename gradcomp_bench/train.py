@@ -239,7 +239,7 @@ def train(rank: int, world: int, cfg: TrainConfig | dict) -> dict:
     else:
         raise ValueError(f"schedule={cfg.schedule!r}: allowed 'cosine', 'onecycle'")
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
-    losses, times, curve, hist, phases, step = [], [], [], [], [], 0
+    losses, times, cpu, curve, hist, phases, step = [], [], [], [], [], [], 0
     model.train()
     while step < total:
         perm = torch.randperm(len(xtr), generator=torch.Generator().manual_seed(cfg.seed + step))
@@ -257,7 +257,7 @@ def train(rank: int, world: int, cfg: TrainConfig | dict) -> dict:
             traced = getattr(state, "trace", False) is None  # a GradcompState: its timestamps
             if traced:
                 state.trace = []
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             loss = F.cross_entropy(model(xb), yb)
             opt.zero_grad(set_to_none=True)
             t1 = time.perf_counter()
@@ -270,6 +270,7 @@ def train(rank: int, world: int, cfg: TrainConfig | dict) -> dict:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
             phases.append(_phases(t0, t1, t2, times[-1], state.trace if traced else None))
             if traced:
                 state.trace = None
@@ -282,8 +283,11 @@ def train(rank: int, world: int, cfg: TrainConfig | dict) -> dict:
                           "train_loss": sum(losses[-steps_per_epoch:]) / len(losses[-steps_per_epoch:])})
     if state is not None and hasattr(state, "flush"):
         state.flush()
-    out = {"config": asdict(cfg), "losses": losses, "step_times": times, "curve": curve,
-           "world": world, "steps": step, "phases": phases, "bucket_bytes": _bucket_bytes(model)}
+    out = {"config": asdict(cfg), "losses": losses, "step_times": times,
+           # the rank's CPU seconds per step: on a CPU rank, how much of a core it was given
+           "cpu_times": cpu if device.type == "cpu" else None,
+           "curve": curve, "world": world, "steps": step, "phases": phases,
+           "bucket_bytes": _bucket_bytes(model)}
     if state is not None:
         out["stats"] = state.stats()
         out["stats_history"] = hist
@@ -408,14 +412,14 @@ def train_lm(rank: int, world: int, cfg: TrainConfig) -> dict:
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
     val_starts = torch.linspace(0, len(val_codes) - T - 2, 128).long()
     every = cfg.eval_every or max(1, total // 10)
-    losses, times, curve, hist, norms = [], [], [], [], []
+    losses, times, cpu, curve, hist, norms = [], [], [], [], [], []
     model.train()
     for step in range(total):
         starts = torch.randint(0, len(train_codes) - T - 1, (cfg.batch,), generator=gen)
         xb, yb = (t.to(device) for t in data.windows(train_codes, starts, T))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
             logits = model(xb)
         loss = F.cross_entropy(logits.float().flatten(0, 1), yb.flatten())
@@ -429,6 +433,7 @@ def train_lm(rank: int, world: int, cfg: TrainConfig) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         losses.append(loss.item())
         if state is not None:
             hist.append(state.stats())
@@ -438,8 +443,10 @@ def train_lm(rank: int, world: int, cfg: TrainConfig) -> dict:
                           "train_loss": sum(losses[-every:]) / len(losses[-every:])})
     if state is not None and hasattr(state, "flush"):
         state.flush()
-    out = {"config": asdict(cfg), "losses": losses, "step_times": times, "curve": curve,
-           "world": world, "steps": total, "grad_norms": norms, **curve[-1]}
+    out = {"config": asdict(cfg), "losses": losses, "step_times": times,
+           # the rank's CPU seconds per step: on a CPU rank, how much of a core it was given
+           "cpu_times": cpu if device.type == "cpu" else None,
+           "curve": curve, "world": world, "steps": total, "grad_norms": norms, **curve[-1]}
     if state is not None:
         out["stats"] = state.stats()
         out["stats_history"] = hist

@@ -249,7 +249,9 @@ def test_ddp_rounds_rotate_the_order_and_pair_each_ratio_with_its_rounds_noop(
         slow = 1 + 0.1 * len(calls)
         calls.append(cfg.method)
         base = {"noop": 1.0, "allreduce": 1.2, "ddp": 1.5}[cfg.method]
-        return [{"step_times": [base * slow] * 4}]
+        # the second round's compute-only ranks had 70% of a core: the machine was busy then
+        share = 0.7 if len(calls) == 6 else 1.0
+        return [{"step_times": [base * slow] * 4, "cpu_times": [share * base * slow] * 4}]
 
     code, doc = _fake_ddp_rounds(monkeypatch, tmp_path, fake, 3)
     assert code == 0
@@ -265,6 +267,9 @@ def test_ddp_rounds_rotate_the_order_and_pair_each_ratio_with_its_rounds_noop(
     assert [r["step_s"] for r in rows["ddp"]["rounds"]] == pytest.approx(
         [1.5 * slow[2], 1.5 * slow[4], 1.5 * slow[6]])
     assert rows["noop"]["x_compute"] == 1.0
+    assert [r["cpu_share"] for r in rows["noop"]["rounds"]] == pytest.approx([1.0, 0.7, 1.0])
+    assert doc["machine"]["too_busy"] and doc["machine"]["cpu_share"] == pytest.approx(
+        0.7 / cli._cores_per_rank([2], False)[2])
     assert sorted(r["round"] for r in doc["raw"]) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     assert "x rounds" in capsys.readouterr().out
     assert cli.main(["ddp", "--synthetic", "--rounds", "0"]) == 2
@@ -471,3 +476,131 @@ def test_lanes_go_to_ddp_runs_only():
         args = argparse.Namespace(lanes=4, delay=0, parallel=parallel)
         assert cli._delay_opts("onebit", args) == want, parallel
     assert cli._delay_opts("ddp", argparse.Namespace(lanes=4, delay=0, parallel="ddp")) == {}
+
+
+def _noop(share=None, after=None, drift=None, rounds=None):
+    r = {"method": "noop", "world": 2, "link_bps": None, "step_s": 1.0}
+    if share is not None:
+        r["cpu_share"] = share
+    if after is not None:
+        r["cpu_share_after"] = after
+    if drift is not None:
+        r["reference_drift"] = drift
+    if rounds:
+        r["rounds"] = [{"step_s": 1.0, "x_compute": 1.0, "cpu_share": s} for s in rounds]
+    return r
+
+
+def test_busy_machine_is_told_from_the_compute_only_runs():
+    """Too busy: a compute-only rank got under 80% of the core it could have (the smallest
+    over its runs: before, after, every round) or compute-only's step moved over 20% between
+    its runs; a rank with half a core to itself (4 ranks, 2 cores) is judged against half."""
+    from gradcomp_bench import report
+    quiet = report.machine_check([_noop(0.97, 0.95, 0.05), {"method": "onebit", "world": 2,
+                                                             "link_bps": None, "cpu_share": 0.3}],
+                                 load=(0.2, 1.9))
+    assert not quiet["too_busy"] and quiet["reasons"] == []
+    assert quiet["cpu_share"] == pytest.approx(0.95) and quiet["load_before"] == 0.2
+    assert report.busy_warning(quiet) is None
+    for rows, cores, why in [([_noop(0.97, 0.52, 0.05)], 1.0, "got 52% of the CPU time"),
+                             ([_noop(rounds=[0.99, 0.6, 0.98])], 1.0, "got 60% of the CPU"),
+                             ([_noop(0.97, 0.96, 0.31)], 1.0, "moved 31% between its runs"),
+                             ([_noop(0.3, 0.31)], 0.5, "got 60% of the CPU time")]:
+        got = report.machine_check(rows, cores_per_rank=cores, load=(3.4, 4.1))
+        assert got["too_busy"] and any(why in r for r in got["reasons"]), (got, why)
+        text = report.busy_warning(got)
+        assert text.startswith("WARNING: this machine was too busy to measure") and why in text
+        assert "load average 3.4 before the run" in text
+        assert max(map(len, text.splitlines())) <= 100
+    assert not report.machine_check([_noop(0.45, 0.46, 0.1)], cores_per_rank=0.5)["too_busy"]
+    # --world 2,4 on 2 cores: each world judged against its own share of a core
+    both = [_noop(0.45, 0.46, 0.1), {**_noop(0.45, 0.46, 0.1), "world": 4}]
+    got = report.machine_check(both, cores_per_rank={2: 1.0, 4: 0.5})
+    assert got["too_busy"] and got["cpu_share"] == pytest.approx(0.45)
+    # nothing measured on the CPU (GPU ranks), one run of compute-only: nothing to judge by
+    assert report.machine_check([_noop()]) == {
+        "too_busy": False, "reasons": [], "cpu_share": None, "reference_drift": None,
+        "thresholds": {"cpu_share": report.BUSY_CPU_SHARE,
+                       "reference_drift": report.BUSY_DRIFT}}
+
+
+def test_cpu_share_is_the_least_any_rank_got_over_the_timed_steps():
+    from gradcomp_bench import bench
+    ranks = [{"step_times": [5.0, 1.0, 1.0], "cpu_times": [0.1, 0.9, 1.0]},
+             {"step_times": [5.0, 1.0, 1.0], "cpu_times": [5.0, 0.5, 0.6]}]
+    assert bench.cpu_share(ranks, warmup=1) == pytest.approx(0.55)
+    assert bench.cpu_share([{"step_times": [1.0], "cpu_times": None}], warmup=0) is None
+
+
+def _setup(**kw):
+    return {"model": "resnet_small", "parameters": 78042, "grad_MB": 0.312168, "worlds": [2],
+            "ranks_per_node": 1, "link": "a real 100mbit link (network namespaces, tc tbf)",
+            "batch": 32, "steps": 12, "warmup": 4, "rounds": 1, "device": "auto", "cores": 2,
+            **kw}
+
+
+def test_ddp_table_names_the_model_and_link_and_explains_every_column():
+    """Above the table: the model (what it is, its size), the ranks, the link; below it one
+    line per column shown; on a busy machine a warning above the table and a line below it."""
+    from gradcomp_bench import report
+    rows = _table_rows({m: 1.3 for m in cli.DEFAULT_METHODS.split(",")} | {"noop": 1.0})
+    for r in rows:
+        r["ratio"] = None if r["method"] == "noop" else r["ratio"]
+    text = cli.ddp_table(rows, _setup(), report.machine_check([_noop(0.98)]))
+    lines = text.splitlines()
+    assert lines[0].startswith("resnet_small (a small CIFAR ResNet") and "0.08M parameters" in text
+    assert "2 ranks, a real 100mbit link" in text and "batch 32 per rank" in text
+    assert "WARNING" not in text and max(map(len, lines)) <= 100
+    head = next(ln for ln in lines if ln.startswith("method"))
+    shown = [h for h in ("method", "step ms", "p20-p80", "x compute", "x paced", "wire MB",
+                         "ratio") if h in head]
+    assert shown == ["method", "step ms", "p20-p80", "x compute", "x paced", "wire MB", "ratio"]
+    legend = {ln.split(":")[0]: ln for ln in lines if ln.split(":")[0] in shown}
+    assert set(legend) == set(shown)
+    assert "fp32 allreduce's bytes on the wire per rank / this method's" in legend["ratio"]
+    assert "compute-only step (noop" in legend["x compute"]
+    busy = report.machine_check([_noop(0.5, 0.97)], load=(2.7, 3.0))
+    lines = cli.ddp_table(rows, _setup(), busy).splitlines()
+    warn = next(i for i, ln in enumerate(lines) if ln.startswith("WARNING: this machine"))
+    assert warn < lines.index(head) and lines[-1].startswith("WARNING: too busy to measure")
+
+
+def test_ddp_on_a_busy_machine_says_so_in_the_output_and_the_json(tmp_path, monkeypatch, capsys):
+    """Ranks that got half a core each (another job beside them): the command prints the
+    warning and the JSON's machine says too_busy, with the setup it measured."""
+    def fake(world, cfg, link=None, per_node=1):
+        step = {"noop": 1.0, "allreduce": 1.1, "ddp": 1.5}[cfg.method]
+        return [{"step_times": [step] * 4, "cpu_times": [0.5 * step] * 4}] * world
+
+    code, doc = _fake_ddp_rounds(monkeypatch, tmp_path, fake, 1)
+    out = capsys.readouterr().out
+    assert code == 0 and doc["machine"]["too_busy"]
+    assert doc["machine"]["cpu_share"] == pytest.approx(0.5 / cli._cores_per_rank([2], False)[2])
+    assert doc["setup"]["model"] == "resnet_small" and doc["setup"]["link"].startswith("loopback")
+    assert "WARNING: this machine was too busy to measure" in out
+    assert out.index("WARNING: this machine") < out.index("x compute")
+    # the same ranks with a core each: no warning
+    def quiet(world, cfg, link=None, per_node=1):
+        return [{**r, "cpu_times": r["step_times"]} for r in fake(world, cfg)]
+
+    code, doc = _fake_ddp_rounds(monkeypatch, tmp_path, quiet, 1)
+    assert code == 0 and not doc["machine"]["too_busy"]
+    assert "WARNING" not in capsys.readouterr().out
+
+
+def test_the_ratio_column_counts_torchs_hooks_and_ddp_too():
+    """fp16 sends half of fp32 allreduce's bytes: ratio 2; DDP's own allreduce 1; noop none."""
+    from gradcomp_bench import bench
+    res = {"step_times": [1.0] * 3, "config": {"parallel": "ddp"}}
+    got = {m: bench.summarize(m, res, 2, None, 1, "resnet_small")["ratio"]
+           for m in ("fp16", "ddp", "noop")}
+    assert got == {"fp16": pytest.approx(2.0), "ddp": pytest.approx(1.0), "noop": None}
+
+
+def test_model_help_lists_every_model():
+    from gradcomp_bench import model_names, models
+    assert set(model_names.DESCRIPTIONS) == set(models.MODELS)
+    text = cli.parser()._subparsers._group_actions[0].choices["ddp"].format_help()
+    flat = " ".join(text.split())
+    for name, what in model_names.DESCRIPTIONS.items():
+        assert f"{name}: {what}" in flat

@@ -51,13 +51,40 @@ def _check_figure(fig, methods):
     assert any(line.get_visible() for line in ax.get_xgridlines())
 
 
+def _ddp_labels(methods):
+    return ["noop: compute only (measured)" if m == "noop" else f"{m} (projected)"
+            for m in methods]
+
+
 def test_ddp_figure_from_a_recorded_run(tmp_path):
     doc = json.loads((RESULTS / "ddp_resnet18_100mbit.json").read_text())
     fig = plots.ddp(doc, tmp_path / "d.png")
     methods = list(dict.fromkeys(r["method"] for r in doc["rows"]))
     assert {"onebit", "powersgd:rank=2"} <= set(methods)
-    _check_figure(fig, methods)
+    _check_figure(fig, _ddp_labels(methods))
     assert (tmp_path / "d.png").stat().st_size > 10_000
+
+
+def test_ddp_figure_marks_projections_and_draws_none_below_compute_only(tmp_path):
+    """A loopback run whose allreduce left less non-communication time than compute-only
+    took (noise): its projected line stays on compute-only's, every line says it is
+    projected, the title says nothing was measured on a link, and a busy run says so."""
+    rows = [{"method": m, "world": 2, "link_bps": None, "step_s": s, "nocomm_s": s,
+             "wire_bytes": b} for m, s, b in (("noop", 0.100, 0.0), ("allreduce", 0.095, 4e6),
+                                              ("onebit", 0.120, 1.3e5))]
+    doc = {"kind": "ddp", "setup": {"model": "resnet_small"}, "rows": rows,
+           "machine": {"too_busy": True}}
+    fig = plots.ddp(doc, tmp_path / "d.png")
+    (ax,) = fig.axes
+    _check_figure(fig, _ddp_labels(["noop", "allreduce", "onebit"]))
+    for line in ax.get_lines():
+        assert min(line.get_ydata()) >= 100.0 - 1e-9, line.get_label()
+    title = ax.get_title()
+    assert "resnet_small" in title and "never below compute-only" in title
+    assert "every line is a projection" in title
+    assert any("too busy" in t.get_text() for t in ax.texts)
+    doc["machine"]["too_busy"] = False
+    assert not plots.ddp(doc, tmp_path / "e.png").axes[0].texts
 
 
 def test_convergence_figures_from_a_recorded_run(tmp_path):

@@ -13,6 +13,7 @@ from gradcomp_bench import cli, results_report
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "RESULTS.md"
+README = ROOT / "README.md"
 SPEC = ROOT / "bench" / "report.toml"
 PROCESS = re.compile(r"\bsessions?\b|\bissue [0-9]+|the issue's|\bs[0-9]{2}\b|was lent"
                      r"|farm-(studio|bench)", re.I)
@@ -21,7 +22,7 @@ PROCESS = re.compile(r"\bsessions?\b|\bissue [0-9]+|the issue's|\bs[0-9]{2}\b|wa
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
     out = tmp_path_factory.mktemp("report") / "RESULTS.md"
-    assert cli.main(["report", "--spec", str(SPEC), "--out", str(out)]) == 0
+    assert cli.main(["report", "--spec", str(SPEC), "--out", str(out), "--readme", "none"]) == 0
     return out.read_bytes()
 
 
@@ -32,12 +33,51 @@ def test_results_md_is_what_the_rows_give(written):
 
 
 def test_check_flag_tells_an_edited_file(tmp_path, capsys):
-    copy = tmp_path / "RESULTS.md"
+    copy, readme = tmp_path / "RESULTS.md", tmp_path / "README.md"
     copy.write_bytes(RESULTS.read_bytes())
-    assert cli.main(["report", "--spec", str(SPEC), "--out", str(copy), "--check"]) == 0
+    readme.write_bytes(README.read_bytes())
+    argv = ["report", "--spec", str(SPEC), "--out", str(copy), "--readme", str(readme), "--check"]
+    assert cli.main(argv) == 0
     copy.write_text(RESULTS.read_text().replace("| `onebit` |", "| `onebit ` |", 1))
-    assert cli.main(["report", "--spec", str(SPEC), "--out", str(copy), "--check"]) == 1
-    assert "differs" in capsys.readouterr().out
+    assert cli.main(argv) == 1
+    assert "RESULTS.md: differs" in capsys.readouterr().out
+    copy.write_bytes(RESULTS.read_bytes())
+    readme.write_text(README.read_text().replace("| `onebit` | -0.4 |", "| `onebit` | -0.3 |"))
+    assert readme.read_text() != README.read_text()
+    assert cli.main(argv) == 1
+    out = capsys.readouterr().out
+    assert "README.md: differs" in out and "RESULTS.md: up to date" in out
+
+
+def test_readme_method_table_is_what_the_rows_give():
+    assert results_report.readme(SPEC, README.read_text()) == README.read_text(), (
+        "README.md's \"Which method to pick\" differs from what bench/results/**/*.json and "
+        "bench/report.toml's [readme] give: run `gradcomp-bench report`")
+
+
+def test_readme_figures_come_from_the_rows_only(tmp_path):
+    """No figure is typed into the README's template (every percentage, ratio and point
+    difference is a {source method metric format}); a figure moves when its rows move; a
+    figure the rows lack is an error that names it."""
+    import tomllib
+    spec = tomllib.loads(SPEC.read_text())
+    bare = results_report.FIGURE.sub("", spec["readme"]["text"])
+    typed = re.findall(r"[-+]?\d+(?:\.\d+)?(?:%|x\b| points)", bare)
+    assert not typed, typed
+    root = tmp_path / "repo"
+    shutil.copytree(ROOT / "bench" / "results", root / "bench" / "results")
+    shutil.copy(SPEC, root / "bench" / "report.toml")
+    run = root / "bench" / "results" / "convergence_narrow18_defaults_12ep_s0.json"
+    doc = json.loads(run.read_text())
+    for r in doc["rows"]:
+        if r["method"] == "onebit":
+            r["test_acc"] += 3.0  # one seed of three: the mean moves by one point
+    run.write_text(json.dumps(doc))
+    block = results_report.readme_block(spec, root)
+    assert "| `onebit` | +0.6 |" in block and "| `onebit` | -0.4 |" in README.read_text()
+    spec["readme"]["text"] += "{sgd onebit no_such_metric .1f}"
+    with pytest.raises(results_report.SpecError, match="no no_such_metric for 'onebit'"):
+        results_report.readme_block(spec, root)
 
 
 def test_report_is_small_and_speaks_of_measurements_only(written):
