@@ -465,7 +465,7 @@ def _clipped_after_sync(rank, world):
     0.01 (biting on every step) from the first inner step on, and one from step 0."""
     out = []
     for clip_from in (None, S, 0):
-        net, model, opt, state = _adamw_job(f"diloco:local_steps={H},sync_steps={S},chunk=16",
+        net, model, opt, state = _adamw_job(f"diloco:local_steps={H},sync_steps={S},chunk=16,adam=freeze",
                                             rank)
         for step in range(S + 3 * H):
             x, y = batch(rank, step)
