@@ -325,13 +325,19 @@ def check_same_start(state) -> None:
     group = state.load_group
     if group is None or not dist.is_initialized() or state.rounds.start is not None:
         return
-    mine = state.rounds.digest()
-    everyone = comm.all_gather_object(mine, group)
+    # under HSDP a rank's rounds hold its shard's rows: compared with that shard's replicas
+    shard = tuple(n for n in state.param_numels if SEP in n)
+    everyone = comm.all_gather_object((shard, state.rounds.digest()), group)
     ranks = dist.get_process_group_ranks(group)
-    differ = [r for r, d in zip(ranks, everyone) if d is not None and not _same(d, everyone[0])]
+    first = {}
+    for r, (k, d) in zip(ranks, everyone):
+        first.setdefault(k, (r, d))
+    differ = [r for r, (k, d) in zip(ranks, everyone)
+              if d is not None and first[k][1] is not None and not _same(d, first[k][1])]
     if differ:
+        ref = first[everyone[ranks.index(differ[0])][0]][0]
         raise ValueError(f"gradcomp: the ranks' models differ at the first step of local steps "
-                         f"(rank(s) {', '.join(map(str, differ))} from rank {ranks[0]}): each "
+                         f"(rank(s) {', '.join(map(str, differ))} from rank {ref}'s): each "
                          f"rank's rounds would start from its own point and never meet. A job "
                          f"resumed inside a round must load every rank's own gradcomp state "
                          f"(state.load_state_dict(...) on every rank) with its own model: "
