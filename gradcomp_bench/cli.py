@@ -417,6 +417,10 @@ def cmd_convergence(args) -> int:
                              f"--model {args.model}")
     if lm and args.data is None:
         data_dir = None  # the text corpus is found by data.load_text
+    from .peers import is_peer
+    if any(is_peer(m) for m in methods) and (not lm or args.parallel != "ddp"):
+        raise UsageError(f"--methods {','.join(m for m in methods if is_peer(m))}: peers run on "
+                         f"language models (--model {'/'.join(LANGUAGE_MODELS)}) with --parallel ddp")
     if args.parallel != "ddp" and not lm:
         raise UsageError(f"--parallel {args.parallel}: for language models (--model gpt); CNNs "
                          f"train under DDP")
