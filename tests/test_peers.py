@@ -169,3 +169,18 @@ def test_convergence_refuses_a_peer_off_the_language_models_ddp_job(argv, tmp_pa
     err = capsys.readouterr().err
     assert "torchft-diloco:sync_every=4: peers run on language models" in err
     assert "--parallel ddp" in err
+
+
+def test_without_torchft_the_peer_says_what_to_install(monkeypatch, tmp_path, capsys):
+    import importlib.util
+    from gradcomp_bench.cli import main
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torchft" else real(name, *a))
+    assert peers.missing("torchft-diloco:sync_every=4") == (
+        "torchft-diloco needs torchft 0.2.0: pip install 'gradcomp[peers]'")
+    assert main(["convergence", "--model", "gpt", "--methods", "torchft-diloco", "--out",
+                 str(tmp_path)]) == 2
+    assert "needs torchft 0.2.0: pip install 'gradcomp[peers]'" in capsys.readouterr().err
+    with pytest.raises(ImportError, match=r"gradcomp\[peers\]"):
+        peers.attach(None, "torchft-diloco", None, 0, 2)
