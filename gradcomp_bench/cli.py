@@ -512,6 +512,13 @@ def cmd_convergence(args) -> int:
                              f"--model {args.model}")
     if lm and args.data is None:
         data_dir = None  # the text corpus is found by data.load_text
+    from .peers import is_peer, missing
+    if any(is_peer(m) for m in methods) and (not lm or args.parallel != "ddp"):
+        raise UsageError(f"--methods {','.join(m for m in methods if is_peer(m))}: peers run on "
+                         f"language models (--model {'/'.join(LANGUAGE_MODELS)}) with --parallel ddp")
+    why = next(filter(None, (missing(m) for m in methods if is_peer(m))), None)
+    if why:
+        raise UsageError(f"--methods: {why}")
     if args.parallel != "ddp" and not lm:
         raise UsageError(f"--parallel {args.parallel}: for language models (--model gpt); CNNs "
                          f"train under DDP")

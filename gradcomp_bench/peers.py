@@ -36,6 +36,15 @@ def is_peer(spec: str) -> bool:
     return spec.strip().partition(":")[0] in PEERS
 
 
+def missing(spec: str) -> str | None:
+    """Why ``spec``'s peer cannot run here (its library is not installed), or None."""
+    import importlib.util
+    if importlib.util.find_spec("torchft") is None:
+        return (f"{spec.strip().partition(':')[0]} needs torchft 0.2.0: "
+                f"pip install 'gradcomp[peers]'")
+    return None
+
+
 def parse(spec: str) -> tuple[str, dict]:
     """``"torchft-diloco:sync_every=64,fragments=4"`` as (name, options with the defaults
     filled in). ValueError names the bad value and what is allowed."""
@@ -117,6 +126,9 @@ class TorchftDiLoCo:
     def __init__(self, net, optimizer, rank: int, world: int, opts: dict):
         # torchft's Rust side logs every quorum and commit at INFO
         os.environ.setdefault("RUST_LOG", "warn")
+        why = missing("torchft-diloco")
+        if why:
+            raise ImportError(why)
         from torchft.coordination import LighthouseServer
         from torchft.local_sgd import DiLoCo
         from torchft.manager import Manager

@@ -158,3 +158,29 @@ def test_fragments_split_a_gpt_by_layers_and_refuse_more_than_its_modules():
     assert sum(p.numel() for f in four for p in f.parameters()) == sum(p.numel() for p in net.parameters())
     with pytest.raises(ValueError, match="fragments=9: GPT has 8 modules to split; allowed 1 to 8"):
         peers.fragments(net, 9)
+
+
+@pytest.mark.parametrize("argv", [["--model", "resnet_small"],
+                                  ["--model", "gpt", "--parallel", "fsdp"]])
+def test_convergence_refuses_a_peer_off_the_language_models_ddp_job(argv, tmp_path, capsys):
+    from gradcomp_bench.cli import main
+    assert main(["convergence", "--methods", "torchft-diloco:sync_every=4", "--out",
+                 str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err
+    assert "torchft-diloco:sync_every=4: peers run on language models" in err
+    assert "--parallel ddp" in err
+
+
+def test_without_torchft_the_peer_says_what_to_install(monkeypatch, tmp_path, capsys):
+    import importlib.util
+    from gradcomp_bench.cli import main
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torchft" else real(name, *a))
+    assert peers.missing("torchft-diloco:sync_every=4") == (
+        "torchft-diloco needs torchft 0.2.0: pip install 'gradcomp[peers]'")
+    assert main(["convergence", "--model", "gpt", "--methods", "torchft-diloco", "--out",
+                 str(tmp_path)]) == 2
+    assert "needs torchft 0.2.0: pip install 'gradcomp[peers]'" in capsys.readouterr().err
+    with pytest.raises(ImportError, match=r"gradcomp\[peers\]"):
+        peers.attach(None, "torchft-diloco", None, 0, 2)
