@@ -11,15 +11,29 @@ blocks of 2^18 elements), which grows with the bucket's size, not its tensor cou
 buckets of ResNet-18 and of GPT-2 small's parameter shapes, and 1M elements cut into 16 or
 160 tensors (to check that the count does not grow with the tensor count). A warm
 step runs first, so memory creation is not counted.
+
+:func:`gpu_launches` counts what a GPU launches without one, on the GPU's own path: the
+exchange runs on CPU tensors that say they are CUDA tensors (``Tensor.device`` and
+``is_cuda`` answer cuda, so every choice the library makes by device takes its GPU branch;
+the dispatch mode runs each op on the CPU), every Triton launch is counted and not run
+(its outputs stay as allocated, zero-filled here, so indices stay in range), and each op
+that does work counts one launch. What launches nothing on a GPU is left out: views, a new
+header (``detach``, ``alias``), an allocation (``empty*``); a copy between host and device
+(``kernels.host``) counts one. The collectives (:class:`gradcomp.comm.Comm`) are not
+counted: the count is the codec's, besides its collectives. A read of a device value on the
+host (``.item()``) is listed as ``"host read"``: on a GPU it would be a wait.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import os
+import sys
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 
 from gradcomp.compressors.base import ParamSlice
 from gradcomp.hooks import build_config
@@ -159,3 +173,129 @@ def run(specs=SPECS, launch: bool = True) -> list[dict]:
                          "max_kernel_ops_per_bucket": max(work),
                          "max_launches_per_bucket": max(gpu) if gpu else None})
     return rows
+
+
+# --------------------------------------------------------------------------- GPU launches
+_CUDA, _CPU = torch.device("cuda", 0), torch.device("cpu")
+_ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+_NO_LAUNCH = _HEADER_ONLY | _ALLOCATIONS
+
+
+def _on_cpu(d):
+    if isinstance(d, str) and d.startswith("cuda"):
+        return _CPU
+    return _CPU if isinstance(d, torch.device) and d.type == "cuda" else d
+
+
+class _Launches(TorchDispatchMode):
+    """Runs every op on the CPU (a device of cuda becomes the CPU) and counts, while ``on``
+    and outside a collective (``quiet``), the ops a GPU would launch."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+        self.on = False
+        self.quiet = 0
+
+    def add(self, what: str) -> None:
+        if self.on and not self.quiet:
+            self.counts[what] += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = {k: _on_cpu(v) if k == "device" else v for k, v in (kwargs or {}).items()}
+        args = tree_map(_on_cpu, args)
+        name = func.overloadpacket.__name__
+        if name == "_local_scalar_dense":
+            self.add("host read")
+        elif not func.is_view and name not in _NO_LAUNCH:
+            self.add(str(func))
+        out = func(*args, **kwargs)
+        if name in _ALLOCATIONS:
+            out.zero_()  # the Triton kernels do not run: what they would write stays zero
+        return out
+
+
+@contextlib.contextmanager
+def _posing_as_cuda(mode: _Launches):
+    """CPU tensors that say they are on cuda:0; Triton launches, host copies and collectives
+    counted into ``mode`` (the launches not run)."""
+    import numpy
+    import triton.runtime.interpreter as interp
+    import triton.runtime.jit as jit
+
+    from gradcomp import comm
+    from gradcomp.kernels import host
+
+    saved = []
+
+    def put(obj, name, new):
+        saved.append((obj, name, obj.__dict__.get(name, _MISSING)))
+        setattr(obj, name, new)
+
+    put(torch.Tensor, "device", property(lambda t: _CUDA))
+    put(torch.Tensor, "is_cuda", property(lambda t: True))
+    put(torch.cuda, "_lazy_init", lambda: None)  # a factory with device=cuda reaches the mode
+    for fn in ("tensor", "as_tensor"):  # these build their tensor below the dispatch mode
+        put(torch, fn, lambda *a, _f=getattr(torch, fn), **k: _f(
+            *a, **{key: _on_cpu(v) if key == "device" else v for key, v in k.items()}))
+    for cls in (jit.JITFunction, interp.InterpretedFunction):  # compiled or interpreted
+        put(cls, "run", lambda self, *a, **k: mode.add(f"triton {self.fn.__name__}"))
+
+    def to_device(values, dtype, device):
+        mode.add("host to device copy")
+        return torch.tensor(values, dtype=dtype)
+
+    def to_host_later(t):
+        mode.add("device to host copy")
+        out = numpy.empty(tuple(t.shape), dtype=host._NUMPY[t.dtype])
+        mode.quiet += 1
+        try:
+            torch.from_numpy(out).copy_(t)
+        finally:
+            mode.quiet -= 1
+        return out, None
+
+    for orig, new in ((host.to_device, to_device), (host.to_host_later, to_host_later)):
+        for m in [m for k, m in list(sys.modules.items()) if k.startswith("gradcomp.")]:
+            for k in [k for k, v in vars(m).items() if v is orig]:
+                put(m, k, new)
+
+    def collective(f):
+        def quiet(self, *a, **k):
+            mode.quiet += 1
+            try:
+                return f(self, *a, **k)
+            finally:
+                mode.quiet -= 1
+        return quiet
+
+    for fn in ("allreduce", "allgather", "reduce_scatter", "all_to_all"):
+        put(comm.Comm, fn, collective(getattr(comm.Comm, fn)))
+    try:
+        yield
+    finally:
+        for obj, name, old in reversed(saved):
+            if old is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)
+
+
+_MISSING = object()
+
+
+def gpu_launches(spec: str, layout: list[ParamSlice], seed: int = 0) -> collections.Counter:
+    """What one warm compressed exchange of the bucket ``layout`` (world size 1) launches on
+    a GPU besides its collectives, by op (see the module's docstring); its total is the
+    launch count. Needs Triton (importable; nothing is compiled or run)."""
+    name, cfg = build_config(spec, **({} if "warmup=" in spec else {"warmup": "none"}))
+    state = GradcompState(name, cfg)
+    x = torch.randn(sum(p.numel for p in layout), generator=torch.Generator().manual_seed(seed))
+    mode = _Launches()
+    with _posing_as_cuda(mode), mode:
+        state.reduce(x.clone(), layout)  # warm: memory and layouts created
+        bucket = x.clone()
+        mode.on = True
+        state.reduce(bucket, layout)
+        mode.on = False
+    return mode.counts

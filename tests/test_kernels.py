@@ -568,3 +568,74 @@ def test_bad_sizes_raise():
                             torch.zeros(6, dtype=torch.long, device=DEV), 0)
     with pytest.raises(ValueError, match="capacity"):
         tk.select_topk(torch.zeros(6, device=DEV), torch.tensor(0.0, device=DEV), 5, 4)
+
+
+# --------------------------------------------------------------------------- inf/NaN guard
+def check_finite_copy(g, x):
+    flag = g.embed(torch.tensor([0.0, 7.0, -7.0], device=DEV), float("nan"))
+    want_flag = torch.tensor([0.0, 7.0, -7.0], device=DEV)
+    want = ref.finite_copy(x.clone(), want_flag)
+    got = tk.finite_copy(poisoned(g, x), flag)
+    assert got.dtype == x.dtype
+    # bit for bit: -0.0 stays -0.0, every finite value keeps its bits
+    assert torch.equal(got.view(torch.uint8 if x.element_size() == 1 else torch.int16
+                                if x.element_size() == 2 else torch.int32),
+                       want.view(torch.uint8 if x.element_size() == 1 else torch.int16
+                                 if x.element_size() == 2 else torch.int32))
+    assert torch.equal(flag, want_flag)  # only flag[0], and only where x held one
+    return flag
+
+
+# the interpreter has no bf16 arithmetic (the kernel compares in fp32 after the load; bf16 on
+# a GPU)
+FINITE_DTYPES = [torch.float32, torch.float16] + ([] if INTERPRET else [torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", FINITE_DTYPES)
+def test_finite_copy_matches_reference(guards, block, dtype):
+    for n in sizes(block):
+        x = randn(n, n, dtype)
+        assert check_finite_copy(guards, x)[0] == 0
+        if n:
+            for pos, v in ((n - 1, float("nan")), (0, float("inf")), (n // 2, float("-inf"))):
+                bad = x.clone()
+                bad[n // 3] = -0.0
+                bad[pos] = v
+                assert check_finite_copy(guards, bad)[0] == 1
+
+
+def test_finite_copy_everywhere_bad_and_a_flag_already_up(guards, monkeypatch):
+    monkeypatch.setattr(tk.common, "BLOCK", SMALL_BLOCK)
+    x = torch.full((3 * SMALL_BLOCK + 5,), float("nan"), device=DEV)
+    x[::7] = float("inf")
+    flag = torch.tensor([1.0], device=DEV)
+    out = tk.finite_copy(x, flag)
+    assert torch.equal(out, torch.zeros_like(x)) and flag.item() == 1.0
+    # a flag already up stays up on a finite bucket (the kernel only ever raises it)
+    assert tk.finite_copy(torch.ones(5, device=DEV), flag).sum() == 5 and flag.item() == 1.0
+
+
+def test_finite_copy_rejects_bad_input():
+    with pytest.raises(ValueError, match="flat contiguous"):
+        tk.finite_copy(torch.zeros(4, 4, device=DEV), torch.zeros(1, device=DEV))
+    with pytest.raises(ValueError, match="flag must be fp32"):
+        tk.finite_copy(torch.zeros(4, device=DEV), torch.zeros(1, dtype=torch.int32, device=DEV))
+    with pytest.raises(ValueError, match="flag must be fp32"):
+        ref.finite_copy(torch.zeros(4), torch.zeros(0))
+
+
+@pytest.mark.parametrize("dtype", FINITE_DTYPES)
+@pytest.mark.parametrize("up", [0.0, 1.0])
+def test_flag_fill_matches_reference(guards, block, dtype, up):
+    for n in sizes(block):
+        x = randn(n, n + 1, dtype)
+        x[:: 5] = -0.0
+        flag = torch.tensor([up, 3.0, -3.0], device=DEV)
+        want = ref.flag_fill(x.clone(), flag.clone())
+        got = tk.flag_fill(poisoned(guards, x), flag)
+        assert torch.equal(got.isnan(), want.isnan())
+        assert n == 0 or bool(got.isnan().all()) == (up > 0)
+        if not up:  # untouched, bit for bit
+            assert torch.equal(got.view(torch.int16 if x.element_size() == 2 else torch.int32),
+                               want.view(torch.int16 if x.element_size() == 2 else torch.int32))
+        assert torch.equal(flag, torch.tensor([up, 3.0, -3.0], device=DEV))

@@ -15,6 +15,7 @@ import threading
 
 import torch
 
+from .. import kernels
 from ..kernels.host import read_later, to_device, to_host_later
 
 STEP_MOD = 2**24  # steps travel as float32: exact below this
@@ -25,6 +26,12 @@ def step_flag(bad: torch.Tensor, step: int) -> torch.Tensor:
     (any non-finite, the highest step, minus the lowest)."""
     s = float(step % STEP_MOD)
     return torch.cat([bad, to_device([s, -s], torch.float32, bad.device)])
+
+
+def clear_flag(step: int, device) -> torch.Tensor:
+    """:func:`step_flag` of a finite bucket: (0, s, -s), one copy to the device."""
+    s = float(step % STEP_MOD)
+    return to_device([0.0, s, -s], torch.float32, device)
 
 
 def check_steps(vals) -> bool:
@@ -120,9 +127,10 @@ class Guard:
         # its new buffer is committed or dropped below
         snap = ctx.snapshot = self.memory.snapshot(names, ctx.bucket, slots=())
         orig = x  # the compressor runs on every rank alike (the same collectives), on a copy
-        bad = torch.isfinite(x).all().logical_not().float().reshape(1)
-        x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
-        bad = step_flag(bad, ctx.step)  # the step check rides with the flag
+        # the step check rides with the flag; the copy without inf/NaN sets bad[0] (one
+        # kernel on a GPU)
+        bad = clear_flag(ctx.step, x.device)
+        x = kernels.finite_copy(x, bad)
         flat.flag(bad)
         if late:
             return self._run_late(x, ctx, flat, run, bad, snap, names)
@@ -157,4 +165,4 @@ class Guard:
         ctx.finish(True)
         with self._lock:
             self._held.append((ctx.step, snap, names, swaps, to_host_later(bad)))
-        return out.masked_fill_(bad[:1] > 0, float("nan"))
+        return kernels.flag_fill(out, bad)

@@ -72,6 +72,16 @@ def implementation(name: str, t: torch.Tensor, which: str | None = None, referen
     return getattr(module, name)
 
 
+def finite_copy(x, flag):
+    """x with NaN and +-inf put to 0 (a new tensor); flag[0] = 1 where x held any."""
+    return implementation("finite_copy", x)(x, flag)
+
+
+def flag_fill(out, flag):
+    """out = NaN, in place, where flag[0] > 0."""
+    return implementation("flag_fill", out)(out, flag)
+
+
 def onebit_compress(x, residual, chunk):
     return implementation("onebit_compress", x)(x, residual, chunk)
 

@@ -394,3 +394,27 @@ def threshold_decode(got: torch.Tensor, K: int, P: int, owner: torch.Tensor,
     taus = got[:, K : K + P].contiguous().view(torch.float32)
     scatter_add(torch.sign(codes).float() * taus[:, owner], codes.abs().sub_(1).clamp_(min=0), out)
     return out
+
+
+# --------------------------------------------------------------------------- inf/NaN guard
+def finite_copy(x: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
+    """x with every NaN, +inf and -inf put to 0 (a new tensor, x's dtype), and flag[0] = 1
+    where x held any of them (left as it is otherwise). x: flat contiguous, fp32/fp16/bf16;
+    flag: fp32, at least one element. Reads n, writes n (+ one flag)."""
+    check_flat(x)
+    if flag.dtype != torch.float32 or flag.numel() < 1:
+        raise ValueError(f"flag must be fp32 with at least one element, got {flag.dtype} with "
+                         f"{flag.numel()}")
+    bad = torch.isfinite(x).all().logical_not()
+    flag[:1].masked_fill_(bad.reshape(1), 1.0)
+    return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def flag_fill(out: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
+    """out filled with NaN, in place, where flag[0] > 0 (left as it is otherwise): the
+    guard's verdict on a bucket, decided on the device. Reads 1 (+ n where set), writes n."""
+    check_flat(out, "out")
+    if flag.dtype != torch.float32 or flag.numel() < 1:
+        raise ValueError(f"flag must be fp32 with at least one element, got {flag.dtype} with "
+                         f"{flag.numel()}")
+    return out.masked_fill_(flag[:1] > 0, float("nan"))

@@ -1,6 +1,7 @@
 """Triton kernels for the quantize and select steps (CUDA tensors), one module per method:
 ``onebit.py``, ``terngrad.py``, ``topk.py`` (top-k and DGC's selection), ``powersgd.py``,
-``threshold.py``; ``common.py`` holds what they share.
+``threshold.py``, ``guard.py`` (the inf/NaN guard's copy); ``common.py`` holds what they
+share.
 
 Every function here has the signature and semantics of the function of the same name in
 :mod:`gradcomp.kernels.reference` (PowerSGD's: :mod:`gradcomp.kernels.lowrank`;
@@ -33,6 +34,9 @@ Passes over memory (n elements, fp32 x):
     reads its bins; the take of each parameter's k largest slots, in order: one program per
     parameter walking its slots, or (a parameter wider than SERIAL_BLOCKS blocks) a count
     per block, a cumsum, a count before each parameter and a placement over all slots.
+  * finite_copy (the inf/NaN guard, guard.py): one kernel, one read of x and one write of
+    its copy with NaN and +-inf put to 0, the flag set where any was seen; flag_fill: one
+    kernel that writes NaN over a bucket whose flag is up (nothing read of it).
   * threshold_tau / threshold_encode / threshold_decode: threshold quantization's
     per-parameter tau, its codes and residual, and the decode of the W messages (atomic
     adds); each one launch over a bucket.
@@ -54,7 +58,8 @@ otherwise): a silent ``.contiguous()`` would copy a whole bucket.
 """
 from __future__ import annotations
 
-from . import common, onebit, powersgd, terngrad, threshold, topk  # noqa: F401
+from . import common, guard, onebit, powersgd, terngrad, threshold, topk  # noqa: F401
+from .guard import finite_copy, flag_fill  # noqa: F401
 from .onebit import onebit_compress, onebit_decompress  # noqa: F401
 from .powersgd import (  # noqa: F401
     powersgd_back, powersgd_expand, powersgd_orthonormalize, powersgd_project,
