@@ -41,9 +41,10 @@ def model_bytes(model_name: str, rank: int = 2) -> tuple[int, int]:
 
 
 def step_records(history: list[dict]) -> list[dict]:
-    """One ``stats()`` record per state step (the last of each): with ``local_steps``,
-    ``stats()`` repeats the last outer round's record on every inner step."""
-    return list({h["step"]: h for h in history}.values())
+    """One ``stats()`` record per exchange (the last of each): with ``local_steps``,
+    ``stats()`` repeats the last outer round's record on every inner step (``step`` counts
+    optimizer steps, ``rounds`` the outer exchanges)."""
+    return list({h.get("rounds", h["step"]): h for h in history}.values())
 
 
 def wire_bytes(method: str, res: dict, world: int, model_name: str) -> tuple[float, bool]:

@@ -182,7 +182,8 @@ def test_convergence_keeps_the_other_methods_when_one_fails(tmp_path, monkeypatc
 def test_run_wire_bytes_count_each_exchanged_step_once():
     """With local_steps, stats() repeats the last outer round's record on every inner step:
     the run's bytes count each state step once."""
-    rounds = [{"step": s // 4, "wire_bytes": 1e6 * (s // 4 > 0)} for s in range(12)]  # H=4
+    rounds = [{"step": s + 1, "rounds": s // 4, "wire_bytes": 1e6 * (s // 4 > 0)}
+              for s in range(12)]  # H=4
     assert cli._run_wire_MB(rounds) == 2.0
     plain = [{"step": s, "wire_bytes": 1e6} for s in range(12)]
     assert cli._run_wire_MB(plain) == 12.0
@@ -191,7 +192,7 @@ def test_run_wire_bytes_count_each_exchanged_step_once():
 
 def test_ddp_wire_bytes_per_step_spread_a_round_over_its_steps():
     from gradcomp_bench import bench
-    hist = [{"step": s // 4, "wire_bytes": 4e6} for s in range(16)]  # H=4: a record per round
+    hist = [{"step": s + 1, "rounds": s // 4, "wire_bytes": 4e6} for s in range(16)]  # H=4
     assert bench.wire_bytes("topk:local_steps=4", {"stats_history": hist}, 2, "resnet_small") == (1e6, True)
     plain = [{"step": s, "wire_bytes": 3e6} for s in range(16)]
     assert bench.wire_bytes("topk", {"stats_history": plain}, 2, "resnet_small") == (3e6, True)
