@@ -23,8 +23,9 @@ def test_methods_shows_the_defaults_adam_and_adamw_get():
     registration with AdamW and no options builds (dense_wire "auto" as it runs: bfloat16)."""
     from gradcomp.hooks.options import for_optimizer
     got = {m["name"]: m for m in gradcomp.methods()}
-    assert got["diloco"]["adam_defaults"] == {"sync_steps": 200, "outer_lr": 1.0,
-                                              "dense_wire": "int4"}
+    assert got["diloco"]["adam_defaults"] == {"local_steps": 16, "sync_steps": 100,
+                                              "outer_lr": 0.7, "outer_momentum": 0.9,
+                                              "dense_wire": "int4", "adam": "off"}
     assert got["diloco"]["options"]["outer_lr"] == ("float", 1.5)  # with SGD
     assert got["onebit"]["adam_defaults"] == {"chunk": 64, "scales": "bfloat16",
                                               "dense_wire": "int4"}
