@@ -29,10 +29,8 @@ def register(model, method: str, *args, optimizer=None, scaler=None,
     job, whose loss scale the gradients carry; the hook keeps its memory unscaled so that
     scale changes do not corrupt it (not with ``delay``: a rank's overflow would reach the
     others only D steps later). With ``local_steps`` > 1 ``optimizer`` is required: the
-    outer step runs from its step post-hook every ``local_steps`` steps (hooks/local_steps.py);
-    ``outer_optimizer``: the outer step's optimizer, a callable building it from a list of
-    tensors (default: torch's SGD with Nesterov momentum from ``outer_lr`` and
-    ``outer_momentum``, which it then replaces).
+    outer step runs from its step post-hook every ``local_steps`` steps (hooks/local_steps.py),
+    with the optimizer ``outer_optimizer(tensors)`` builds (default: SGD with Nesterov).
     With Adam/AdamW too (docs/adam.md): without it, an Adam/AdamW's first ``step()`` raises.
     ``lanes``: DDP only, how many buckets' exchanges run side by side (4 where None;
     docs/topology.md). ``log_dir``: TensorBoard scalars per step (rank 0
