@@ -183,11 +183,7 @@ def check_method(name, config, optimizer) -> None:
                          f"{type(optimizer).__name__}: allowed adam='auto' or 'off' here")
     if not adam:
         return
-    if config.local_steps > 1:
-        if config.adam != Adam.AUTO:
-            raise ValueError(f"adam={str(config.adam)!r} with local_steps={config.local_steps}: the inner "
-                             f"steps are Adam's own and the pseudo-gradient goes through the "
-                             f"method; allowed adam='auto' or 'off'")
+    if config.local_steps > 1:  # the inner steps are Adam's own (config checks the mode)
         return
     check_adam(optimizer)
     if config.dense_steps == 0 or (config.dense_steps is None and config.warmup_rule == "none"):
