@@ -48,6 +48,25 @@ MAX_LOCAL_STEPS = 100_000
 MAX_STEPS = 2**53  # a step count that is still an exact float64
 
 
+# how long a user's value may run in a message before it is cut
+MAX_QUOTED = 400
+
+
+def clip(text, limit: int = MAX_QUOTED) -> str:
+    """``text`` (a string, or any value: its repr) cut to about ``limit`` characters: its
+    beginning and its end (where a message says what is allowed), the cut marked."""
+    text = text if isinstance(text, str) else repr(text)
+    if len(text) <= limit:
+        return text
+    tail = limit // 3
+    return f"{text[: limit - tail - 30]} ...({len(text)} characters)... {text[-tail:]}"
+
+
+def quote(value, limit: int = 80) -> str:
+    """A user's value as a message quotes it: its repr, cut to ``limit`` characters."""
+    return clip(repr(value), limit)
+
+
 def check(ok: bool, name: str, value, allowed: str) -> None:
     if not ok:
         raise ValueError(f"invalid {name}={value!r}: allowed {allowed}")

@@ -154,9 +154,10 @@ def test_no_module_assigns_attributes_on_the_state():
                         "state", "st"):
                     bad.append(f"{p.relative_to(ROOT.parent)}:{node.lineno} {ast.unparse(t)}")
     assert not bad, bad
-    for adapter in ("ddp.py", "fsdp.py"):
-        tree = ast.parse((ROOT / "hooks" / adapter).read_text())
-        (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "register"]
+    for adapter in ("ddp", "fsdp"):
+        tree = ast.parse((ROOT / "hooks" / f"{adapter}.py").read_text())
+        (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef)
+                 and n.name == f"register_{adapter}"]
         assert fn.end_lineno - fn.lineno + 1 < 40, adapter
 
 
@@ -193,3 +194,73 @@ def test_hooks_compare_no_method_name():
                 if any(c.value in METHODS for c in consts if isinstance(c.value, str)):
                     bad.append(f"{p.name}:{node.lineno} {ast.unparse(node)}")
     assert not bad, bad
+
+
+def _imports() -> dict:
+    """Each gradcomp module (dotted, relative to gradcomp) -> the gradcomp modules it imports,
+    at its top or inside a function (a lazy import is still an edge of the graph)."""
+    modules = {}
+    for p in ROOT.rglob("*.py"):
+        parts = p.relative_to(ROOT).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    graph = {}
+    for name, p in modules.items():
+        package = name.split(".") if p.name == "__init__.py" else name.split(".")[:-1]
+        package = [x for x in package if x]
+        edges = set()
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package[: len(package) - (node.level - 1)]
+                target = ".".join((*base, *(node.module.split(".") if node.module else ())))
+                for t in [target] + [f"{target}.{a.name}".strip(".") for a in node.names]:
+                    if t in modules and t != name and not name.startswith(t + ".") and t:
+                        edges.add(t)
+        graph[name] = edges
+    return graph
+
+
+def test_no_import_cycle_in_the_library():
+    """No module imports (at its top or lazily) a module that imports it back, directly or
+    through others: each layer reads only what is below it."""
+    graph, cycles = _imports(), []
+    state = {}
+
+    def visit(m, path):
+        state[m] = "open"
+        for n in sorted(graph[m]):
+            if state.get(n) == "open":
+                cycles.append(path[path.index(n):] + [n])
+            elif n not in state:
+                visit(n, path + [n])
+        state[m] = "done"
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, cycles
+
+
+def test_no_module_inspects_the_call_stack():
+    """What a function returns does not depend on who calls it (torch.distributed.checkpoint
+    takes ``state.stateful()``, explicitly)."""
+    bad = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
+           if any(isinstance(n, (ast.Import, ast.ImportFrom)) and "inspect" in
+                  {a.name for a in n.names} | {getattr(n, "module", None)}
+                  for n in ast.walk(ast.parse(p.read_text())))]
+    assert not bad, bad
+
+
+def test_class_names_are_unique_and_hooks_function_names_too():
+    """A name says which thing it is: no two classes in the library share a name, and no two
+    public functions of hooks/ do (the integrations' ``register`` for each framework aside)."""
+    classes, functions = {}, {}
+    for p in sorted(ROOT.rglob("*.py")):
+        tree, rel = ast.parse(p.read_text()), str(p.relative_to(ROOT))
+        for n in ast.walk(tree):
+            if isinstance(n, ast.ClassDef):
+                classes.setdefault(n.name, []).append(rel)
+        if rel.startswith("hooks/"):
+            for n in tree.body:
+                if isinstance(n, ast.FunctionDef) and not n.name.startswith("_"):
+                    functions.setdefault(n.name, []).append(rel)
+    twice = {k: v for k, v in {**classes, **functions}.items() if len(v) > 1}
+    assert not twice, twice

@@ -198,8 +198,9 @@ class Compressor(ABC):
         return dense_average(x, ctx, getattr(ctx, "dense_wire", None))
 
     def add_residual(self, x: torch.Tensor, ctx: BucketContext,
-                     slot: str = RESIDUAL) -> torch.Tensor:
-        """Error feedback's input: y = x + this rank's memory ``slot``, written into the
+                     slot: str = RESIDUAL, decay: float = 1.0) -> torch.Tensor:
+        """Error feedback's input: y = x + decay * this rank's memory ``slot`` (``decay``: the
+        error feedback's decay, SparseLoCo's; 1 keeps all of it), written into the
         next memory's buffer (``memory_next``), which then keeps y less what is sent
         (:func:`keep_unsent`, or the method's encoder); x itself, unchanged, with
         ``error_feedback`` off. x is left as it was: the caller may read it again (at the
@@ -207,7 +208,7 @@ class Compressor(ABC):
         if not self.config.error_feedback:
             return x
         e, y = ctx.memory_next(slot)
-        return torch.add(x, e, out=y)
+        return torch.add(x, e, out=y) if decay == 1.0 else torch.add(x, e, alpha=decay, out=y)
 
     def compresses(self, name: str, shape: tuple) -> bool:
         """Whether parameter ``name`` of this shape goes compressed (False: sent exact)."""

@@ -220,7 +220,7 @@ class PowerSGD(Compressor):
         hit = self._layouts.get(key)
         if hit is None:
             mats, dense = self.plan(params)
-            hit = self._layouts[key] = _Layout(mats, dense, device)
+            hit = self._layouts[key] = _LowRankLayout(mats, dense, device)
         return hit
 
 
@@ -258,7 +258,7 @@ class _Group:
             out.index_copy_(0, self.idx, values.view(-1))
 
 
-class _Layout:
+class _LowRankLayout:
     """A bucket's compressed matrices grouped by shape, its dense parameters, and where each
     group's P and Q lie in the two messages."""
 

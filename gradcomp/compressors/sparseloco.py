@@ -97,11 +97,7 @@ class SparseLoCo(Compressor):
 
     def exchange(self, x, ctx, big, dense):
         cfg, W = self.config, ctx.comm.world_size
-        if cfg.error_feedback:
-            e, y = ctx.memory_next(RESIDUAL)
-            torch.add(x, e, alpha=cfg.decay, out=y)
-        else:
-            y = x
+        y = self.add_residual(x, ctx, decay=cfg.decay)
         big = sorted(big, key=lambda p: p.offset)
         plan = chunk_plan(tuple((p.offset, p.numel) for p in big), x.numel(), cfg.chunk, x.device)
         rows, c, k, L = plan.rows, cfg.chunk, cfg.k, cfg.levels

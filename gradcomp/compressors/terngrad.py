@@ -297,11 +297,11 @@ class TernGrad(Compressor):
         key = (tuple((p.name, p.offset, p.numel, p.size) for p in params), str(device))
         hit = self._layouts.get(key)
         if hit is None:
-            hit = self._layouts[key] = _Layout(big, dense, sum(p.numel for p in params), device)
+            hit = self._layouts[key] = _TernaryLayout(big, dense, sum(p.numel for p in params), device)
         return hit
 
 
-class _Layout:
+class _TernaryLayout:
     """A bucket's compressed layers, each padded to whole bytes of codes (a multiple of 4
     elements, zeros), laid end to end: built once per bucket layout and device.
 

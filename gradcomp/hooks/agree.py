@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from .. import comm
 from . import optimizer as optimizer_binding
-from .options import MAX_QUOTED, clip, quote
+from ..config import MAX_QUOTED, clip, quote
 
 
 REGISTER = ("gradcomp.register", "ranks registered different gradcomp methods or options, or "
@@ -117,22 +117,6 @@ def trainable(module) -> tuple[dict, dict]:
         names[id(p)] = pname
         numels[pname] = p.numel()
     return names, numels
-
-
-def load_group(members: list, made: list):
-    """A process group of ``members`` for the loads' agreement (hooks/checkpoint.py), created
-    with every other group of a registration (collective) and used by nothing else: a rank
-    that loads while the others train waits here, not inside an exchange's collective (on
-    a group the exchanges share, the two would meet as one collective: gloo aborts the
-    process on such a size mismatch). gloo where it is built (a timeout raises there: NCCL's
-    watchdog would end the process), with ``checkpoint.LOAD_TIMEOUT_S``."""
-    import datetime
-
-    from .checkpoint import LOAD_TIMEOUT_S
-    g = dist.new_group(ranks=members, backend="gloo" if dist.is_gloo_available() else None,
-                       timeout=datetime.timedelta(seconds=LOAD_TIMEOUT_S))
-    made.append(g)
-    return g
 
 
 class Groups:

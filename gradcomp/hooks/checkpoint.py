@@ -7,8 +7,8 @@ it was given, all of it, before anything changes; then the ranks compare their v
 the steps they load, and every rank loads or every rank raises, at the load itself."""
 from __future__ import annotations
 
+import datetime
 import hashlib
-import inspect
 import io
 import math
 import re
@@ -17,17 +17,18 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from ..config import Adam
+from ..config import Adam, quote
 from . import optimizer as optimizer_binding
+from .agree import agree
+from .local_steps import SAVE_EACH_MODEL, check_local_state, same_model
 from .optimizer import FROZEN_SLOT
-from .options import quote
+from .schema import MAX_STEP, bad, check_int, check_names, check_plain, check_tensor
 from .topology import SEP, base_name
 
 # the layout of state_dict(); checkpoints without a "format" key are format 1 and load the same
 # way; format 2 keeps local steps' outer momentum under "momentum" and its exchange in flight
 # under "round" (local_steps.py reads both)
 FORMAT = 3
-_MAX_STEP = 2**53
 # how long a load waits for every rank to call it (a rank that loads while the others train
 # raises after it naming the ranks that did not come, its state unchanged): a load's ranks
 # arrive within seconds of each other, and a rank left waiting holds the others up in their
@@ -65,44 +66,6 @@ def tensor_digest(sd: dict) -> str:
     return h.hexdigest()
 
 
-def _bad(what: str, value, allowed: str) -> ValueError:
-    return ValueError(f"gradcomp checkpoint: {what} is {quote(value)}; allowed {allowed}")
-
-
-def _check_int(what, v, low=0, high=_MAX_STEP):
-    if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
-        raise _bad(what, v, f"an integer in [{low}, {high}]")
-
-
-def _check_tensor(what, t, numel=None):
-    if not isinstance(t, torch.Tensor):
-        raise _bad(what, type(t).__name__, "a tensor")
-    if t.layout != torch.strided or t.is_meta or type(t) is not torch.Tensor:
-        raise _bad(what, f"a {type(t).__name__} ({t.layout}, {t.device})",
-                   "a dense torch.Tensor holding values")
-    if not t.dtype.is_floating_point:
-        raise _bad(f"{what}'s dtype", t.dtype, "a floating-point dtype")
-    if numel is not None and t.numel() != numel:
-        raise ValueError(f"gradcomp checkpoint: {what} holds {t.numel()} elements; this model's "
-                         f"parameter has {numel}")
-    if not bool(torch.isfinite(t).all()):
-        raise _bad(what, "a tensor holding inf/NaN", "finite values")
-
-
-def _check_plain(what, v):
-    """A value of the saved config: None, a bool, a number or a string (compared as such)."""
-    if not isinstance(v, (type(None), bool, int, float, str)):
-        raise _bad(what, type(v).__name__, "None, a bool, a number or a string")
-
-
-def _check_names(what, d) -> None:
-    if not isinstance(d, dict):
-        raise _bad(what, type(d).__name__, "a dict by parameter name")
-    for name in d:
-        if not isinstance(name, str):
-            raise _bad(f"a key of {what}", name, "a parameter name (a string)")
-
-
 def check_checkpoint(sd, state) -> None:
     """Every check of a load, before anything is changed: raises naming the first problem.
     Everything a load hands to the state's components is checked here (types, sizes,
@@ -112,7 +75,7 @@ def check_checkpoint(sd, state) -> None:
                         f"{type(sd).__name__}")
     fmt = sd.get("format", 1)
     if type(fmt) is not int or not 1 <= fmt <= FORMAT:
-        raise _bad("format", fmt, f"1 to {FORMAT} (this gradcomp writes {FORMAT})")
+        raise bad("format", fmt, f"1 to {FORMAT} (this gradcomp writes {FORMAT})")
     missing = [k for k in ("method", "config", "world_size", "step", "memory") if k not in sd]
     if missing:
         raise ValueError(f"gradcomp checkpoint: missing key(s) {', '.join(missing)}: not a "
@@ -127,34 +90,34 @@ def check_checkpoint(sd, state) -> None:
         raise ValueError("gradcomp checkpoint: its tensors do not match the digest saved with "
                          "them: the file was changed or damaged after it was written, or mixed "
                          "with another rank's (torch.distributed.checkpoint keeps one rank's "
-                         "copy of equal keys: save state.stateful(), or the state itself, "
-                         "which hands DCP the same)")
+                         "copy of equal keys: give DCP state.stateful(), not the state itself)")
     if not isinstance(sd["method"], str):
-        raise _bad("method", sd["method"], "a method's name")
+        raise bad("method", sd["method"], "a method's name")
     if not isinstance(sd["config"], dict):
-        raise _bad("config", sd["config"], "a dict of options")
+        raise bad("config", sd["config"], "a dict of options")
     for k, v in sd["config"].items():
         if not isinstance(k, str):
-            raise _bad("a config key", k, "an option's name")
-        _check_plain(f"config option {k!r}", v)
+            raise bad("a config key", k, "an option's name")
+        check_plain(f"config option {k!r}", v)
     for key in ("world_size", "rank", "ranks_per_node"):
         if key in sd:
-            _check_int(key, sd[key], 0, 2**31)
+            check_int(key, sd[key], 0, 2**31)
     rank = _rank(state)
     if "rank" in sd and sd["rank"] != rank:
         raise ValueError(f"gradcomp checkpoint was written by rank {sd['rank']!r}; this is rank "
                          f"{rank}: each rank's residuals are its own, so every rank saves and "
                          f"loads its own state_dict() (e.g. a file per rank, or "
-                         f"torch.distributed.checkpoint)")
+                         f"torch.distributed.checkpoint with state.stateful())")
     if sd.get("exchanges") is not None and sd["exchanges"] not in EXCHANGES:
-        raise _bad("exchanges", sd["exchanges"], f"None or one of {', '.join(EXCHANGES)}")
-    _check_int("step", sd["step"])
+        raise bad("exchanges", sd["exchanges"], f"None or one of {', '.join(EXCHANGES)}")
+    check_int("step", sd["step"])
     known = set(state.param_names.values())
     _check_memory(sd["memory"], state)
     _check_pending(sd, state, known)
     _check_warmup(sd.get("warmup"))
     if state.rounds.active:
-        _check_local(sd.get("local"), state)
+        check_local_state(sd.get("local"), state.config, state.param_numels,
+                          state.param_names)
     _check_compatible(state, sd)
     if state.rounds.active:
         _check_own_model(sd.get("model_digest"), state)
@@ -165,18 +128,18 @@ def _check_memory(mem, state) -> None:
     the state holds already."""
     if not isinstance(mem, dict) or not isinstance(mem.get("flat"), dict) \
             or not isinstance(mem.get("tensors"), dict):
-        raise _bad("memory", type(mem).__name__, "a dict with 'flat' and 'tensors' dicts")
+        raise bad("memory", type(mem).__name__, "a dict with 'flat' and 'tensors' dicts")
     for part in ("flat", "tensors"):
         for slot, d in mem[part].items():
             if not isinstance(slot, str):
-                raise _bad("a memory slot", slot, "a slot's name (a string)")
-            _check_names(f"memory slot {slot!r}", d)
+                raise bad("a memory slot", slot, "a slot's name (a string)")
+            check_names(f"memory slot {slot!r}", d)
             for name, t in d.items():
-                _check_tensor(f"memory slot {slot!r} of {name!r}", t)
+                check_tensor(f"memory slot {slot!r} of {name!r}", t)
                 if slot == FROZEN_SLOT and (t.numel() != 1 or float(t) != int(t)
-                                                   or not 1 <= int(t) <= _MAX_STEP):
-                    raise _bad(f"memory slot {slot!r} of {name!r}", t.tolist(),
-                               f"one integer in [1, {_MAX_STEP}] (the Adam step v froze at)")
+                                                   or not 1 <= int(t) <= MAX_STEP):
+                    raise bad(f"memory slot {slot!r} of {name!r}", t.tolist(),
+                               f"one integer in [1, {MAX_STEP}] (the Adam step v froze at)")
     for slot, d in mem["tensors"].items():
         for name, t in d.items():  # what the state holds already: the same shape and dtype
             mine = state.memory.find(slot, name)
@@ -191,19 +154,19 @@ def _check_pending(sd, state, known) -> None:
     """Delayed exchanges still owed: those of the ``delay`` steps before the checkpoint's."""
     pending = sd.get("pending", [])
     if not isinstance(pending, list):
-        raise _bad("pending", type(pending).__name__, "a list")
+        raise bad("pending", type(pending).__name__, "a list")
     step, D = sd["step"], state.config.delay
     for i, p in enumerate(pending):
         if not isinstance(p, dict) or not isinstance(p.get("corrections"), dict):
-            raise _bad(f"pending[{i}]", p, "a dict with 'step' and 'corrections'")
-        _check_int(f"pending[{i}] step", p.get("step"), max(step - D, 0), max(step - 1, 0))
-        _check_names(f"pending[{i}] corrections", p["corrections"])
+            raise bad(f"pending[{i}]", p, "a dict with 'step' and 'corrections'")
+        check_int(f"pending[{i}] step", p.get("step"), max(step - D, 0), max(step - 1, 0))
+        check_names(f"pending[{i}] corrections", p["corrections"])
         for name, c in p["corrections"].items():
             if known and base_name(name) not in known:
                 raise ValueError(f"gradcomp checkpoint: pending[{i}] holds a correction for "
                                  f"parameter {name!r}, which this model lacks")
             want = state.param_numels.get(name) if not state.local_size else None
-            _check_tensor(f"pending[{i}] correction of {name!r}", c, want)
+            check_tensor(f"pending[{i}] correction of {name!r}", c, want)
 
 
 def _check_warmup(wu) -> None:
@@ -212,93 +175,26 @@ def _check_warmup(wu) -> None:
         return
     if not isinstance(wu, dict) or not all(k in wu for k in ("entries", "next", "prev",
                                                              "ratio", "switch")):
-        raise _bad("warmup", wu, "a dict with entries, next, prev, ratio, switch")
-    _check_int("warmup next", wu["next"])
+        raise bad("warmup", wu, "a dict with entries, next, prev, ratio, switch")
+    check_int("warmup next", wu["next"])
     if wu["switch"] is not None:
-        _check_int("warmup switch", wu["switch"])
+        check_int("warmup switch", wu["switch"])
     for key in ("prev", "ratio"):  # (a ratio is inf where the previous norm was 0)
         v = wu[key]
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
                               or math.isnan(v) or v < 0 or (key == "prev" and math.isinf(v))):
-            raise _bad(f"warmup {key}", v, "None or a number >= 0")
+            raise bad(f"warmup {key}", v, "None or a number >= 0")
     if not isinstance(wu["entries"], list):
-        raise _bad("warmup entries", wu["entries"], "a list")
+        raise bad("warmup entries", wu["entries"], "a list")
     for e in wu["entries"]:
         if not (isinstance(e, (list, tuple)) and len(e) == 3
-                and isinstance(e[0], int) and not isinstance(e[0], bool) and 0 <= e[0] <= _MAX_STEP
+                and isinstance(e[0], int) and not isinstance(e[0], bool) and 0 <= e[0] <= MAX_STEP
                 and isinstance(e[1], (list, tuple)) and all(isinstance(n, str) for n in e[1])
                 and type(e[2]) is torch.Tensor and e[2].layout == torch.strided
                 and not e[2].is_meta and e[2].dtype.is_floating_point
                 and e[2].dim() == 1 and e[2].numel() == len(e[1])):
-            raise _bad("a warmup entry", e, "(step, parameter names, their squared norms: a "
+            raise bad("a warmup entry", e, "(step, parameter names, their squared norms: a "
                                             "1-D float tensor, one per name)")
-
-
-def _check_local(loc, state) -> None:
-    """local_steps' rounds (hooks/local_steps.py): per parameter, the round's start, anchor
-    and the outer optimizer's state ("momentum" in format 2), and per fragment the outer
-    exchange in flight ("round" in format 2)."""
-    if loc is None:
-        raise ValueError("checkpoint has no local_steps state (saved with local_steps=1)")
-    if not isinstance(loc, dict):
-        raise _bad("local", type(loc).__name__, "a dict (local_steps' rounds)")
-    _check_int("local inner_steps", loc.get("inner_steps"))
-    numels = state.param_numels
-    # what the rounds lay out: every trainable parameter, under HSDP this rank's rows of each
-    names = [n for n in numels if SEP in n] or list(state.param_names.values())
-
-    def named(what, d, whole=True):  # (a fragment's exchange: its own parameters)
-        if d is None:
-            return
-        _check_names(what, d)
-        lacking = [n for n in names if n not in d] if whole else []
-        if lacking:
-            raise ValueError(f"checkpoint's local_steps state lacks parameters "
-                             f"{', '.join(lacking[:5])}")
-        for n, t in d.items():
-            _check_tensor(f"{what} of {n!r}", t, numels.get(n))
-    for key in ("start", "anchor", "momentum"):
-        named(f"local {key}", loc.get(key))
-    outer = loc.get("outer")
-    if outer is not None:
-        if not (isinstance(outer, dict) and isinstance(outer.get("state"), dict)
-                and isinstance(outer.get("groups"), list)):
-            raise _bad("local outer", type(outer).__name__, "None or a dict with state (per "
-                                                            "key, values by parameter name) "
-                                                            "and groups (a list)")
-        for key, d in outer["state"].items():
-            _check_names(f"local outer {key}", d)
-    rounds = loc.get("rounds", {} if loc.get("round") is None else {0: loc["round"]})
-    if not isinstance(rounds, dict):
-        raise _bad("local rounds", type(rounds).__name__, "a dict: fragment -> its exchange")
-    F = state.config.fragments
-    for f, rnd in rounds.items():
-        if type(f) is not int or not 0 <= f < F:
-            raise _bad("local rounds' fragment", f, f"an integer in [0, fragments={F})")
-        if not isinstance(rnd, dict) or not all(k in rnd for k in (
-                "step", "averages", "buffers_average", "buffers_sent")):
-            raise _bad("local round", rnd, "a dict with step, averages, buffers_average, "
-                                           "buffers_sent")
-        _check_int("local round step", rnd["step"])
-        named("local round averages", rnd["averages"], whole=F == 1)
-        for key in ("buffers_average", "buffers_sent"):
-            if rnd[key] is not None:
-                _check_tensor(f"local round {key}", rnd[key])
-
-
-SAVE_EACH_MODEL = ("under local_steps the ranks' models differ inside a round (each took "
-                   "its own inner steps), so each rank saves and loads its own model beside "
-                   "its own state_dict(), model first; or save at a round's end with "
-                   "local_delay=0, where every rank holds the same model (docs/checkpoints.md)")
-
-
-def _same(a, b) -> bool:
-    """Two digests of :meth:`LocalSteps.digest` equal up to the rounding of a sum taken on
-    other hardware."""
-    def close(x, y):
-        sq = max(abs(x[1]), abs(y[1]))
-        return abs(x[1] - y[1]) <= 1e-9 * sq and abs(x[0] - y[0]) <= 1e-6 * sq ** 0.5
-    return len(a) == len(b) and all(close(x, y) for x, y in zip(a, b))
 
 
 def _check_own_model(saved, state) -> None:
@@ -309,38 +205,11 @@ def _check_own_model(saved, state) -> None:
         return
     if not (isinstance(saved, list) and all(isinstance(x, (list, tuple)) and len(x) == 2
                                             for x in saved)):
-        raise _bad("model_digest", saved, "a list of (sum, sum of squares) per parameter")
+        raise bad("model_digest", saved, "a list of (sum, sum of squares) per parameter")
     mine = state.rounds.digest()
-    if mine is not None and not _same(saved, mine):
+    if mine is not None and not same_model(saved, mine):
         raise ValueError(f"gradcomp checkpoint: the model this rank holds is not the one its "
                          f"gradcomp state was saved with (rank {_rank(state)}'s): "
-                         f"{SAVE_EACH_MODEL}")
-
-
-def check_same_start(state) -> None:
-    """Local steps, at the first step of a first round that no checkpoint started: every
-    rank's model is the same (the rounds' global point is taken from it, on each rank), else
-    every rank raises naming the ranks that differ. A job resumed inside a round without
-    gradcomp's state would otherwise run on with each rank's own point for good."""
-    group = state.load_group
-    if group is None or not dist.is_initialized() or state.rounds.start is not None:
-        return
-    # under HSDP a rank's rounds hold its shard's rows: compared with that shard's replicas
-    shard = tuple(n for n in state.param_numels if SEP in n)
-    everyone = comm.all_gather_object((shard, state.rounds.digest()), group)
-    ranks = dist.get_process_group_ranks(group)
-    first = {}
-    for r, (k, d) in zip(ranks, everyone):
-        first.setdefault(k, (r, d))
-    differ = [r for r, (k, d) in zip(ranks, everyone)
-              if d is not None and first[k][1] is not None and not _same(d, first[k][1])]
-    if differ:
-        ref = first[everyone[ranks.index(differ[0])][0]][0]
-        raise ValueError(f"gradcomp: the ranks' models differ at the first step of local steps "
-                         f"(rank(s) {', '.join(map(str, differ))} from rank {ref}'s): each "
-                         f"rank's rounds would start from its own point and never meet. A job "
-                         f"resumed inside a round must load every rank's own gradcomp state "
-                         f"(state.load_state_dict(...) on every rank) with its own model: "
                          f"{SAVE_EACH_MODEL}")
 
 
@@ -351,20 +220,8 @@ def state_dict(state) -> dict:
     rounds' state (local_steps.py) and the adaptive warm-up's (warmup.py). ``format`` names
     this layout; ``rank`` the rank that wrote it (each rank's memory is its own: a
     checkpoint loads into the rank that wrote it); ``digest`` a SHA-256 of every tensor,
-    checked on load.
-
-    Called by ``torch.distributed.checkpoint`` (``dcp.save({"gradcomp": state})``, which
-    takes the state as a Stateful) it returns what ``state.stateful()`` returns: DCP keeps
-    one rank's copy of equal keys, and loads only the keys the loading state already holds
-    (a fresh state has no memory yet), so each rank's dict goes in whole under a key of its
-    rank; :func:`load_state_dict` takes either form."""
-    if _under_dcp():
-        return DistributedCheckpoint(state).state_dict()
-    return plain_state_dict(state)
-
-
-def plain_state_dict(state) -> dict:
-    """:func:`state_dict`'s dict, whoever calls it."""
+    checked on load. For ``torch.distributed.checkpoint``, ``state.stateful()`` (DCP keeps
+    one rank's copy of equal keys: this dict given to it whole does not load back)."""
     state.drain()  # the exchanges in flight write the memory: first let them finish
     state.guard.settle()  # ... and a skipped step's leave no trace in it
     sd = {"format": FORMAT, "method": state.method, "config": state.config.to_dict(),
@@ -378,19 +235,6 @@ def plain_state_dict(state) -> dict:
         sd["model_digest"] = state.rounds.digest()
     sd["digest"] = tensor_digest(sd)
     return sd
-
-
-def _under_dcp() -> bool:
-    """Whether torch.distributed.checkpoint's save or load is among the callers."""
-    frame = inspect.currentframe()
-    try:
-        while frame is not None:
-            if frame.f_globals.get("__name__", "").startswith("torch.distributed.checkpoint."):
-                return True
-            frame = frame.f_back
-        return False
-    finally:
-        del frame
 
 
 def load_state_dict(state, sd: dict) -> None:
@@ -408,8 +252,6 @@ def load(state, read) -> None:
     exchanges still in flight are waited for first, so loading into a state that has run
     steps is a fresh-process resume. A rank alone in a load (the others train on) raises
     after ``LOAD_TIMEOUT_S``, its state unchanged."""
-    from .agree import agree
-
     def build():
         state.drain()
         state.guard.settle()  # the copies it holds are of the memory being replaced
@@ -433,6 +275,19 @@ def load(state, read) -> None:
     restore(state, sd)
 
 
+def load_group(members: list, made: list):
+    """A process group of ``members`` for the loads' agreement, created
+    with every other group of a registration (collective) and used by nothing else: a rank
+    that loads while the others train waits here, not inside an exchange's collective (on
+    a group the exchanges share, the two would meet as one collective: gloo aborts the
+    process on such a size mismatch). gloo where it is built (a timeout raises there: NCCL's
+    watchdog would end the process), with ``LOAD_TIMEOUT_S``."""
+    g = dist.new_group(ranks=members, backend="gloo" if dist.is_gloo_available() else None,
+                       timeout=datetime.timedelta(seconds=LOAD_TIMEOUT_S))
+    made.append(g)
+    return g
+
+
 _LOADS: dict = {}  # a load group's name -> its loads so far on this rank (None: one failed)
 
 
@@ -442,7 +297,6 @@ def _arrive(group, ranks) -> None:
     that did not come (those that loaded on one rank only, ``if rank == 0: load``), its state
     unchanged. Skipped where the job has no store to reach (the agreement's own timeout then
     ends the wait)."""
-    import datetime
     try:
         store = dist.distributed_c10d._get_default_store()
         name = group.group_name
@@ -632,7 +486,7 @@ class DistributedCheckpoint:
 
     def state_dict(self) -> dict:
         buf = io.BytesIO()
-        torch.save(plain_state_dict(self.state), buf)
+        torch.save(state_dict(self.state), buf)
         return {self._key(): buf.getvalue()}
 
     def load_state_dict(self, sd: dict) -> None:
@@ -660,7 +514,7 @@ class AllRanksCheckpoint:
 
     def state_dict(self) -> dict:
         buf = io.BytesIO()
-        torch.save(plain_state_dict(self.state), buf)
+        torch.save(state_dict(self.state), buf)
         world, rank = dist.get_world_size(), dist.get_rank()
         gathered = comm.gather_object(buf.getvalue())  # the default group: the caller's
         if rank != 0:

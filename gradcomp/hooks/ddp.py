@@ -1,11 +1,12 @@
-"""The DDP adapter: ``hook(state, bucket)`` and ``register`` for a DDP model (the public
+"""The DDP adapter: ``hook(state, bucket)`` and ``register_ddp`` for a DDP model (the public
 ``gradcomp.register`` is hooks/register.py, which dispatches here or to fsdp.py)."""
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from . import optimizer as optimizer_binding
-from .agree import Groups, agree, check_log_dir, discard, fingerprint, load_group, trainable
+from .agree import Groups, agree, check_log_dir, discard, fingerprint, trainable
+from .checkpoint import load_group
 from .local_steps import check_fragments, check_local, check_outer_optimizer
 from .options import for_optimizer, is_auto, merge_options
 from .plan import Plan
@@ -77,7 +78,7 @@ def check_group(model: DistributedDataParallel, process_group) -> list:
     return ranks
 
 
-def register(model: DistributedDataParallel, method: str, *, optimizer=None, scaler=None,
+def register_ddp(model: DistributedDataParallel, method: str, *, optimizer=None, scaler=None,
              lanes: int = LANES, process_group=None, log_dir=None, log_all_ranks=False,
              log_details=False, outer_optimizer=None, **options) -> GradcompState:
     """``gradcomp.register`` for a DDP model (hooks/register.py checked the model, the

@@ -56,7 +56,8 @@ from ..config import Adam
 from . import optimizer as optimizer_binding
 from .options import for_optimizer, is_auto
 from .. import comm
-from .agree import Groups, agree, check_log_dir, discard, fingerprint, load_group, trainable
+from .agree import Groups, agree, check_log_dir, discard, fingerprint, trainable
+from .checkpoint import load_group
 from .guard import check_steps, step_flag
 from .local_steps import check_fragments, check_outer_optimizer, synchronous
 from .plan import Plan, Sharding
@@ -101,7 +102,7 @@ def _units(model):
     return out
 
 
-class _Layout:
+class _UnitLayout:
     """One FSDP parameter group's place in the flat reduce-scatter input / output (module doc):
     the parameters that take gradients (FSDP leaves frozen ones out), each at ``o`` in every
     rank's block of ``block`` elements, ``n`` padded, ``N`` whole, ``m`` of them this rank's.
@@ -199,7 +200,7 @@ class _Adapter:
         b, self.calls = self.calls, self.calls + 1
         return b
 
-    def full(self, lay: _Layout, group, output, input, op):
+    def full(self, lay: _UnitLayout, group, output, input, op):
         """The 1-D mesh: this rank's chunk of the method's average of the whole gradient.
         Overlapped where FSDP only views the output (:func:`_overlaps`): FSDP divides the
         output by its post-divide factor right away, so the result is put in divided."""
@@ -224,7 +225,7 @@ class _Adapter:
         post = _post_factor(group, out)
         self.later(self.state.submit_slices(b, x, lay.full), lambda avg: put(avg, post))
 
-    def shard(self, lay: _Layout, group, out: torch.Tensor, params):
+    def shard(self, lay: _UnitLayout, group, out: torch.Tensor, params):
         """HSDP: the node's sum of this rank's shard -> the job's average over replicas (in
         place; FSDP then divides by the node's size: set_force_sum_reduction_for_comms)."""
         if group.gradient_divide_factor is not None:
@@ -266,7 +267,7 @@ class _Adapter:
             return
         self._rows(lay, out, post, lambda x: self.state.reduce(x, lay.piece, b, params()))
 
-    def _synchronous(self, lay: _Layout, group, out: torch.Tensor) -> None:
+    def _synchronous(self, lay: _UnitLayout, group, out: torch.Tensor) -> None:
         """One of the first ``sync_steps`` of local steps: this rank's rows of the node's
         average averaged over their replicas, dense (``dense_wire``), on the caller's
         thread."""
@@ -275,7 +276,7 @@ class _Adapter:
             x, lay.piece, b, plain=synchronous(wire)))
 
     @staticmethod
-    def _rows(lay: _Layout, out: torch.Tensor, post: float, reduce) -> None:
+    def _rows(lay: _UnitLayout, out: torch.Tensor, post: float, reduce) -> None:
         """This rank's rows of ``out`` (padded: cut out of it) through ``reduce`` (x -> their
         average over the replicas), FSDP's ``post`` divide taken off before and put back
         after, written back into ``out``."""
@@ -349,7 +350,7 @@ def check_model(model):
     return units, info, isinstance(info, HSDPMeshInfo), everyone
 
 
-def register(model, method: str, *, optimizer=None, scaler=None, log_dir=None,
+def register_fsdp(model, method: str, *, optimizer=None, scaler=None, log_dir=None,
              log_all_ranks=False, log_details=False, outer_optimizer=None,
              **options) -> GradcompState:
     """``gradcomp.register`` for a ``fully_shard``-ed model (see the module doc): validate
@@ -414,7 +415,7 @@ def _validate(model, units, info, hsdp, method, optimizer, scaler, writes, log_d
     check_outer_optimizer(outer_optimizer, config)
     names, numels = trainable(model)
     W, me = info.shard_mesh_size, info.shard_mesh_rank
-    layouts = [_Layout(g, names, W, me, hsdp) for _, _, g in units]
+    layouts = [_UnitLayout(g, names, W, me, hsdp) for _, _, g in units]
     if hsdp:  # the memory holds this rank's pieces: their sizes are what a checkpoint holds
         numels.update({s.name: s.numel for lay in layouts for s in lay.piece})
     pieces = _outer_pieces(units, names, me, W, config)

@@ -64,9 +64,13 @@ step with the others' rounds).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
+from .. import comm
 from ..compressors.base import dense_average
 from .delayed import flat_slices
+from .schema import bad, check_int, check_names, check_tensor
+from .topology import SEP
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
 
@@ -234,6 +238,12 @@ class LocalSteps:
     def inner(self) -> int:
         """Optimizer steps taken so far (inner steps and synchronous ones)."""
         return self._inner
+
+    def optimizer_step_of(self, exchange: int) -> int:
+        """The optimizer step at which outer exchange ``exchange`` (counted from 0 as the
+        state counts its steps: a round's N fragments are N exchanges) begins."""
+        c = self.config
+        return c.sync_steps + exchange // c.fragments * c.local_steps
 
     @property
     def syncing(self) -> bool:
@@ -542,3 +552,96 @@ def _rounds_of(sd: dict) -> dict:
     if "rounds" in sd:
         return {int(f): r for f, r in sd["rounds"].items()}
     return {} if sd.get("round") is None else {0: sd["round"]}
+
+
+SAVE_EACH_MODEL = ("under local_steps the ranks' models differ inside a round (each took "
+                   "its own inner steps), so each rank saves and loads its own model beside "
+                   "its own state_dict(), model first; or save at a round's end with "
+                   "local_delay=0, where every rank holds the same model (docs/checkpoints.md)")
+
+
+def same_model(a, b) -> bool:
+    """Two digests of :meth:`LocalSteps.digest` equal up to the rounding of a sum taken on
+    other hardware."""
+    def close(x, y):
+        sq = max(abs(x[1]), abs(y[1]))
+        return abs(x[1] - y[1]) <= 1e-9 * sq and abs(x[0] - y[0]) <= 1e-6 * sq ** 0.5
+    return len(a) == len(b) and all(close(x, y) for x, y in zip(a, b))
+
+
+def check_same_start(state) -> None:
+    """Local steps, at the first step of a first round that no checkpoint started: every
+    rank's model is the same (the rounds' global point is taken from it, on each rank), else
+    every rank raises naming the ranks that differ. A job resumed inside a round without
+    gradcomp's state would otherwise run on with each rank's own point for good."""
+    group = state.load_group
+    if group is None or not dist.is_initialized() or state.rounds.start is not None:
+        return
+    # under HSDP a rank's rounds hold its shard's rows: compared with that shard's replicas
+    shard = tuple(n for n in state.param_numels if SEP in n)
+    everyone = comm.all_gather_object((shard, state.rounds.digest()), group)
+    ranks = dist.get_process_group_ranks(group)
+    first = {}
+    for r, (k, d) in zip(ranks, everyone):
+        first.setdefault(k, (r, d))
+    differ = [r for r, (k, d) in zip(ranks, everyone)
+              if d is not None and first[k][1] is not None and not same_model(d, first[k][1])]
+    if differ:
+        ref = first[everyone[ranks.index(differ[0])][0]][0]
+        raise ValueError(f"gradcomp: the ranks' models differ at the first step of local steps "
+                         f"(rank(s) {', '.join(map(str, differ))} from rank {ref}'s): each "
+                         f"rank's rounds would start from its own point and never meet. A job "
+                         f"resumed inside a round must load every rank's own gradcomp state "
+                         f"(state.load_state_dict(...) on every rank) with its own model: "
+                         f"{SAVE_EACH_MODEL}")
+
+
+def check_local_state(loc, config, numels: dict, param_names: dict) -> None:
+    """local_steps' rounds (hooks/local_steps.py): per parameter, the round's start, anchor
+    and the outer optimizer's state ("momentum" in format 2), and per fragment the outer
+    exchange in flight ("round" in format 2)."""
+    if loc is None:
+        raise ValueError("checkpoint has no local_steps state (saved with local_steps=1)")
+    if not isinstance(loc, dict):
+        raise bad("local", type(loc).__name__, "a dict (local_steps' rounds)")
+    check_int("local inner_steps", loc.get("inner_steps"))
+    # what the rounds lay out: every trainable parameter, under HSDP this rank's rows of each
+    names = [n for n in numels if SEP in n] or list(param_names.values())
+
+    def named(what, d, whole=True):  # (a fragment's exchange: its own parameters)
+        if d is None:
+            return
+        check_names(what, d)
+        lacking = [n for n in names if n not in d] if whole else []
+        if lacking:
+            raise ValueError(f"checkpoint's local_steps state lacks parameters "
+                             f"{', '.join(lacking[:5])}")
+        for n, t in d.items():
+            check_tensor(f"{what} of {n!r}", t, numels.get(n))
+    for key in ("start", "anchor", "momentum"):
+        named(f"local {key}", loc.get(key))
+    outer = loc.get("outer")
+    if outer is not None:
+        if not (isinstance(outer, dict) and isinstance(outer.get("state"), dict)
+                and isinstance(outer.get("groups"), list)):
+            raise bad("local outer", type(outer).__name__, "None or a dict with state (per "
+                                                            "key, values by parameter name) "
+                                                            "and groups (a list)")
+        for key, d in outer["state"].items():
+            check_names(f"local outer {key}", d)
+    rounds = loc.get("rounds", {} if loc.get("round") is None else {0: loc["round"]})
+    if not isinstance(rounds, dict):
+        raise bad("local rounds", type(rounds).__name__, "a dict: fragment -> its exchange")
+    F = config.fragments
+    for f, rnd in rounds.items():
+        if type(f) is not int or not 0 <= f < F:
+            raise bad("local rounds' fragment", f, f"an integer in [0, fragments={F})")
+        if not isinstance(rnd, dict) or not all(k in rnd for k in (
+                "step", "averages", "buffers_average", "buffers_sent")):
+            raise bad("local round", rnd, "a dict with step, averages, buffers_average, "
+                                           "buffers_sent")
+        check_int("local round step", rnd["step"])
+        named("local round averages", rnd["averages"], whole=F == 1)
+        for key in ("buffers_average", "buffers_sent"):
+            if rnd[key] is not None:
+                check_tensor(f"local round {key}", rnd[key])

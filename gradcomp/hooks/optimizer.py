@@ -93,6 +93,7 @@ import torch
 from ..compressors import METHODS
 from ..config import Adam
 from ..compressors.dgc import MOMENTUM_KEYS, MOMENTUM_OFF
+from .local_steps import check_same_start
 from .unclip import Unclip, local as _local
 
 ADAM_TYPES = (torch.optim.Adam, torch.optim.AdamW)
@@ -376,13 +377,12 @@ def refuse_unseen_adam(state) -> None:
 def _check_first_round(state, optimizer) -> None:
     """Local steps: at the first step, before the rounds take their global point from this
     rank's model, every rank's model must be the same unless a checkpoint set the point
-    (hooks/checkpoint.py's ``check_same_start``); the hook goes after that step."""
+    (hooks/local_steps.py's ``check_same_start``); the hook goes after that step."""
     done = []  # (the hook stays, a no-op, until close(): torch iterates its hooks' dict)
 
     def pre(opt, args, kwargs):
         if not done:
             done.append(True)
-            from .checkpoint import check_same_start
             check_same_start(state)
     state.on_close(unwrap(optimizer).register_step_pre_hook(pre).remove)
 
@@ -713,13 +713,8 @@ class SGDMomentum:
         (its post-hook never ran) the groups are zeroed: the user's values are the saved ones."""
         if self._saved is not None:
             return [tuple(s[k] for k in MOMENTUM_KEYS) for s in self._saved] + [(0.0, False, 0.0)]
-        out = []
-        for g in self.optimizer.param_groups:
-            legacy = g.pop("gradcomp_moved", None)  # optimizer checkpoints of gradcomp <= 0.1
-            if legacy and not any(g.get(k) for k in MOMENTUM_KEYS):
-                g.update(legacy)
-            out.append(tuple(g.get(k, MOMENTUM_OFF[k]) for k in MOMENTUM_KEYS))
-        return out + [(0.0, False, 0.0)]
+        return [tuple(g.get(k, MOMENTUM_OFF[k]) for k in MOMENTUM_KEYS)
+                for g in self.optimizer.param_groups] + [(0.0, False, 0.0)]
 
     def values(self, names) -> tuple | None:
         """(momentum, nesterov, weight_decay) for the parameters ``names`` at this step: one

@@ -5,29 +5,12 @@ the integrations, the benchmark's CLI)."""
 import difflib
 
 from ..compressors import METHODS
-from ..config import MethodConfig
+from ..config import MAX_QUOTED, MethodConfig, clip, quote
+from .optimizer import is_adam, momentum_options
 
 AUTO = "auto"  # register(model, "auto"): the fastest method that holds (hooks/auto.py)
 # characters of a user's value quoted in a message: a message stays short whatever it was
 # given (a 10 KB spec string is quoted cut, not whole)
-MAX_QUOTED = 400
-
-
-def clip(text, limit: int = MAX_QUOTED) -> str:
-    """``text`` (a string, or any value: its repr) cut to about ``limit`` characters: its
-    beginning and its end (where a message says what is allowed), the cut marked."""
-    text = text if isinstance(text, str) else repr(text)
-    if len(text) <= limit:
-        return text
-    tail = limit // 3
-    return f"{text[: limit - tail - 30]} ...({len(text)} characters)... {text[-tail:]}"
-
-
-def quote(value, limit: int = 80) -> str:
-    """A user's value as a message quotes it: its repr, cut to ``limit`` characters."""
-    return clip(repr(value), limit)
-
-
 def is_auto(spec) -> bool:
     """Whether ``spec`` asks for method="auto" (with or without options)."""
     return isinstance(spec, str) and spec.strip().partition(":")[0] == AUTO
@@ -113,7 +96,6 @@ def for_optimizer(method: str, options: dict, optimizer):
     method's measured defaults for Adam/AdamW (``Compressor.adam_defaults``) where the user
     gave none, then what the method takes from the optimizer (hooks/optimizer.py's
     ``momentum_options``: DGC's momentum)."""
-    from .optimizer import is_adam, momentum_options
     name, opts = merge_options(method, options)
     comp = METHODS[name].compressor
     if is_adam(optimizer) and opts.get("adam", "auto") != "off":

@@ -7,7 +7,8 @@ from torch.nn.parallel import DistributedDataParallel
 from . import ddp, fsdp
 from . import optimizer as optimizer_binding
 from .agree import agree
-from .options import check_keywords, merge_options, quote
+from ..config import quote
+from .options import check_keywords, merge_options
 from .state import GradcompState
 
 # register()'s own keywords (every other keyword is an option of the method)
@@ -70,7 +71,7 @@ def register(model, method: str, *args, optimizer=None, scaler=None,
     common = dict(optimizer=optimizer, scaler=scaler, log_dir=log_dir,
                   outer_optimizer=outer_optimizer,
                   log_all_ranks=log_all_ranks, log_details=log_details, **options)
-    state = fsdp.register(model, method, **common) if sharded else ddp.register(
+    state = fsdp.register_fsdp(model, method, **common) if sharded else ddp.register_ddp(
         model, method, process_group=process_group, lanes=lanes or ddp.LANES, **common)
     if optimizer is None:
         optimizer_binding.refuse_unseen_adam(state)

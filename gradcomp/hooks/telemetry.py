@@ -220,9 +220,8 @@ def _in_optimizer_steps(state, run_raw: int):
         started = switch is not None and last >= switch
         return state.step, run_raw, switch, started, bool(state.warmup.compressing(max(last, 0)))
     step = state.rounds.inner
-    if switch is not None:  # (with fragments, N exchanges a round)
-        c = state.config
-        switch = c.sync_steps + switch // c.fragments * c.local_steps
+    if switch is not None:
+        switch = state.rounds.optimizer_step_of(switch)
     started = switch is not None and step - 1 >= switch
     return step, state.telemetry.handed(), switch, started, started
 
