@@ -124,7 +124,7 @@ class MethodConfig:
         compresses and exchanges Adam's first moment instead of the gradient: each rank
         compresses its next m = beta1 m + (1 - beta1) g, with the method's error feedback,
         and the average becomes every rank's m (1-bit Adam, Tang et al., ICML 2021:
-        hooks/optimizer.py); "freeze" freezes the second moment the same way but compresses
+        hooks/optimizer/adam.py); "freeze" freezes the second moment the same way but compresses
         the gradient; "precondition" also compresses g / sqrt(v) instead of g (measured
         worse on the GPT, kept for comparison); "off" lets Adam see the compressed gradients
         as any other (its second moment then averages the squares of compressed values:

@@ -1,5 +1,5 @@
 """Adam/AdamW with compressed gradients: the second moment frozen at the switch to
-compression (hooks/optimizer.py, after 1-bit Adam). One process: the binding against a
+compression (hooks/optimizer/adam.py, after 1-bit Adam). One process: the binding against a
 reference written out from its formula; several ranks: registered on DDP, ranks agree and v
 stays frozen; the refusals. The one-process tests drive the binding (FrozenVariance) alone,
 the switch to compression set by the test: no hook runs, so no warm-up decides it; the

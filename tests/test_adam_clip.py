@@ -1,4 +1,4 @@
-"""Gradient clipping in a compressed step under Adam (hooks/optimizer.py, "Gradient
+"""Gradient clipping in a compressed step under Adam (hooks/optimizer/adam.py, "Gradient
 clipping"): the norm a user's clip_grad_norm_ sees there is the exchanged gradients', which
 carries the compression error; the binding takes the clip off the compressed steps (the
 dense steps keep it)."""

@@ -3,7 +3,7 @@ does not. A 0.1M-parameter GPT (gradcomp_bench.models.gpt_tiny) on the pycode ch
 corpus, 2 gloo ranks, AdamW (betas 0.9/0.95, decay 0.1 on matrices), warm-up + cosine,
 clipping at 1, 300 steps, onebit at its defaults (the adaptive warm-up in int4 rows, then
 Adam's second moment frozen and its first moment exchanged with 1-bit compression, chunks of
-64 with bf16 scales: hooks/optimizer.py) against allreduce and against the ablation
+64 with bf16 scales: hooks/optimizer/) against allreduce and against the ablation
 ``adam=off``.
 
 Margins from three seeds (validation loss, nats per character; seeds 0 / 1 / 2):

@@ -127,7 +127,7 @@ class Compressor(ABC):
     residual_slot: str | None = None
     # memory slots holding one value per parameter (ctx.scalars), not one per element
     scalar_slots: tuple = ()
-    # with Adam/AdamW and adam="auto" (hooks/optimizer.py): what the method exchanges once
+    # with Adam/AdamW and adam="auto" (hooks/optimizer/adam.py): what the method exchanges once
     # Adam's second moment is frozen, "momentum" (Adam's first moment, 1-bit Adam's way) or
     # "freeze" (the gradient), as measured on the GPT workload (bench/RESULTS.md, "Accuracy with AdamW")
     adam_exchange: Adam = Adam.MOMENTUM
@@ -139,20 +139,20 @@ class Compressor(ABC):
     # 12 epochs, mean of 3 seeds; bench/RESULTS.md, "Accuracy with SGD"), and "adamw_gap_pct", {adam
     # exchange: validation loss above allreduce's, in percent} on the GPT with AdamW (2000
     # steps, mean of the seeds there; bench/RESULTS.md, "Accuracy with AdamW"). hooks/auto.py's candidates
-    # and hooks/optimizer.py's warning read them; a method not measured has none
+    # and hooks/optimizer/'s warning read them; a method not measured has none
     measured: dict = {}
 
     def __init__(self, config: MethodConfig):
         self.config = config
 
     # whether the method applies the SGD optimizer's momentum and weight decay itself (DGC):
-    # hooks/optimizer.py checks the optimizer at registration (momentum_options) and hands it
+    # hooks/optimizer/ checks the optimizer at registration (momentum_options) and hands it
     # their values per step (attach_momentum)
     reads_momentum = False
 
     def attach_momentum(self, source) -> None:
         """``source.values(names)``: (momentum, nesterov, weight_decay) at this step, for a
-        method with ``reads_momentum`` (hooks/optimizer.py's SGDMomentum)."""
+        method with ``reads_momentum`` (hooks/optimizer/'s SGDMomentum)."""
 
     def unbind(self) -> None:
         """Detach what was attached (the state is closing)."""
@@ -373,7 +373,7 @@ def register_method(cls: type[Compressor]) -> type[Compressor]:
         raise ValueError(f"method name {cls.name!r} is empty or already registered")
     if "prepare" in vars(cls):
         raise TypeError(f"{cls.__name__}.prepare: no longer called (what a method takes from "
-                        f"the optimizer is gradcomp/hooks/optimizer.py's, e.g. "
+                        f"the optimizer is gradcomp.hooks.optimizer's, e.g. "
                         f"momentum_options for reads_momentum); remove it")
     METHODS[cls.name] = MethodSpec(cls.name, cls.Config, cls, cls.description)
     return cls

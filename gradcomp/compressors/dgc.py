@@ -4,7 +4,7 @@ Communication Bandwidth for Distributed Training", ICLR 2018, arXiv:1712.01887).
 Momentum correction accumulates velocity *in the hook*, so the optimizer must not apply
 momentum (or weight decay) a second time. How that is kept true whatever a scheduler
 (OneCycleLR, CyclicLR), ``optimizer.load_state_dict`` or the user's code does to the
-optimizer's param groups later (``SGDMomentum`` in hooks/optimizer.py, which owns everything gradcomp does to a
+optimizer's param groups later (``SGDMomentum`` in hooks/optimizer/, which owns everything gradcomp does to a
 user's optimizer):
 
   * the param groups keep the user's ``momentum``, ``nesterov`` and ``weight_decay`` at all
@@ -141,11 +141,11 @@ class DGC(Compressor):
     # (Compressor.measured) AdamW: "freeze" measured with the fp32 warm-up, 1 seed
     measured = {"sgd_points": -5.4, "adamw_gap_pct": {"freeze": 18.8, "momentum": 15.1}}
 
-    reads_momentum = True  # hooks/optimizer.py hands it the SGD optimizer's values
+    reads_momentum = True  # hooks/optimizer/ hands it the SGD optimizer's values
 
     def __init__(self, config):
         super().__init__(config)
-        self.source = None  # hooks/optimizer.py's SGDMomentum, once bound
+        self.source = None  # hooks/optimizer/'s SGDMomentum, once bound
 
     @classmethod
     def sharded_refusal(cls, config, decays: bool) -> str | None:

@@ -4,7 +4,7 @@ touching FSDP's internals; ``register.py`` dispatches to them), the hook state
 (``state.py``) and its components (warm-up schedule, delay, local steps, guard, telemetry,
 topology: one module each), the engine that orders every collective (``engine.py``), the
 checkpoint's assembly (``checkpoint.py``) and the one binding to the user's optimizer
-(``optimizer.py``). docs/design.md maps them."""
+(``optimizer/``). docs/design.md maps them."""
 from .ddp import hook
 from .options import build_config, methods, parse_spec
 from .register import register

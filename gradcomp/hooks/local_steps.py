@@ -45,7 +45,7 @@ ICLR 2020): the first S optimizer steps are synchronous (the hook hands back the
 every rank's gradient, ``dense_wire`` on the wire: int8/int4 rows, bf16 or fp32) and the
 first round starts after them, from the parameters every rank then holds. With Adam/AdamW
 (``adam`` "auto" or "freeze") the second moment those steps learned from averaged gradients
-is then frozen for the inner steps (hooks/optimizer.py's :class:`FrozenVariance`, as 0/1
+is then frozen for the inner steps (hooks/optimizer/adam.py's :class:`FrozenVariance`, as 0/1
 Adam, Lu et al., ICLR 2023, freezes it): each rank's inner step is then linear in its
 gradients, so the average of the ranks' steps is as long as DDP's step on the averaged
 gradient (with each rank's own second moment, estimated from a W-times smaller batch, it is
@@ -264,7 +264,7 @@ class LocalSteps:
         plain)`` queues one exchange and returns (its future, its step): the method's
         (``plain`` False) or the plain average. ``outer_optimizer``: the outer step's
         factory (None: :func:`default_outer`). The optimizer's steps then call
-        :meth:`inner_pre` and :meth:`inner_post` (hooks/optimizer.py installs them: ``hook``)."""
+        :meth:`inner_pre` and :meth:`inner_post` (hooks/optimizer/ installs them: ``hook``)."""
         params = list(params)
         F = self.config.fragments
         where = check_fragments(self.config, [p.numel() for _, p in params])

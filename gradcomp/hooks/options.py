@@ -94,7 +94,7 @@ def _nearest(key, allowed) -> str:
 def for_optimizer(method: str, options: dict, optimizer):
     """(name, config) as ``register`` builds them: the spec's options and the keywords, the
     method's measured defaults for Adam/AdamW (``Compressor.adam_defaults``) where the user
-    gave none, then what the method takes from the optimizer (hooks/optimizer.py's
+    gave none, then what the method takes from the optimizer (hooks/optimizer/'s
     ``momentum_options``: DGC's momentum)."""
     name, opts = merge_options(method, options)
     comp = METHODS[name].compressor

@@ -45,7 +45,7 @@ def exchange(state, lane, ex):
         buf.copy_(out)
     if (ex.plain is None and state.adam is not None and not state.compressor.stateless
             and not state.warmup.dense(step) and not state.rounds.active):
-        state.adam.record(step, buf, ex.slices, scale)  # for the clip (hooks/optimizer.py)
+        state.adam.record(step, buf, ex.slices, scale)  # for the clip (hooks/optimizer/adam.py)
     traffic.total_s += time.perf_counter() - t0
     traffic.total_cpu_s += time.thread_time() - c0
     state.telemetry.add(step, traffic, buf.numel() * buf.element_size(),
@@ -106,7 +106,7 @@ def method(state, ctx, lane, x, run):
 
 
 def _adam_in(adam, params, x):
-    """Adam's transforms (hooks/optimizer.py): the next first moment a g + b where the
+    """Adam's transforms (hooks/optimizer/adam.py): the next first moment a g + b where the
     moment is exchanged, the update's own scale g / sqrt(v) where it preconditions; returns
     (what the method exchanges, what turns its average back)."""
     pre = adam.scale(params, x.device)

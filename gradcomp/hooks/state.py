@@ -9,7 +9,7 @@ another's private attributes, tests/test_design.py checks):
   rounds       local_steps.py   ``local_steps``: inner steps without exchange, the outer step
   telemetry    telemetry.py     byte/time counters and TensorBoard scalars
   hierarchy    topology.py      a hierarchical topology's ranks per node and shards
-  adam         optimizer.py     the Adam binding (frozen variance, the momentum exchange)
+  adam         optimizer/adam.py the Adam binding (frozen variance, the momentum exchange)
   engine       engine.py        lanes (threads, process groups, CUDA streams) and the one
                                 global order in which every collective is issued
 
@@ -96,7 +96,7 @@ class GradcompState:
         self.rounds = LocalSteps(config)
         self.telemetry = Telemetry()
         self.hierarchy = Hierarchy()
-        self.adam = None  # the Adam binding (hooks/optimizer.py), once bound
+        self.adam = None  # the Adam binding (hooks/optimizer/adam.py), once bound
         self._setup_runtime()
         if plan.topology is not None:
             self.set_topology(*plan.topology)
@@ -266,7 +266,7 @@ class GradcompState:
 
     def bind_adam(self, optimizer) -> None:
         """With Adam/AdamW and ``adam`` on: freeze Adam's second moment for the compressed
-        parameters once compression starts (hooks/optimizer.py); else nothing changes."""
+        parameters once compression starts (hooks/optimizer/); else nothing changes."""
         adam = optimizer_binding.frozen_variance(self, optimizer)
         if adam is not None:
             self.adam = adam

@@ -5,7 +5,7 @@ A language-model loop clips between backward and ``step()``
 ranks' gradients. Two steps hand the optimizer something else, and both step Adam with its
 second moment frozen, so the step is linear in what the clip rescaled:
 
-* a compressed step under Adam (hooks/optimizer.py, "Gradient clipping"): the exchanged
+* a compressed step under Adam (hooks/optimizer/adam.py, "Gradient clipping"): the exchanged
   gradients, whose norm carries the compression error;
 * an inner step of ``local_steps`` after ``sync_steps`` (hooks/local_steps.py): this rank's
   own gradient (or its node's average), whose norm carries the noise of a W-times smaller
@@ -67,7 +67,7 @@ class Unclip:
     """One step's records of what the exchanges handed back, and the rescale that takes a
     clip off that step. ``params``: name -> parameter, those whose handed-back norm is
     recorded; ``stepped()``: every parameter the optimizer steps (those not recorded are
-    rescaled alike; hooks/optimizer.py gives it, the one module that reads the optimizer)."""
+    rescaled alike; hooks/optimizer/ gives it, the one package that reads the optimizer)."""
 
     def __init__(self, params: dict[str, torch.Tensor], stepped):
         self.stepped = stepped

@@ -1,13 +1,4 @@
-"""What gradcomp does to a user's optimizer, in one place: :func:`bind` (called by the DDP
-and FSDP adapters once every rank agreed), the step hooks every binding registers through
-(:func:`step_hooks`: one pair per binding, run after a ``step(closure)``'s backward where
-it matters, :func:`after_closure`), DGC's momentum read from SGD's param groups
-(:class:`SGDMomentum`) and the checks of DGC's options against it (:func:`momentum_options`),
-local steps' rounds (their step hooks, installed by :func:`bind`), what every rank's
-optimizer must agree on (:func:`settings`) and the Adam binding below. No other module of
-the library reads an optimizer's groups or hooks its steps (tests/test_design.py).
-
-Adam and AdamW with compressed gradients (:class:`FrozenVariance`). Error feedback makes the
+"""Adam and AdamW with compressed gradients (:class:`FrozenVariance`). Error feedback makes the
 *sum* over steps of the compressed gradients equal the sum of the true ones, which is all a
 linear update (SGD with momentum) needs. Adam is not linear in the gradient: its second
 moment v averages the squares of what it receives, and the squares of compressed gradients
@@ -90,194 +81,17 @@ from __future__ import annotations
 
 import torch
 
-from ..compressors import METHODS
-from ..config import Adam
-from ..compressors.dgc import MOMENTUM_KEYS, MOMENTUM_OFF
-from .local_steps import check_same_start
-from .unclip import Unclip, local as _local
+from ...config import Adam
+from ...memory import ParamMemory
+from ..unclip import Unclip, local as _local
+from .steps import after_closure, is_adam, step_hooks, unwrap
 
-ADAM_TYPES = (torch.optim.Adam, torch.optim.AdamW)
-# the optimizer hyperparameters every rank must agree on (registration's fingerprint)
-_OPT_KEYS = ("lr", "momentum", "dampening", "nesterov", "betas", "eps", "weight_decay",
-             "amsgrad", "maximize", "decoupled_weight_decay")
-# Each method's measured gap with AdamW is its ``Compressor.measured["adamw_gap_pct"]``
-# (bench/RESULTS.md, "Accuracy with AdamW": the GPT, 2000 steps, mean of the seeds there; validation loss
-# above allreduce's, in percent, per method at its defaults and per exchange: DDP runs
-# "momentum" or the method's own, FSDP/HSDP and delay "freeze"). register() warns once when
-# a method runs at defaults whose gap in the exchange it runs is above HOLDS_PCT, naming the
-# methods that held in that same exchange: the gap and the list come from one row each.
-ADAM_GAP_KEY = "adamw_gap_pct"
-LOCAL = "local"  # the row of a local-steps method: inner AdamW steps, the pseudo-gradient sent
-HOLDS_PCT = 1.0
-# options that do not change what a method computes (a run with only these is "at defaults")
-_NEUTRAL = {"seed", "topology", "local_size", "min_numel", "exact", "adam", "delay",
-            "dense_wire"}
-_warned: set = set()
 # per parameter, in the state's memory (so in gradcomp's checkpoint, by parameter name): the
 # Adam step v froze at, and where v was still 0 then (learned on, as Adam's own)
 FROZEN_SLOT, GAPS_SLOT = "adam_frozen_step", "adam_v_gaps"
 # where earlier versions kept the frozen step: in optimizer.state[p] (read once,
 # then removed: torch.distributed.checkpoint's get/set_state_dict drop or refuse such keys)
 FROZEN_KEY = "gradcomp_frozen_step"
-
-
-def adam_gap(method: str, mode: str) -> float | None:
-    """``method``'s measured gap with AdamW at its defaults exchanging ``mode`` ("freeze",
-    "momentum"), in percent above allreduce's validation loss; None: not measured."""
-    return METHODS[method].compressor.measured.get(ADAM_GAP_KEY, {}).get(mode)
-
-
-def default_exchange(method: str) -> str:
-    """What ``method`` exchanges at its defaults with Adam/AdamW under DDP: "local" (the
-    pseudo-gradient of its own local steps: a method whose ``local_steps`` defaults above
-    1), else ``Compressor.adam_exchange``."""
-    spec = METHODS[method]
-    return LOCAL if spec.config().local_steps > 1 else spec.compressor.adam_exchange
-
-
-def held(mode: str | None = None) -> list[str]:
-    """The methods whose defaults held with AdamW (within HOLDS_PCT) where measured, the
-    smallest gap first: each exchanging ``mode``, or (None) what it exchanges at its
-    defaults under DDP (:func:`default_exchange`)."""
-    gaps = [(adam_gap(m, mode or default_exchange(m)), m) for m in METHODS]
-    return [m for gap, m in sorted(g for g in gaps if g[0] is not None) if gap <= HOLDS_PCT]
-
-
-def warn_measured(state, optimizer, stacklevel: int = 3) -> None:
-    """Once per method and process: a method whose measured defaults did not hold with
-    Adam/AdamW, run at those defaults with Adam/AdamW (``stacklevel``: the user's call)."""
-    method, config = state.method, state.config
-    local = config.local_steps > 1  # Adam's own inner steps, the pseudo-gradient sent
-    mode = LOCAL if local else adam_mode(state)
-    own = METHODS[method].compressor.adam_defaults.get("adam")  # (off: the method's choice)
-    if method in _warned or not is_adam(optimizer) or (config.adam == Adam.OFF and own != "off"):
-        return
-    gap = adam_gap(method, mode)
-    if gap is None or gap <= HOLDS_PCT:
-        return
-    defaults = {**type(config)().to_dict(), **METHODS[method].compressor.adam_defaults}
-    if any(v != defaults[k] for k, v in config.to_dict().items() if k not in _NEUTRAL):
-        return  # the user chose other settings: not what was measured
-    _warned.add(method)
-    ok = held(mode)
-    how = "with local steps" if local else f"with adam={str(mode)!r}"
-    alternatives = (f"held within {HOLDS_PCT:g}% there {how}: "
-                    f"{', '.join(repr(m) for m in ok)}, e.g. gradcomp.register(model, "
-                    f"{ok[0]!r}, optimizer=opt)" if ok else
-                    f"nothing held within {HOLDS_PCT:g}% there {how}")
-    import warnings
-    warnings.warn(
-        f"gradcomp: {method} at its defaults with {type(unwrap(optimizer)).__name__} "
-        f"({how[5:]}) ended {gap:.2f}% above allreduce's validation loss on our GPT "
-        f"workload (2000 steps); {alternatives}. The measurements: docs/adam.md and "
-        f"docs/methods.md.", UserWarning, stacklevel=stacklevel)
-
-
-def check_method(name, config, optimizer) -> None:
-    """At registration, before anything is attached: what the method's ``adam`` setting
-    needs from the optimizer (the frozen-variance step below)."""
-    if METHODS[name].compressor.stateless or config.adam == Adam.OFF:
-        return
-    adam = optimizer is not None and is_adam(optimizer)
-    if config.adam != Adam.AUTO and not adam:
-        raise ValueError(f"adam={str(config.adam)!r} needs optimizer=torch.optim.Adam or AdamW, got "
-                         f"{type(optimizer).__name__}: allowed adam='auto' or 'off' here")
-    if not adam:
-        return
-    if config.local_steps > 1:  # the inner steps are Adam's own (config checks the mode)
-        return
-    check_adam(optimizer)
-    if config.dense_steps == 0 or (config.dense_steps is None and config.warmup_rule == "none"):
-        raise ValueError(f"{name} with {type(unwrap(optimizer)).__name__}: "
-                         f"Adam's second moment is learned during dense warm-up steps and "
-                         f"frozen once compression starts (adam='freeze'), and this job has "
-                         f"none (dense_steps=0 or warmup='none'); allowed: the adaptive "
-                         f"warm-up (the default), dense_steps=N > 0, or adam='off' (Adam then "
-                         f"sees compressed gradients: measured to lose accuracy)")
-
-
-def unwrap(optimizer):
-    """The torch optimizer inside a framework's wrapper: Accelerate's AcceleratedOptimizer
-    (itself a torch.optim.Optimizer subclass) holds it as ``.optimizer``, Lightning's
-    LightningOptimizer as ``._optimizer``. The hooks gradcomp puts on an optimizer go on this
-    one, whose ``step()`` every wrapper ends in."""
-    for _ in range(8):
-        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
-        if inner is None or inner is optimizer or (
-                isinstance(optimizer, torch.optim.Optimizer) and not hasattr(inner, "param_groups")):
-            break
-        optimizer = inner
-    return optimizer
-
-
-def settings(optimizer) -> dict:
-    """What every rank's optimizer must agree on: its class and its groups' hyperparameters
-    (hooks/agree.py compares them across ranks at registration)."""
-    opt = unwrap(optimizer)
-    out = {"optimizer": type(opt).__name__}
-    for i, g in enumerate(getattr(opt, "param_groups", ())):
-        out[f"optimizer group {i}"] = {k: _plain(g[k]) for k in _OPT_KEYS if k in g}
-    return out
-
-
-def _plain(v):
-    if isinstance(v, torch.Tensor):  # a tensor lr/beta: its value
-        return v.detach().cpu().tolist()
-    return list(v) if isinstance(v, tuple) else v
-
-
-def has_weight_decay(optimizer) -> bool:
-    """Whether a group of ``optimizer`` decays its weights."""
-    groups = getattr(unwrap(optimizer), "param_groups", ()) or ()
-    return any(g.get("weight_decay") for g in groups)
-
-
-def momentum_options(options: dict, optimizer, name: str) -> dict:
-    """At registration, for a method that applies SGD's momentum itself (``reads_momentum``:
-    DGC's momentum correction): check ``optimizer`` and return the options to build the
-    config from (the momentum, nesterov and weight decay the optimizer holds are read from it
-    at every step, never copied into the config)."""
-    if optimizer is None:
-        raise TypeError(f"{name} applies momentum inside the hook (momentum correction): pass "
-                        "optimizer=your_SGD so gradcomp reads its momentum at every step and "
-                        "it is never applied twice")
-    optimizer = unwrap(optimizer)
-    groups = optimizer.param_groups
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        # Adam's first moment is its momentum and it applies its own weight decay: dgc
-        # runs as top-k with its accumulation, Adam's variance frozen (adam='freeze')
-        given = {k: options[k] for k in MOMENTUM_KEYS if options.get(k, MOMENTUM_OFF[k])}
-        if given:
-            raise TypeError(f"{name}'s momentum correction needs torch.optim.SGD, got "
-                            f"{type(optimizer).__name__} with {given}: Adam keeps its own "
-                            f"momentum and weight decay; leave them out ({name} then runs as "
-                            f"top-k with its accumulation), or use 'topk'")
-        return options
-    held = any(any(g.get(k, MOMENTUM_OFF[k]) for k in MOMENTUM_KEYS) for g in groups)
-    if not isinstance(optimizer, torch.optim.SGD):
-        if held or any(options.get(k, MOMENTUM_OFF[k]) for k in MOMENTUM_KEYS):
-            raise TypeError(f"{name}'s momentum correction needs torch.optim.SGD, got "
-                            f"{type(optimizer).__name__}; use 'topk' for other optimizers")
-        return options
-    for i, g in enumerate(groups):
-        if g.get("maximize"):
-            raise ValueError(f"{name} with maximize=True (param group {i}): not supported; "
-                             f"minimize the negated loss")
-        if g.get("dampening", 0):
-            raise ValueError(f"{name} with dampening={g['dampening']!r} (param group {i}): "
-                             f"allowed 0")
-    if held:
-        for k in MOMENTUM_KEYS:
-            if k in options and any(g.get(k, MOMENTUM_OFF[k]) != options[k] for g in groups):
-                raise ValueError(f"{k}={options[k]!r} given to {name} while the optimizer has "
-                                 f"{k}={groups[0].get(k)!r}: it would be applied twice; "
-                                 f"leave it out, {name} reads it from the optimizer")
-        options = {k: v for k, v in options.items() if k not in MOMENTUM_KEYS}
-    return options
-
-
-def is_adam(optimizer) -> bool:
-    return isinstance(unwrap(optimizer), ADAM_TYPES)
 
 
 def check_adam(optimizer) -> None:
@@ -288,127 +102,6 @@ def check_adam(optimizer) -> None:
                 raise ValueError(f"{key}=True in param group {i} of "
                                  f"{type(unwrap(optimizer)).__name__}: not supported with "
                                  f"compression (adam='freeze'); set {key}=False, or adam='off'")
-
-
-def step_hooks(optimizer, key: str, pre, post) -> list:
-    """``pre`` and ``post`` as step hooks of the torch optimizer (inside any framework's
-    wrapper). A binding registered again (a resumed job's new state) replaces the hooks its
-    predecessor left under the same ``key``: one pair per key and optimizer."""
-    optimizer = unwrap(optimizer)
-    attr = f"_gradcomp_{key}_hooks"
-    for h in getattr(optimizer, attr, None) or ():
-        h.remove()
-    handles = [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
-    setattr(optimizer, attr, handles)
-    return handles
-
-
-def bind(state, optimizer, *, module=None, bucket_bytes=None, pieces=None, warn: bool = False,
-         stacklevel: int = 4, outer_optimizer=None) -> None:
-    """Attach to the user's optimizer all that the state's settings need, once every rank
-    agreed (the adapters call this last): with ``local_steps`` the rounds' step hooks
-    (hooks/local_steps.py); else the SGD momentum a method applies itself (DGC), the Adam binding
-    (:class:`FrozenVariance`) and, with ``warn``, the measured-accuracy warning. ``pieces``:
-    what the rounds average under HSDP: (name, tensor) pairs of this rank's rows;
-    ``outer_optimizer``: the rounds' outer step (hooks/local_steps.py)."""
-    if optimizer is None:
-        return
-    if state.rounds.active:  # inner steps are the optimizer's own; the rounds end in its hooks
-        if pieces is None:  # every trainable parameter of ``module`` in module order
-            names = state.param_names
-            pieces = [(names[id(p)], p) for p in module.parameters() if id(p) in names]
-        state.rounds.bind(pieces, module.named_buffers(), bucket_bytes, state.send_outer,
-                          outer_optimizer)
-        _check_first_round(state, optimizer)  # (a pre-hook that runs before the rounds')
-        # the steps that run (not a wrapper's skips)
-        state.rounds.hook(step_hooks(optimizer, "local", state.rounds.inner_pre,
-                                     state.rounds.inner_post))
-        state.bind_adam(optimizer)  # with sync_steps: the second moment they learned
-        return
-    inner = unwrap(optimizer)
-    if state.compressor.reads_momentum and isinstance(inner, torch.optim.SGD):
-        state.compressor.attach_momentum(
-            SGDMomentum(inner, state.param_names, state.compressor.config.fixed(),
-                        state.method))
-    state.bind_adam(optimizer)
-    if warn:
-        warn_measured(state, optimizer, stacklevel=stacklevel)
-
-
-def refuse_unseen_adam(state) -> None:
-    """``register()`` without ``optimizer=``: gradcomp cannot see the optimizer, and with
-    Adam/AdamW it must bind it (the second moment frozen once compression starts, the
-    method's Adam defaults), or the compressed gradients reach Adam's second moment
-    (``adam="off"``: measured to lose accuracy, docs/adam.md). So the first
-    ``step()`` of an optimizer holding the model's parameters is looked at, once, through
-    torch's global step pre-hook: Adam/AdamW raises there (on every rank: each takes the
-    same step) naming the fix; any other optimizer goes on (the hook a no-op until
-    close()). Binding it then would be too late: the method's Adam defaults shape the
-    config, and every rank's optimizer is compared at registration."""
-    if state.compressor.stateless or state.config.adam == Adam.OFF:
-        return
-    import weakref
-
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
-    ref, done = weakref.ref(state), []  # (the hook stays, a no-op, until close(): torch
-    # iterates the hooks' dict while it runs them)
-
-    def pre(opt, args, kwargs):
-        st = ref()
-        if st is None or done:
-            return
-        names = st.param_names
-        if not any(id(p) in names for g in opt.param_groups for p in g["params"]):
-            return  # another model's optimizer
-        done.append(True)
-        if is_adam(opt):
-            name = type(unwrap(opt)).__name__
-            raise ValueError(
-                f"gradcomp: {st.method!r} was registered without optimizer=, and {name} "
-                f"steps the model's parameters: with Adam/AdamW gradcomp binds the optimizer "
-                f"(Adam's second moment frozen once compression starts, the method's Adam "
-                f"defaults; docs/adam.md), else the compressed gradients reach Adam's second "
-                f"moment and lose accuracy. Register with gradcomp.register(model, "
-                f"{st.method!r}, optimizer=opt), or with adam='off' to run without the "
-                f"binding")
-    state.on_close(register_optimizer_step_pre_hook(pre).remove)
-
-
-def _check_first_round(state, optimizer) -> None:
-    """Local steps: at the first step, before the rounds take their global point from this
-    rank's model, every rank's model must be the same unless a checkpoint set the point
-    (hooks/local_steps.py's ``check_same_start``); the hook goes after that step."""
-    done = []  # (the hook stays, a no-op, until close(): torch iterates its hooks' dict)
-
-    def pre(opt, args, kwargs):
-        if not done:
-            done.append(True)
-            check_same_start(state)
-    state.on_close(unwrap(optimizer).register_step_pre_hook(pre).remove)
-
-
-def after_closure(args, kwargs, fn):
-    """Run ``fn`` from an optimizer step pre-hook once the step's gradients exist. With
-    ``step(closure)`` (Lightning's automatic optimization, LBFGS-style loops) the closure's
-    backward runs inside ``step()``, after the pre-hooks: ``fn`` then runs when the closure
-    returns, before the optimizer reads any gradient. Returns what the pre-hook returns (the
-    step's new (args, kwargs), or None)."""
-    args, kwargs = tuple(args or ()), dict(kwargs or {})  # args: (optimizer, closure?)
-    closure, where = kwargs.get("closure"), "kwargs"
-    if closure is None and len(args) > 1 and callable(args[1]):
-        closure, where = args[1], "args"
-    if closure is None:
-        fn()
-        return None
-
-    def closure_then_fn():
-        loss = closure()
-        fn()
-        return loss
-
-    if where == "args":
-        return (args[0], closure_then_fn, *args[2:]), kwargs
-    return args, {**kwargs, "closure": closure_then_fn}
 
 
 def _decoupled(optimizer, group) -> bool:
@@ -426,7 +119,6 @@ class FrozenVariance:
     def __init__(self, optimizer, compressed, compressing, names: dict[int, str] | None = None,
                  precondition: bool = False, momentum: bool = False, store=None,
                  unclip: bool = False):
-        from ..memory import ParamMemory
         self.optimizer = unwrap(optimizer)
         # where the frozen steps and v's gaps are kept: the state's memory (checkpointed
         # with it), or one of its own (a binding made by hand: its store.state_dict())
@@ -685,84 +377,6 @@ class FrozenVariance:
         self._hidden = []
 
 
-class SGDMomentum:
-    """Reads each parameter's momentum, Nesterov flag and weight decay from the SGD
-    optimizer's param groups when a bucket is submitted, and keeps the optimizer from
-    applying them itself: zero during ``step()`` (pre-hook), the user's values back after it
-    (post-hook). With ``fixed`` options the groups must hold none: checked at every step."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, names: dict[int, str], fixed: bool,
-                 method: str):
-        self.optimizer, self.fixed, self.method = optimizer, fixed, method
-        # a parameter the optimizer does not hold is never updated: nothing to apply (-1)
-        self._group_of = {n: -1 for n in names.values()}
-        self._group_of.update({names[id(p)]: i for i, g in enumerate(optimizer.param_groups)
-                               for p in g["params"] if id(p) in names})
-        self._saved: list[dict] | None = None  # the user's values while step() runs
-        self._layouts: dict[tuple, list[int]] = {}
-        self.handles = step_hooks(optimizer, "momentum", self._pre, self._post)
-
-    def close(self) -> None:
-        self._restore()
-        for h in self.handles:
-            h.remove()
-
-    def _groups(self) -> list[tuple]:
-        """The user's values per group (+ a last entry, nothing, for parameters the optimizer
-        does not hold). Inside step() (a closure's backward) and after a step() that raised
-        (its post-hook never ran) the groups are zeroed: the user's values are the saved ones."""
-        if self._saved is not None:
-            return [tuple(s[k] for k in MOMENTUM_KEYS) for s in self._saved] + [(0.0, False, 0.0)]
-        return [tuple(g.get(k, MOMENTUM_OFF[k]) for k in MOMENTUM_KEYS)
-                for g in self.optimizer.param_groups] + [(0.0, False, 0.0)]
-
-    def values(self, names) -> tuple | None:
-        """(momentum, nesterov, weight_decay) for the parameters ``names`` at this step: one
-        triple when they agree, else a triple of per-parameter lists; None with fixed options."""
-        if self.fixed:
-            return None
-        groups = self._groups()
-        idx = self._layouts.get(tuple(names))
-        if idx is None:
-            idx = self._layouts[tuple(names)] = [self._group_of[n] for n in names]
-        first = groups[idx[0]]
-        if all(groups[i] == first for i in idx):
-            return first
-        return tuple(list(col) for col in zip(*(groups[i] for i in idx)))
-
-    def _pre(self, optimizer, args, kwargs) -> None:
-        self._restore()  # a step() that raised never ran its post-hook
-        groups = self._groups()[:-1]
-        if self.fixed:
-            bad = [(i, dict(zip(MOMENTUM_KEYS, v))) for i, v in enumerate(groups) if any(v)]
-            if bad:
-                raise ValueError(f"{self.method} applies the momentum/weight decay given in its options, "
-                                 f"but param group {bad[0][0]} now holds {bad[0][1]} (a scheduler "
-                                 f"cycling momentum, or your code): it would be applied twice. "
-                                 f"Leave the options out so {self.method} reads them from the optimizer")
-            return
-        self._saved = [{k: g.get(k, MOMENTUM_OFF[k]) for k in MOMENTUM_KEYS} for g in optimizer.param_groups]
-        for g in optimizer.param_groups:
-            g.update(MOMENTUM_OFF)
-
-    def _post(self, optimizer, args, kwargs) -> None:
-        self._restore()
-
-    def _restore(self) -> None:
-        if self._saved is not None:
-            for g, s in zip(self.optimizer.param_groups, self._saved):
-                g.update(s)
-            self._saved = None
-
-
-def loss_scale(scaler):
-    """The loss scale the current gradients carry (a copy: the scaler updates it in place
-    after the step), or None without an enabled GradScaler."""
-    if scaler is None or not scaler.is_enabled() or getattr(scaler, "_scale", None) is None:
-        return None
-    return scaler._scale.detach().clone()
-
-
 def frozen_variance(state, optimizer):
     """With Adam/AdamW and ``adam`` "auto"/"freeze"/"momentum"/"precondition": the binding that
     freezes Adam's second moment for the compressed parameters once compression starts
@@ -802,12 +416,3 @@ def adam_mode(state) -> "Adam":
         return Adam.FREEZE
     ok = c.error_feedback and not c.delay and not state.sharded
     return Adam(state.compressor.adam_exchange) if ok else Adam.FREEZE
-
-
-def dense_wire(state) -> str:
-    """What the warm-up's dense steps put on the wire (``dense_wire``; "auto": bfloat16
-    with Adam/AdamW bound, else float32)."""
-    w = state.config.dense_wire
-    if w == "auto":
-        return "bfloat16" if state.adam is not None else "float32"
-    return w
