@@ -48,7 +48,8 @@ MAX_LOCAL_STEPS = 100_000
 MAX_STEPS = 2**53  # a step count that is still an exact float64
 
 
-# how long a user's value may run in a message before it is cut
+# characters of a user's value quoted in a message: a message stays short whatever it was
+# given (a 10 KB spec string is quoted cut, not whole)
 MAX_QUOTED = 400
 
 
@@ -222,6 +223,10 @@ class MethodConfig:
         check(self.local_steps == 1 or self.adam in (Adam.AUTO, Adam.FREEZE, Adam.OFF), "adam",
               self.adam.value, f"auto, freeze or off with local_steps={self.local_steps} (the "
               f"inner steps are Adam's own; with sync_steps its second moment freezes)")
+        check(self.local_steps == 1 or self.adam != Adam.FREEZE or self.sync_steps > 0, "adam",
+              self.adam.value, f"auto or off with local_steps={self.local_steps} and "
+              f"sync_steps=0; 'freeze' freezes the second moment the synchronous steps learned: "
+              f"set sync_steps=N > 0")
         check(self.adam != Adam.MOMENTUM or self.delay == 0, "delay", self.delay,
               "0 with adam='momentum' (the late average would be applied to a later first "
               "moment than the one it was built from); adam='auto' or 'freeze' with delay")

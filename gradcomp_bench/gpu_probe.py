@@ -128,14 +128,14 @@ def layout(model="gpt2_small"):
     int32 gathers it runs there against the CPU's runs (one torch.cat of views) (ms)."""
     from gradcomp_bench import models
     from gradcomp.compressors.base import ParamSlice
-    from gradcomp.compressors.terngrad import _Layout
+    from gradcomp.compressors.terngrad import _TernaryLayout
     with torch.device("meta"):
         named = list(models.build(model).named_parameters())
     params, off = [], 0
     for name, t in named:
         params.append(ParamSlice(name, tuple(t.shape), off, t.numel()))
         off += t.numel()
-    lay = _Layout(params, [], off, DEV)
+    lay = _TernaryLayout(params, [], off, DEV)
     # the gathers TernGrad ran on the GPU before: an int32 position per element
     starts = lay.starts.tolist()
     take = torch.cat([torch.arange(p.offset, p.offset + m, device=DEV) if m == p.numel else

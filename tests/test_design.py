@@ -262,5 +262,5 @@ def test_class_names_are_unique_and_hooks_function_names_too():
             for n in tree.body:
                 if isinstance(n, ast.FunctionDef) and not n.name.startswith("_"):
                     functions.setdefault(n.name, []).append(rel)
-    twice = {k: v for k, v in {**classes, **functions}.items() if len(v) > 1}
+    twice = [(k, v) for names in (classes, functions) for k, v in names.items() if len(v) > 1]
     assert not twice, twice

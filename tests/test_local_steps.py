@@ -507,7 +507,10 @@ def test_bad_options_are_named():
                         ({"local_steps": 4, "delay": 1}, "invalid delay=1: allowed 0 with local_steps=4"),
                         ({"local_steps": 4, "sync_steps": -1}, "invalid sync_steps=-1"),
                         ({"local_steps": 4, "adam": "momentum"},
-                         "invalid adam='momentum': allowed auto, freeze or off with local_steps=4")]:
+                         "invalid adam='momentum': allowed auto, freeze or off with local_steps=4"),
+                        ({"local_steps": 4, "adam": "freeze"},
+                         "invalid adam='freeze': allowed auto or off with local_steps=4 and "
+                         "sync_steps=0")]:
         with pytest.raises(ValueError, match=match):
             gradcomp.build_config("topk", **opts)
     # inert every step: diloco's AdamW defaults set it, and diloco:local_steps=1 stays valid

@@ -538,7 +538,7 @@ def test_powersgd_by_runs_equals_the_batched_path_bit_for_bit(spec, W, monkeypat
     got = {}
     for mode in ("runs", "index"):
         if mode == "index":
-            monkeypatch.setattr(powersgd._Layout, "moves", lambda self, n: None)
+            monkeypatch.setattr(powersgd._LowRankLayout, "moves", lambda self, n: None)
         method, mem = compressor(spec, min_numel=10), ParamMemory()
         outs = [method.reduce(x.clone(), Ctx(params, step, mem, W)).clone()
                 for step, x in enumerate(xs)]

@@ -17,12 +17,12 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from ..config import Adam, quote
+from ..config import MAX_STEPS, Adam, quote
 from . import optimizer as optimizer_binding
 from .agree import agree
 from .local_steps import SAVE_EACH_MODEL, check_local_state, same_model
 from .optimizer import FROZEN_SLOT
-from .schema import MAX_STEP, bad, check_int, check_names, check_plain, check_tensor
+from .schema import bad, check_int, check_names, check_plain, check_tensor
 from .topology import SEP, base_name
 
 # the layout of state_dict(); checkpoints without a "format" key are format 1 and load the same
@@ -105,9 +105,9 @@ def check_checkpoint(sd, state) -> None:
     rank = _rank(state)
     if "rank" in sd and sd["rank"] != rank:
         raise ValueError(f"gradcomp checkpoint was written by rank {sd['rank']!r}; this is rank "
-                         f"{rank}: each rank's residuals are its own, so every rank saves and "
-                         f"loads its own state_dict() (e.g. a file per rank, or "
-                         f"torch.distributed.checkpoint with state.stateful())")
+                         f"{rank} (torch.distributed.checkpoint takes state.stateful()): each "
+                         f"rank's residuals are its own, so every rank saves and loads its own "
+                         f"state_dict(), e.g. a file per rank")
     if sd.get("exchanges") is not None and sd["exchanges"] not in EXCHANGES:
         raise bad("exchanges", sd["exchanges"], f"None or one of {', '.join(EXCHANGES)}")
     check_int("step", sd["step"])
@@ -137,9 +137,9 @@ def _check_memory(mem, state) -> None:
             for name, t in d.items():
                 check_tensor(f"memory slot {slot!r} of {name!r}", t)
                 if slot == FROZEN_SLOT and (t.numel() != 1 or float(t) != int(t)
-                                                   or not 1 <= int(t) <= MAX_STEP):
+                                                   or not 1 <= int(t) <= MAX_STEPS):
                     raise bad(f"memory slot {slot!r} of {name!r}", t.tolist(),
-                               f"one integer in [1, {MAX_STEP}] (the Adam step v froze at)")
+                               f"one integer in [1, {MAX_STEPS}] (the Adam step v froze at)")
     for slot, d in mem["tensors"].items():
         for name, t in d.items():  # what the state holds already: the same shape and dtype
             mine = state.memory.find(slot, name)
@@ -188,7 +188,7 @@ def _check_warmup(wu) -> None:
         raise bad("warmup entries", wu["entries"], "a list")
     for e in wu["entries"]:
         if not (isinstance(e, (list, tuple)) and len(e) == 3
-                and isinstance(e[0], int) and not isinstance(e[0], bool) and 0 <= e[0] <= MAX_STEP
+                and isinstance(e[0], int) and not isinstance(e[0], bool) and 0 <= e[0] <= MAX_STEPS
                 and isinstance(e[1], (list, tuple)) and all(isinstance(n, str) for n in e[1])
                 and type(e[2]) is torch.Tensor and e[2].layout == torch.strided
                 and not e[2].is_meta and e[2].dtype.is_floating_point

@@ -597,7 +597,8 @@ def check_same_start(state) -> None:
 
 
 def check_local_state(loc, config, numels: dict, param_names: dict) -> None:
-    """local_steps' rounds (hooks/local_steps.py): per parameter, the round's start, anchor
+    """A checkpoint's local-steps part (what :meth:`LocalSteps.state_dict` writes), checked
+    before anything is loaded: per parameter, the round's start, anchor
     and the outer optimizer's state ("momentum" in format 2), and per fragment the outer
     exchange in flight ("round" in format 2)."""
     if loc is None:

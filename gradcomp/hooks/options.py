@@ -9,8 +9,6 @@ from ..config import MAX_QUOTED, MethodConfig, clip, quote
 from .optimizer import is_adam, momentum_options
 
 AUTO = "auto"  # register(model, "auto"): the fastest method that holds (hooks/auto.py)
-# characters of a user's value quoted in a message: a message stays short whatever it was
-# given (a 10 KB spec string is quoted cut, not whole)
 def is_auto(spec) -> bool:
     """Whether ``spec`` asks for method="auto" (with or without options)."""
     return isinstance(spec, str) and spec.strip().partition(":")[0] == AUTO

@@ -28,7 +28,7 @@ class Plan:
     topology, or None (flat). ``stats_group``: where the warm-up's statistics and the flags
     go round when that is not the state's own group (HSDP: the whole mesh). ``owned_groups``:
     the groups registration created, destroyed at ``close()``. ``load_group``: the loads'
-    agreement (agree.py). ``topology_probe``, ``method_probe``: what ``topology="auto"`` and
+    agreement (checkpoint.py's ``load_group``). ``topology_probe``, ``method_probe``: what ``topology="auto"`` and
     ``method="auto"`` measured, for ``stats()``."""
 
     scaler: object = None

@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from ..config import quote
-
-MAX_STEP = 2**53
+from ..config import MAX_STEPS, quote
 
 
 def bad(what: str, value, allowed: str) -> ValueError:
     return ValueError(f"gradcomp checkpoint: {what} is {quote(value)}; allowed {allowed}")
 
 
-def check_int(what, v, low=0, high=MAX_STEP):
+def check_int(what, v, low=0, high=MAX_STEPS):
     if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
         raise bad(what, v, f"an integer in [{low}, {high}]")
 

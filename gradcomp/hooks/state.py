@@ -105,7 +105,7 @@ class GradcompState:
     scaler = _planned("scaler", "The GradScaler whose loss scale the gradients carry.")
     stats_group = _planned("stats_group", "The warm-up's statistics' group (HSDP).")
     owned_groups = _planned("owned_groups", "Process groups destroyed at close().")
-    load_group = _planned("load_group", "The loads' agreement (agree.py).")
+    load_group = _planned("load_group", "The loads' agreement (checkpoint.py's load_group).")
     sharded = _planned("sharding", "The Sharding the state serves (false for DDP).")
     reuse_skipped = _planned("reuse_skipped", "Whether a skipped step's index is taken again.")
     topology_probe = _planned("topology_probe", "topology=auto's measurement, if it ran.")

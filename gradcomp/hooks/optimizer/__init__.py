@@ -94,7 +94,7 @@ def warn_measured(state, optimizer, stacklevel: int = 3) -> None:
 
 def check_method(name, config, optimizer) -> None:
     """At registration, before anything is attached: what the method's ``adam`` setting
-    needs from the optimizer (the frozen-variance step below)."""
+    needs from the optimizer (the frozen-variance step of adam.py)."""
     if METHODS[name].compressor.stateless or config.adam == Adam.OFF:
         return
     adam = optimizer is not None and is_adam(optimizer)
@@ -103,7 +103,9 @@ def check_method(name, config, optimizer) -> None:
                          f"{type(optimizer).__name__}: allowed adam='auto' or 'off' here")
     if not adam:
         return
-    if config.local_steps > 1:  # the inner steps are Adam's own (config checks the mode)
+    if config.local_steps > 1:  # the inner steps are Adam's own (config checks the mode);
+        if config.sync_steps:  # after the synchronous steps, the frozen-variance step
+            check_adam(optimizer)
         return
     check_adam(optimizer)
     if config.dense_steps == 0 or (config.dense_steps is None and config.warmup_rule == "none"):
