@@ -42,14 +42,14 @@ def _finish(fig, ax, path, title, xlabel, ylabel):
     ax.set_ylabel(ylabel)
     ax.grid(True, which="major", alpha=0.5)
     ax.grid(True, which="minor", alpha=0.15)
-    labels = ax.get_legend_handles_labels()[1]
+    handles, labels = ax.get_legend_handles_labels()
     if max(map(len, labels), default=0) <= 40:  # short names: beside the axes
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     else:  # long specs: below the axes, in two columns, the figure grown to hold them
         w, h = fig.get_size_inches()
         fig.set_size_inches(w, h + 0.16 * -(-len(labels) // 2))
-        fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncol=2,
-                   fontsize=7, frameon=False)
+        fig.legend(handles, labels, loc="outside lower center", ncol=2, fontsize=7,
+                   frameon=False)
     fig.savefig(path, dpi=110)
     return fig
 

@@ -139,7 +139,7 @@ def _check_memory(mem, state) -> None:
                 if slot == FROZEN_SLOT and (t.numel() != 1 or float(t) != int(t)
                                                    or not 1 <= int(t) <= MAX_STEPS):
                     raise bad(f"memory slot {slot!r} of {name!r}", t.tolist(),
-                               f"one integer in [1, {MAX_STEPS}] (the Adam step v froze at)")
+                              f"one integer in [1, {MAX_STEPS}] (the Adam step v froze at)")
     for slot, d in mem["tensors"].items():
         for name, t in d.items():  # what the state holds already: the same shape and dtype
             mine = state.memory.find(slot, name)
@@ -194,7 +194,7 @@ def _check_warmup(wu) -> None:
                 and not e[2].is_meta and e[2].dtype.is_floating_point
                 and e[2].dim() == 1 and e[2].numel() == len(e[1])):
             raise bad("a warmup entry", e, "(step, parameter names, their squared norms: a "
-                                            "1-D float tensor, one per name)")
+                                           "1-D float tensor, one per name)")
 
 
 def _check_own_model(saved, state) -> None:

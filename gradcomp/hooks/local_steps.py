@@ -548,9 +548,9 @@ def _outer_of(sd: dict) -> dict | None:
 
 def _rounds_of(sd: dict) -> dict:
     """Per fragment, the exchange in flight; a checkpoint without fragments keeps its one
-    exchange under "round"."""
+    exchange under "round" (format 2). Its keys are checked by :func:`check_local_state`."""
     if "rounds" in sd:
-        return {int(f): r for f, r in sd["rounds"].items()}
+        return sd["rounds"]
     return {} if sd.get("round") is None else {0: sd["round"]}
 
 
@@ -626,11 +626,11 @@ def check_local_state(loc, config, numels: dict, param_names: dict) -> None:
         if not (isinstance(outer, dict) and isinstance(outer.get("state"), dict)
                 and isinstance(outer.get("groups"), list)):
             raise bad("local outer", type(outer).__name__, "None or a dict with state (per "
-                                                            "key, values by parameter name) "
-                                                            "and groups (a list)")
+                                                           "key, values by parameter name) "
+                                                           "and groups (a list)")
         for key, d in outer["state"].items():
             check_names(f"local outer {key}", d)
-    rounds = loc.get("rounds", {} if loc.get("round") is None else {0: loc["round"]})
+    rounds = _rounds_of(loc)
     if not isinstance(rounds, dict):
         raise bad("local rounds", type(rounds).__name__, "a dict: fragment -> its exchange")
     F = config.fragments

@@ -22,7 +22,7 @@ def check_tensor(what, t, numel=None):
         raise bad(what, type(t).__name__, "a tensor")
     if t.layout != torch.strided or t.is_meta or type(t) is not torch.Tensor:
         raise bad(what, f"a {type(t).__name__} ({t.layout}, {t.device})",
-                   "a dense torch.Tensor holding values")
+                  "a dense torch.Tensor holding values")
     if not t.dtype.is_floating_point:
         raise bad(f"{what}'s dtype", t.dtype, "a floating-point dtype")
     if numel is not None and t.numel() != numel:
