@@ -71,7 +71,7 @@ class Rider:
 class Comm:
     """Collectives of one lane. With a ``ticket`` (set per exchange by the engine) each
     collective is issued asynchronously in its turn of the global order and waited for after
-    the turn is given up; without one (a single thread: ``GradcompState.reduce``) it is
+    the turn is given up; without one (a single thread: ``HookState.reduce``) it is
     issued at once."""
 
     def __init__(self, group=None, traffic: Traffic | None = None, rider: Rider | None = None,
@@ -179,7 +179,7 @@ class Comm:
 # The control plane: collectives outside any bucket's exchange (registration's agreement,
 # the warm-up's window statistics, the topology probe, a checkpoint gathered onto rank 0,
 # a step check with no rows to exchange). Each is issued at once, so the caller makes sure
-# no exchange is in flight on its group (``GradcompState.drain()``) or that it runs where
+# no exchange is in flight on its group (``HookState.drain()``) or that it runs where
 # the job runs no exchange at all (registration, a checkpoint between steps).
 
 def all_reduce_now(t: torch.Tensor, op: str = "sum", group=None,

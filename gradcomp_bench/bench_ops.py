@@ -1,6 +1,6 @@
 """How many aten ops one bucket's exchange costs, per method (the codec issue's measure).
 
-Every op ``GradcompState.reduce`` dispatches for one bucket at world size 1 is counted with
+Every op ``gradcomp.State.reduce`` dispatches for one bucket at world size 1 is counted with
 a TorchDispatchMode: all of them ("ops"), and those that do work ("kernel ops": on a GPU
 each is at least one kernel launch; views, ``detach`` and ``lift_fresh`` only make a new
 tensor header and are left out). ``launches`` counts what a GPU would launch: the exchange
@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_map
 
 from gradcomp.compressors.base import ParamSlice
 from gradcomp.hooks import build_config
-from gradcomp.hooks.state import GradcompState
+from gradcomp import State
 
 SPECS = ("allreduce", "topk", "dgc", "onebit", "terngrad", "powersgd", "threshold")
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
@@ -139,7 +139,7 @@ def count(spec: str, layout: list[ParamSlice], seed: int = 0, kernels: bool = Fa
     set before Triton is imported where there is no GPU)."""
     # the compressed exchange (the adaptive warm-up would make the first steps dense)
     name, cfg = build_config(spec, **({} if "warmup=" in spec else {"warmup": "none"}))
-    state = GradcompState(name, cfg)
+    state = State(name, cfg)
     n = sum(p.numel for p in layout)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, generator=g)
@@ -289,7 +289,7 @@ def gpu_launches(spec: str, layout: list[ParamSlice], seed: int = 0) -> collecti
     a GPU besides its collectives, by op (see the module's docstring); its total is the
     launch count. Needs Triton (importable; nothing is compiled or run)."""
     name, cfg = build_config(spec, **({} if "warmup=" in spec else {"warmup": "none"}))
-    state = GradcompState(name, cfg)
+    state = State(name, cfg)
     x = torch.randn(sum(p.numel for p in layout), generator=torch.Generator().manual_seed(seed))
     mode = _Launches()
     with _posing_as_cuda(mode), mode:

@@ -85,7 +85,7 @@ def state_for(spec, **kw):
     if "warmup=" not in spec:
         kw.setdefault("warmup", "none")
     name, cfg = gradcomp.build_config(spec, min_numel=0, **kw)
-    return gradcomp.GradcompState(name, cfg)
+    return gradcomp.State(name, cfg)
 
 
 class Scalars:

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
 from conftest import batch, small_net
-from gradcomp.hooks.optimizer import FROZEN_KEY, FrozenVariance
+from gradcomp.hooks.optimizer import FROZEN_KEY, FrozenVariance, adam_mode
 
 DENSE, COMPRESSED = 3, 4
 
@@ -362,12 +362,13 @@ def _moment_identity(rank, world, specs, kind="adamw"):
             local = torch.autograd.grad(nn.functional.cross_entropy(net(x), y), list(named.values()))
             before = {n: opt.state[p]["exp_avg"].clone() for n, p in named.items() if p in opt.state}
             w = {n: p.detach().clone() for n, p in named.items()}
-            e0, s0 = ([None if e is None else e.clone() for e in state.memory.peek(slot, list(named))]
+            memory = state._state.memory
+            e0, s0 = ([None if e is None else e.clone() for e in memory.peek(slot, list(named))]
                       for slot in ("residual", "server_residual"))
             opt.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
-            e1, s1 = (state.memory.peek(slot, list(named)) for slot in ("residual", "server_residual"))
+            e1, s1 = (memory.peek(slot, list(named)) for slot in ("residual", "server_residual"))
             if step < 2:
                 continue
             for (n, p), g, a, b, c, d in zip(named.items(), local, e0, e1, s0, s1):
@@ -380,7 +381,7 @@ def _moment_identity(rank, world, specs, kind="adamw"):
                 dist.all_reduce(mine)
                 worst = max(worst, float((mine / world - opt.state[p]["exp_avg"]).abs().max()))
                 term = max(term, float(owed.abs().max()))
-        out.append((worst, term, state.adam_mode()))
+        out.append((worst, term, adam_mode(state._state)))
         state.close()
     return out
 
@@ -605,7 +606,7 @@ def _adamw_warning(method, options, sharded, monkeypatch):
     monkeypatch.setattr(binding, "_warned", set())
     opt = torch.optim.AdamW([nn.Parameter(torch.zeros(4))], lr=1e-3)
     from gradcomp.hooks.plan import Plan, Sharding
-    state = gradcomp.GradcompState(*for_optimizer(method, options, opt),
+    state = gradcomp.State(*for_optimizer(method, options, opt),
                                    plan=Plan(sharding=Sharding(sharded)))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")

@@ -123,13 +123,13 @@ def _notice_and_keep_clip(rank, world):
         opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
         state = gradcomp.register(model, "topk", optimizer=opt, dense_steps=2, min_numel=0,
                                   ratio=0.1, keep_clip=keep)
-        norms, step_group = [], state.adam._step_group
+        norms, step_group = [], state._state.adam._step_group
 
         def spy(group, params, *args, step_group=step_group, **kw):  # the frozen Adam step
             norms.append(float(torch.linalg.vector_norm(torch.stack(
                 [p.grad.norm() for p in net.parameters()]))))
             return step_group(group, params, *args, **kw)
-        state.adam._step_group = spy
+        state._state.adam._step_group = spy
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             for step in range(5):

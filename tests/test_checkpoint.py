@@ -126,7 +126,7 @@ def test_a_checkpoint_for_something_else_is_refused(saved, new, net_fn, match, s
 
 
 def test_a_checkpoint_from_another_world_size_is_refused():
-    st = gradcomp.GradcompState(*gradcomp.build_config("topk", min_numel=0))
+    st = gradcomp.State(*gradcomp.build_config("topk", min_numel=0))
     sd = st.state_dict()
     sd["world_size"] = 4
     with pytest.raises(ValueError, match="saved with world size 4; this job has 1"):
@@ -136,14 +136,14 @@ def test_a_checkpoint_from_another_world_size_is_refused():
 def test_a_checkpoint_is_compared_by_the_warm_up_that_runs():
     # warmup="auto" resolves to "adaptive" at local_steps=1 (what older checkpoints hold) and
     # to "none" under local_steps: a checkpoint naming the same rule loads, another does not
-    st = gradcomp.GradcompState(*gradcomp.build_config("topk", min_numel=0))
+    st = gradcomp.State(*gradcomp.build_config("topk", min_numel=0))
     sd = st.state_dict()
     sd["config"]["warmup"] = "adaptive"
     st.load_state_dict(sd)
     sd["config"]["warmup"] = "none"
     with pytest.raises(ValueError, match="warmup: saved 'none', this state 'adaptive'; register"):
         st.load_state_dict(sd)
-    loc = gradcomp.GradcompState(*gradcomp.build_config("topk:local_steps=4", min_numel=0))
+    loc = gradcomp.State(*gradcomp.build_config("topk:local_steps=4", min_numel=0))
     sd = loc.state_dict()
     assert sd["config"]["warmup"] == "auto"
     sd["config"]["warmup"] = "none"
@@ -348,7 +348,7 @@ def _exchange_error(rank, world):
     net, model, opt, state = _job("topk:ratio=0.05,warmup=none")
     _steps(model, opt, rank, range(2))
     if rank == 1:
-        state.resume_at(state.step + 3)  # as if this rank's state had been built anew
+        state._state.resume_at(state.step + 3)  # as if this rank's state had been built anew
     out = []
     for step in (2, 3, 4):
         try:

@@ -37,7 +37,7 @@ def _train(rank, world, spec, compiled, steps=6):
     stats = state.stats()
     out = {"params": [p.detach().clone() for p in net.parameters()],
            "sent": stats["sent_bytes"], "raw": stats["raw_bytes"],
-           "since": stats["compressing_since"], "buckets": len(state.layouts)}
+           "since": stats["compressing_since"], "buckets": len(state._state.layouts)}
     state.close()
     return out
 

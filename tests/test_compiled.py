@@ -189,7 +189,7 @@ def test_a_residual_update_that_fails_to_compile_is_finished_eagerly(monkeypatch
 
 
 def reduce_on_both_paths(monkeypatch, spec, shapes, step):
-    """GradcompState.reduce of ``spec`` (world size 1, three steps) on the cpu path and
+    """gradcomp.State.reduce of ``spec`` (world size 1, three steps) on the cpu path and
     through the dispatcher's compiled path: (cpu outputs + memory, compiled ones), after
     checking the compiled ``step`` ran."""
     params, off = [], 0
@@ -203,7 +203,7 @@ def reduce_on_both_paths(monkeypatch, spec, shapes, step):
     for mode in ("cpu", "auto"):
         monkeypatch.setenv("GRADCOMP_KERNELS", mode)
         name, cfg = gradcomp.build_config(spec, min_numel=0, warmup="none")
-        state = gradcomp.GradcompState(name, cfg)
+        state = gradcomp.State(name, cfg)
         g = torch.Generator().manual_seed(0)
         outs[mode] = [state.reduce(torch.randn(off, generator=g), params) for _ in range(3)]
         outs[mode].append(state.state_dict()["memory"]["flat"]["residual"])
@@ -212,7 +212,7 @@ def reduce_on_both_paths(monkeypatch, spec, shapes, step):
 
 
 def test_reduce_on_the_compiled_path_matches_the_cpu_path(monkeypatch):
-    """GradcompState.reduce with onebit, world size 1, through the dispatcher."""
+    """gradcomp.State.reduce with onebit, world size 1, through the dispatcher."""
     shapes = {"a": (384, 512), "b": (1000,), "c": (64, 64, 3, 3)}
     cpu_path, auto = reduce_on_both_paths(monkeypatch, f"onebit:chunk={CHUNK}", shapes, "stats")
     for a, b in zip(cpu_path[:-1], auto[:-1]):
@@ -298,7 +298,7 @@ def test_ternary_segments_off_the_4_element_grid_run_the_reference():
 
 
 def test_terngrad_reduce_on_the_compiled_path_equals_the_cpu_path(monkeypatch):
-    """GradcompState.reduce with terngrad (error feedback on), world size 1: bit for bit."""
+    """gradcomp.State.reduce with terngrad (error feedback on), world size 1: bit for bit."""
     shapes = {"a": (384, 512), "b": (1000,), "c": (64, 64, 3, 3), "d": (10,)}
     cpu_path, auto = reduce_on_both_paths(monkeypatch, "terngrad:error_feedback=true", shapes,
                                           "ternary")

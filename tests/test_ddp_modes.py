@@ -73,7 +73,7 @@ def _logged(rank, world, log_dir, spec="dgc:ratio=0.1,warmup_steps=3", details=F
         opt.zero_grad()
         nn.functional.cross_entropy(model(x, 1), y).backward()
         opt.step()
-    attached = state.telemetry.writer is not None
+    attached = state._state.telemetry.writer is not None
     state.close()  # writes the last step's scalars
     return attached
 

@@ -97,7 +97,7 @@ def _lanes_run(rank, world, spec, lanes):
     opt.zero_grad()
     if state.flush():
         opt.step()
-    return [p.detach().clone() for p in net.parameters()], state.lanes, state.stats()
+    return [p.detach().clone() for p in net.parameters()], state._state.lanes, state.stats()
 
 
 @pytest.mark.parametrize("spec", ["powersgd:rank=1", "onebit:chunk=64,delay=2", "dgc:ratio=0.05,delay=1"])

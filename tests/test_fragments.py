@@ -99,7 +99,7 @@ def _trajectory(rank, world, spec, log):
     for step in range(STEPS):
         start = len(log)
         _step(model, opt, rank, step)
-        state.drain()
+        state._state.drain()
         params.append(_params(net))
         elements.append(sum(n for _, _, n in log[start:] if n > 1))  # (not the guard's flag)
     stats = state.stats()
@@ -310,8 +310,8 @@ def _hsdp(rank, world):
         mine = [t for t, x in zip(_local(net), laid) if x]
         same = []
         for t in mine:
-            got = [torch.empty_like(t) for _ in range(dist.get_world_size(state.group))]
-            dist.all_gather(got, t, group=state.group)
+            got = [torch.empty_like(t) for _ in range(dist.get_world_size(state._state.group))]
+            dist.all_gather(got, t, group=state._state.group)
             same.append(all(torch.equal(g, t) for g in got))
         agree.append(same)
     stats = state.stats()

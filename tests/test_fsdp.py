@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradcomp
+from gradcomp.hooks.optimizer import adam_mode
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 EF_METHODS = ["onebit", "topk", "threshold", "terngrad:error_feedback=true"]
@@ -75,7 +76,7 @@ def _same(a, b):
 
 def _replicas_agree(net, state):
     """HSDP: every replica of this shard holds the same values (bit for bit)."""
-    group = state.group
+    group = state._state.group
     for t in _local(net):
         got = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
         dist.all_gather(got, t, group=group)
@@ -121,7 +122,7 @@ def _conserves(rank, world, hsdp):
         state = gradcomp.register(net, spec, warmup="none", min_numel=0)
         _backward(net, rank, 0)
         mem = state.state_dict()["memory"]["flat"]
-        group = dist.get_world_size(state.group)
+        group = dist.get_world_size(state._state.group)
         # what memory holds back: the residual, and onebit's second (owner's) memory, which
         # holds W ranks' worth of its part
         weights = {"residual": 1.0, "accumulation": 1.0, "server_residual": float(group)}
@@ -133,7 +134,7 @@ def _conserves(rank, world, hsdp):
                 assert g.numel() == 0, (spec, name)
                 continue
             res = sum(w * mem[slot][key] for slot, w in weights.items() if key in mem.get(slot, {}))
-            dist.all_reduce(res, group=state.group)
+            dist.all_reduce(res, group=state._state.group)
             res /= group
             if not hsdp:  # the whole parameter's residual: this rank's chunk of rows
                 rows = torch.chunk(res.view(p.shape), W)
@@ -215,7 +216,7 @@ def _adamw(rank, world, hsdp):
                              {"params": rest, "weight_decay": 0.0}], lr=1e-3, betas=(0.9, 0.95))
     state = gradcomp.register(net, "terngrad", optimizer=opt, dense_steps=2, min_numel=0)
     _train(net, opt, rank, range(5))
-    frozen = sorted({state.adam.frozen_step(p) for p in decay})
+    frozen = sorted({state._state.adam.frozen_step(p) for p in decay})
     finite = all(torch.isfinite(t).all() for t in _local(net))
     agree = _replicas_agree(net, state) if hsdp else True
     stats = state.stats()
@@ -251,7 +252,7 @@ def _refusals(rank, world, hsdp):
     # rank holds only its shard of the first moment)
     net = _net(world, hsdp)
     state = gradcomp.register(net, "onebit", optimizer=torch.optim.AdamW(net.parameters()))
-    out.append(("auto", state.adam_mode()))
+    out.append(("auto", adam_mode(state._state)))
     state.close()
     return out
 
@@ -440,13 +441,13 @@ def _overlap(rank, world, hsdp, overlapped, units=(0, 2, 4)):
     state = gradcomp.register(net, "onebit", optimizer=opt, warmup="none", min_numel=0)
     began = threading.Event()
     net[2].register_full_backward_pre_hook(lambda *_: began.set())
-    orig, seen = state.compressor.reduce, []
+    orig, seen = state._state.compressor.reduce, []
 
     def held(x, ctx):
         if ctx.bucket == 0:  # the last unit's exchange, the backward's first
             seen.append(began.wait(5))
         return orig(x, ctx)
-    state.compressor.reduce = held
+    state._state.compressor.reduce = held
     for step in range(3):
         began.clear()
         opt.zero_grad()

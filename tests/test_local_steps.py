@@ -187,7 +187,8 @@ def _trajectories(rank, world, specs, steps):
             _step(model, opt, rank, step)
             traj.append(_flat(net))
             bufs.append(net.body[1].running_mean.clone())
-            glob.append(torch.cat(state.rounds.start).clone() if state.rounds.start else None)
+            start = state._state.rounds.start
+            glob.append(torch.cat(start).clone() if start else None)
         flushed = None
         if state.config.local_delay:
             state.flush()
@@ -259,7 +260,7 @@ def _bf16(rank, world):
         nn.functional.cross_entropy(model(x.bfloat16()), y).backward()
         opt.step()
         traj.append(_flat(net))
-        glob.append(torch.cat(state.rounds.start).clone())
+        glob.append(torch.cat(state._state.rounds.start).clone())
     return traj, glob, _flat(net).dtype
 
 
@@ -523,10 +524,10 @@ def test_bad_options_are_named():
 
 def test_a_state_hooked_without_register_refuses_to_train_locally_forever():
     w = torch.zeros(3, requires_grad=True)
-    st = gradcomp.GradcompState(*gradcomp.build_config("topk:local_steps=2"),
+    st = gradcomp.State(*gradcomp.build_config("topk:local_steps=2"),
                                 param_names={id(w): "w"}, param_numels={"w": 3})
     with pytest.raises(RuntimeError, match="local_steps=2: no optimizer to run the outer step"):
-        st.submit(0, torch.zeros(3), [w])
+        st._state.submit(0, torch.zeros(3), [w])
 
 
 def _refusals(rank, world):
@@ -595,7 +596,7 @@ def _sequences(rank, world, specs):
         start = len(log)
         for step in range(2 * H + 1):
             _step(model, opt, rank, step)
-        state.drain()
+        state._state.drain()
         out[spec] = log[start:]
         state.close()
     return out

@@ -172,20 +172,20 @@ def test_message_sizes_are_as_documented():
     n = sum(p.numel for p in params)
     flag = 12  # the inf/NaN guard's flag beside each exchange: 3 fp32 (hooks/guard.py)
     name, cfg = gradcomp.build_config("sparseloco", warmup="none")
-    st = gradcomp.GradcompState(name, cfg)
+    st = gradcomp.State(name, cfg)
     st.reduce(torch.randn(n), params)
     rows, k = -(-30000 // cfg.chunk), cfg.k
     # per row: int16 indices, one sign bit each, an fp32 mean per group; the bias dense
     assert st.stats()["sent_bytes"] == rows * (2 * k + k // 8 + 4 * cfg.levels) + 4 * 40 + flag
     name, cfg = gradcomp.build_config("diloco", warmup="none")
-    st = gradcomp.GradcompState(name, cfg)
+    st = gradcomp.State(name, cfg)
     st.reduce(torch.randn(n), params)
     rows = -(-30000 // cfg.chunk) + 1  # the bias is a row of its own (min_numel=0)
     # one allgather of the rows' sign and magnitude-group planes and 2^(bits-1) fp32 means
     assert cfg.bits == 3
     assert st.stats()["sent_bytes"] == rows * (cfg.chunk * 3 // 8 + 4 * 4) + flag
     name, cfg = gradcomp.build_config("diloco:bits=8", warmup="none")
-    st = gradcomp.GradcompState(name, cfg)
+    st = gradcomp.State(name, cfg)
     st.reduce(torch.randn(n), params)
     # two phases (all-to-all, allgather), each the rows' codes and an fp32 scale per row
     assert st.stats()["sent_bytes"] == 2 * rows * (cfg.chunk + 4) + flag

@@ -104,13 +104,13 @@ def test_stats_codec_cpu_time_is_the_exchanging_threads():
     x = torch.randn(sum(p.numel for p in params))
     st = state_for("topk:ratio=0.05")
     st.reduce(x.clone(), params)  # the first call warms caches
-    run = st.guard.run
+    run = st._state.guard.run
 
     def waiting(*a, **kw):
         time.sleep(0.05)
         return run(*a, **kw)
 
-    st.guard.run = waiting
+    st._state.guard.run = waiting
     c0 = time.thread_time()
     st.reduce(x.clone(), params)
     spent = time.thread_time() - c0
@@ -148,7 +148,7 @@ def test_same_seed_same_result(spec):
 
 def test_small_buckets_go_uncompressed():
     name, cfg = gradcomp.build_config("onebit", warmup="none")  # default min_numel
-    st = gradcomp.GradcompState(name, cfg)
+    st = gradcomp.State(name, cfg)
     params = layout(["fc.bias"])
     x = torch.randn(48)
     assert torch.equal(st.reduce(x.clone(), params), x)
@@ -168,7 +168,7 @@ def test_state_pickles_without_its_runtime():
     params = layout(list(SHAPES))
     st.reduce(torch.randn(sum(p.numel for p in params)), params)
     st2 = pickle.loads(pickle.dumps(st))
-    assert st2.group is None and st2.step == 1
+    assert st2._state.group is None and st2.step == 1
     torch.testing.assert_close(st2.state_dict()["memory"], st.state_dict()["memory"])
 
 
@@ -180,7 +180,7 @@ def test_dense_steps_send_the_first_steps_uncompressed(spec):
     xs = [torch.randn(sum(p.numel for p in params)) for _ in range(3)]
     for x in xs[:2]:
         assert torch.equal(state.reduce(x.clone(), params), x)
-        assert state.memory.names() == set()  # nothing compressed, nothing remembered
+        assert state._state.memory.names() == set()  # nothing compressed, nothing remembered
     assert not torch.equal(state.reduce(xs[2].clone(), params), xs[2])
 
 
@@ -191,11 +191,11 @@ def _run_logged(spec, details, grads, params):
     st.attach(w, details=details)
     outs, want = [], []
     for g in grads:
-        before = st.memory.peek("residual", names)
+        before = st._state.memory.peek("residual", names)
         owed = sum(float((g[p.offset : p.offset + p.numel] + (v if v is not None else 0)).double().square().sum())
                    for p, v in zip(params, before))
         outs.append(st.reduce(g.clone(), params).clone())
-        after = st.memory.peek("residual", names)
+        after = st._state.memory.peek("residual", names)
         kept = sum(float(v.double().square().sum()) for v in after if v is not None)
         want.append(kept / owed)
     st.close()  # writes the last step's scalars
@@ -255,8 +255,8 @@ def test_terngrad_keeps_no_residual_by_default():
     plain, fed = state_for("terngrad"), state_for("terngrad:error_feedback=true")
     plain.reduce(x.clone(), params)
     fed.reduce(x.clone(), params)
-    assert plain.memory.names() == set()
-    assert fed.memory.names() == set(SHAPES)
+    assert plain._state.memory.names() == set()
+    assert fed._state.memory.names() == set(SHAPES)
 
 
 def test_sparse_error_feedback_keeps_what_was_not_sent_bit_for_bit():

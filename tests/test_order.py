@@ -48,7 +48,7 @@ def _sequences(rank, world, ordered=True):
             opt.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
-        state.drain()
+        state._state.drain()
         out[spec] = log[start:]
         since[spec] = state.stats()["compressing_since"]
         assert state.ordered is (ordered if ordered is not None else False)

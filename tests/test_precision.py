@@ -133,9 +133,9 @@ def test_the_guard_copies_no_slot_an_exchange_rewrites_whole(spec, monkeypatch):
     monkeypatch.setattr(ParamMemory, "_cover",
                         lambda self, snap, s: (copied.append(s), real(self, snap, s))[1])
     swapped, inplace = state_for(spec), state_for(spec)
-    inplace.memory.next_flat = lambda slot, bucket, names, numels, device: (
-        (lambda b: (b, b))(inplace.memory.flat(slot, bucket, names, numels, device)))
-    inplace.memory.commit = inplace.memory.discard = lambda *a: None
+    inplace._state.memory.next_flat = lambda slot, bucket, names, numels, device: (
+        (lambda b: (b, b))(inplace._state.memory.flat(slot, bucket, names, numels, device)))
+    inplace._state.memory.commit = inplace._state.memory.discard = lambda *a: None
     for x in xs:
         assert torch.equal(swapped.reduce(x.clone(), params), inplace.reduce(x.clone(), params))
     torch.testing.assert_close(_memory(swapped), _memory(inplace), rtol=0, atol=0)
@@ -158,7 +158,7 @@ def test_an_exchange_that_raises_leaves_the_memory_as_it_was(spec):
         state.reduce(x.clone(), params)
     before = _memory(state)
     assert before["flat"] and state.stats()["compressing_since"] == 0
-    comm = state.flat_comm
+    comm = state._state.flat_comm
     for op in ("allgather", "allreduce"):
         def boom(*a, **k):
             raise RuntimeError("link down")
@@ -308,7 +308,7 @@ def test_half_precision_training_works_with_fp32_memory(spec, dtype, autocast, s
 def _two_rank_bad(rank, world, spec):
     import torch.distributed as dist
     name, cfg = gradcomp.build_config(spec, min_numel=0, warmup="none")
-    st = gradcomp.GradcompState(name, cfg, group=dist.new_group([0, 1]))
+    st = gradcomp.State(name, cfg, group=dist.new_group([0, 1]))
     params = layout(list(SHAPES))
     n = sum(p.numel for p in params)
     g = torch.Generator().manual_seed(rank)

@@ -6,7 +6,7 @@ import torch
 
 from gradcomp.compressors import METHODS
 from gradcomp.compressors.base import ParamSlice
-from gradcomp.hooks.state import GradcompState
+from gradcomp import State
 
 N = 4096
 PARAMS = [ParamSlice("a", (1024,), 0, 1024), ParamSlice("b", (N - 1024,), 1024, N - 1024)]
@@ -14,7 +14,7 @@ PARAMS = [ParamSlice("a", (1024,), 0, 1024), ParamSlice("b", (N - 1024,), 1024, 
 
 def _run(method, steps, **options):
     """Each step's stats() after its exchange (one process: the collectives are no-ops)."""
-    state = GradcompState(method, METHODS[method].config(min_numel=0, **options))
+    state = State(method, METHODS[method].config(min_numel=0, **options))
     assert state.stats()["compressing_since"] is None  # no step yet
     seen = []
     for step in range(steps):

@@ -79,14 +79,14 @@ def test_the_result_is_written_into_the_bucket_itself(method):
     layout = lay_out(SHAPES)
     n = sum(p.numel for p in layout)
     state, twin = state_for(method), state_for(method)
-    real, seen = state.compressor.reduce, []
+    real, seen = state._state.compressor.reduce, []
 
     def spy(x, ctx):
         out = real(x, ctx)
         seen.append(out is x or out.data_ptr() == x.data_ptr())
         return out
 
-    state.compressor.reduce = spy
+    state._state.compressor.reduce = spy
     for x in _grads(3, n):
         got = state.reduce(x.clone(), layout)
         assert torch.equal(got, twin.reduce(x.clone(), layout))

@@ -7,7 +7,7 @@ import torch
 
 from gradcomp.compressors.base import ParamSlice
 from gradcomp.hooks import build_config
-from gradcomp.hooks.state import GradcompState
+from gradcomp import State
 from gradcomp.kernels import segmented as S
 from conftest import lay_out
 
@@ -218,7 +218,7 @@ def test_a_relayout_between_steps_changes_no_parameter_result(spec):
 
     def run(layouts_per_step):
         name, cfg = build_config(spec, warmup="none")
-        state = GradcompState(name, cfg)
+        state = State(name, cfg)
         outs = []
         for step, layouts in enumerate(layouts_per_step):
             got = {}
@@ -249,7 +249,7 @@ def test_dgc_clips_each_parameter_by_its_own_norm():
     the average at W=1 is each parameter's gradient scaled to at most ``clip`` in L2 norm;
     a bucket's gaps (none here) and the small parameter's own scale stay its own."""
     name, cfg = build_config("dgc:ratio=1,clip=1.0,min_numel=1", warmup="none")
-    state = GradcompState(name, cfg)
+    state = State(name, cfg)
     g = torch.Generator().manual_seed(0)
     big, small = torch.randn(500, generator=g) * 3, torch.randn(20, generator=g) * 0.01
     layout = [ParamSlice("a", (500,), 0, 500), ParamSlice("b", (20,), 500, 20)]
@@ -310,7 +310,7 @@ def test_sparse_values_travel_in_two_bytes_and_memory_keeps_the_rounding(spec, g
     exactly what rounding took (gradient == result + memory, element for element). Values
     beyond fp16's range are clamped, never sent as inf."""
     name, cfg = build_config(spec, value_dtype=option, warmup="none")
-    state = GradcompState(name, cfg)
+    state = State(name, cfg)
     g = torch.Generator().manual_seed(3)
     n = 4000
     x = (torch.randn(n, generator=g) * 3).to(grad_dtype)

@@ -25,7 +25,7 @@ def _two_ranks(rank, world, specs, steps):
     got = {}
     for spec in specs:
         name, cfg = gradcomp.build_config(spec, min_numel=0, warmup="none")
-        st = gradcomp.GradcompState(name, cfg, group=dist.group.WORLD)
+        st = gradcomp.State(name, cfg, group=dist.group.WORLD)
         g = torch.Generator().manual_seed(10 + rank)
         total = {n: torch.zeros(math.prod(s), dtype=torch.float64) for n, s in SHAPES.items()}
         sent = {n: torch.zeros_like(v) for n, v in total.items()}
@@ -75,7 +75,7 @@ def _y_steps(spec, steps=3):
         x = torch.randn(_numel(params), generator=g)
         y = x + e
         out = st.reduce(x.clone(), params)
-        e = torch.cat(st.memory.peek("residual", NAMES))  # NAMES is the bucket's order
+        e = torch.cat(st._state.memory.peek("residual", NAMES))  # NAMES is the bucket's order
         yield y, out, e.clone()
 
 
@@ -98,18 +98,18 @@ def test_min_numel_above_every_tensor_is_plain_allreduce():
     params = layout(NAMES)
     x = torch.randn(_numel(params))
     name, cfg = gradcomp.build_config("threshold", min_numel=10**6, warmup="none")
-    st = gradcomp.GradcompState(name, cfg)
+    st = gradcomp.State(name, cfg)
     assert torch.equal(st.reduce(x.clone(), params), x)
-    assert st.memory.names() == set()
+    assert st._state.memory.names() == set()
     # only the bias (48 elements) below min_numel: it rides in the message, exactly
     name, cfg = gradcomp.build_config("threshold:max_ratio=0.05", min_numel=100, warmup="none")
-    st = gradcomp.GradcompState(name, cfg)
+    st = gradcomp.State(name, cfg)
     out = st.reduce(x.clone(), params)
     b = params[1]
     assert b.name == "fc.bias"
     assert torch.equal(out[b.offset : b.offset + b.numel], x[b.offset : b.offset + b.numel])
     assert not torch.equal(out, x)
-    assert torch.equal(st.memory.peek("residual", ["fc.bias"])[0], torch.zeros(48))
+    assert torch.equal(st._state.memory.peek("residual", ["fc.bias"])[0], torch.zeros(48))
 
 
 def test_error_feedback_brings_the_outputs_close_to_the_inputs():
@@ -137,7 +137,7 @@ def test_stats_count_the_fixed_size_message(spec):
     element (+12: the non-finite flag and the step check); the same every step, however many elements passed."""
     params = layout(NAMES)
     name, cfg = gradcomp.build_config(spec, min_numel=100, warmup="none")  # fc.bias goes dense
-    st = gradcomp.GradcompState(name, cfg)
+    st = gradcomp.State(name, cfg)
     big = [p for p in params if p.numel >= 100]
     caps = sum(math.ceil(cfg.max_ratio * p.numel) for p in big)
     want = 4 * caps + 4 * len(big) + 4 * 48 + 12

@@ -94,12 +94,12 @@ def _job(rank, world):
         for d in (0, 1):
             start = len(log)
             state = _train(rank, _with(spec, f"{HIER},delay={d}"), steps=3, ordered=True)[0]
-            state.drain()
+            state._state.drain()
             out["order"][(spec, d)] = log[start:]
             out["since"][(spec, d)] = _since(state)
         start = len(log)  # gloo's default: no global order, each group's own order
         state = _train(rank, _with(spec, f"{HIER},delay=1"), steps=3)[0]
-        state.drain()
+        state._state.drain()
         out["order"][(spec, "gloo")] = log[start:], state.ordered
         out["since"][(spec, "gloo")] = _since(state)
     return out
@@ -253,7 +253,7 @@ def _compressed_between_nodes(stats):
 def _member_groups(state):
     """How many open process groups the state owns that this rank is a member of."""
     import torch.distributed as dist
-    return sum(isinstance(g, dist.ProcessGroup) for g in state.owned_groups)
+    return sum(isinstance(g, dist.ProcessGroup) for g in state._state.owned_groups)
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ STEPS = 4
 
 def _run(rank, world, spec):
     name, cfg = gradcomp.build_config(spec, min_numel=0, warmup="none")
-    state = gradcomp.GradcompState(name, cfg, group=dist.group.WORLD)
+    state = gradcomp.State(name, cfg, group=dist.group.WORLD)
     names = list(SHAPES)
     g = torch.Generator().manual_seed(10 + rank)
     total = {n: torch.zeros(math.prod(s), dtype=torch.float64) for n, s in SHAPES.items()}

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import gradcomp
 from gradcomp.compressors import METHODS
 from gradcomp.compressors.base import ParamSlice
-from gradcomp.hooks.state import GradcompState
+from gradcomp import State
 from gradcomp_bench.launch import spawn
 
 N = 4096
@@ -19,7 +19,7 @@ WINDOW = 5
 
 
 def _state(method="onebit", group=None, **options):
-    return GradcompState(method, METHODS[method].config(min_numel=0, **options), group=group)
+    return State(method, METHODS[method].config(min_numel=0, **options), group=group)
 
 
 def _grad(rank, step, level):

@@ -10,17 +10,18 @@ from .checkpoint import load_group
 from .local_steps import check_fragments, check_local, check_outer_optimizer
 from .options import for_optimizer, is_auto, merge_options
 from .plan import Plan
-from .state import GradcompState
+from .session import Session, state_of
+from .state import HookState
 from .topology import node_size
 
 MAX_LANES = 32
 LANES = 4  # the default: process groups (and threads) exchanging buckets side by side
 
 
-def hook(state: GradcompState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def hook(state: Session, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: queue the bucket's exchange, return its future at once."""
     buf = bucket.buffer()
-    fut = state.submit(bucket.index(), buf, bucket.parameters(), bucket.is_last())
+    fut = state_of(state).submit(bucket.index(), buf, bucket.parameters(), bucket.is_last())
     return fut.then(lambda f: _result(f, buf))
 
 
@@ -80,7 +81,7 @@ def check_group(model: DistributedDataParallel, process_group) -> list:
 
 def register_ddp(model: DistributedDataParallel, method: str, *, optimizer=None, scaler=None,
              lanes: int = LANES, process_group=None, log_dir=None, log_all_ranks=False,
-             log_details=False, outer_optimizer=None, **options) -> GradcompState:
+             log_details=False, outer_optimizer=None, **options) -> HookState:
     """``gradcomp.register`` for a DDP model (hooks/register.py checked the model, the
     process group and ``lanes``): validate and agree, the process groups, the state built
     once from its plan (hooks/plan.py), the hook, then the optimizer."""
@@ -102,7 +103,7 @@ def register_ddp(model: DistributedDataParallel, method: str, *, optimizer=None,
     with groups.undone_on_error():
         plan = _plan(model, name, config, group, ranks, groups, lanes, mine["ranks per node"],
                      scaler, probe)
-        state = GradcompState(name, config, group=group, plan=plan, **_named(model.module))
+        state = HookState(name, config, group=group, plan=plan, **_named(model.module))
     model.register_comm_hook(state, hook)
     # only once every rank agreed: nothing attached on a refusal
     optimizer_binding.bind(state, optimizer, module=model.module,
@@ -116,7 +117,7 @@ def register_ddp(model: DistributedDataParallel, method: str, *, optimizer=None,
 
 def _hook_owner(fn, hook_state) -> str:
     """Whose communication hook a DDP model holds, in words."""
-    if isinstance(hook_state, GradcompState):
+    if isinstance(hook_state, (Session, HookState)):
         return (f"gradcomp's, registered with method {hook_state.method!r} (gradcomp.register "
                 f"was called on this model before)")
     where = ".".join(filter(None, (getattr(fn, "__module__", None),
@@ -197,7 +198,7 @@ def _probe_topology(model, name, config, group, pair, local):
     params = probe_bucket(named, cap)
 
     def make_state():
-        return GradcompState(name, cfg, group=group, **_named(model.module))
+        return HookState(name, cfg, group=group, **_named(model.module))
 
     flat, hier = probe_times(make_state, params, group, [pair], local,
                              _device(model.module))
@@ -230,8 +231,8 @@ def _choose_method(model, spec, optimizer, group, ranks, options, made, scaler=N
     named = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
 
     def make_state(name, cfg):
-        return GradcompState(name, cfg, group=group, param_names=dict(names),
-                             param_numels=dict(numels))
+        return HookState(name, cfg, group=group, param_names=dict(names),
+                         param_numels=dict(numels))
 
     try:
         found = auto.probe(make_state, cfgs, named, group,

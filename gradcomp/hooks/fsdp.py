@@ -1,6 +1,6 @@
 """The FSDP2 adapter: ``gradcomp.register(model, method, optimizer=opt)`` on a model sharded
 with ``torch.distributed.fsdp.fully_shard``. Beside the DDP adapter (ddp.py), it reuses the
-hook state's exchange (``GradcompState.reduce``: the method, its per-parameter memory, the
+hook state's exchange (``HookState.reduce``: the method, its per-parameter memory, the
 inf/NaN guard, the adaptive warm-up, the Adam binding, stats and checkpoints) and changes only
 where a gradient enters and leaves it.
 
@@ -61,7 +61,7 @@ from .checkpoint import load_group
 from .guard import check_steps, step_flag
 from .local_steps import check_fragments, check_outer_optimizer, synchronous
 from .plan import Plan, Sharding
-from .state import GradcompState
+from .state import HookState
 from .topology import SEP
 
 
@@ -168,7 +168,7 @@ class _Adapter:
     all-reduce hook (HSDP), each numbering its calls within one backward as the state's
     buckets (bucket 0 begins a step, on every rank at the same unit)."""
 
-    def __init__(self, state: GradcompState, hsdp: bool):
+    def __init__(self, state: HookState, hsdp: bool):
         self.state, self.hsdp = state, hsdp
         self.calls = 0  # exchanges of this backward so far (reset by the root's forward)
         self.pending: list = []  # (future, what puts its result in FSDP's buffer)
@@ -352,7 +352,7 @@ def check_model(model):
 
 def register_fsdp(model, method: str, *, optimizer=None, scaler=None, log_dir=None,
              log_all_ranks=False, log_details=False, outer_optimizer=None,
-             **options) -> GradcompState:
+             **options) -> HookState:
     """``gradcomp.register`` for a ``fully_shard``-ed model (see the module doc): validate
     and agree, the process groups, the state built once from its plan (hooks/plan.py), FSDP's
     hooks, then the optimizer."""
@@ -373,7 +373,7 @@ def register_fsdp(model, method: str, *, optimizer=None, scaler=None, log_dir=No
         # one-rank group, in the same order)
         alone = ([groups.new([r]) for r in everyone][everyone.index(dist.get_rank())]
                  if hsdp else None)
-        state = GradcompState(name, config, group=group, param_names=names, param_numels=numels,
+        state = HookState(name, config, group=group, param_names=names, param_numels=numels,
                               plan=dataclasses.replace(plan, owned_groups=tuple(groups.made)))
     _install(model, state, units, layouts, alone)
     optimizer_binding.bind(state, optimizer, module=model, bucket_bytes=_ONE_OUTER_BUCKET,

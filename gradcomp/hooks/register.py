@@ -9,7 +9,7 @@ from . import optimizer as optimizer_binding
 from .agree import agree
 from ..config import quote
 from .options import check_keywords, merge_options
-from .state import GradcompState
+from .session import Session
 
 # register()'s own keywords (every other keyword is an option of the method)
 OWN = ("optimizer", "scaler", "lanes", "process_group", "log_dir", "log_all_ranks",
@@ -18,7 +18,7 @@ OWN = ("optimizer", "scaler", "lanes", "process_group", "log_dir", "log_all_rank
 
 def register(model, method: str, *args, optimizer=None, scaler=None,
              lanes: int | None = None, process_group=None, log_dir=None, log_all_ranks=False,
-             log_details=False, outer_optimizer=None, **options) -> GradcompState:
+             log_details=False, outer_optimizer=None, **options) -> Session:
     """Register a gradcomp communication hook on a DDP model (or a ``fully_shard`` model:
     docs/fsdp.md) and return its state.
 
@@ -36,8 +36,9 @@ def register(model, method: str, *args, optimizer=None, scaler=None,
     ``lanes``: DDP only, how many buckets' exchanges run side by side (4 where None;
     docs/topology.md). ``log_dir``: TensorBoard scalars per step (rank 0
     only unless ``log_all_ranks``; ``log_details`` adds costly diagnostics such as PowerSGD's
-    approximation error: see :meth:`GradcompState.attach`). Must be called on every rank (it is collective):
-    ranks that registered different methods or options all raise ValueError.
+    approximation error: see :meth:`Session.attach`). Must be called on every rank (it is
+    collective): ranks that registered different methods or options all raise ValueError.
+    Returns the :class:`Session` (hooks/session.py): the user's API, 15 names.
 
     Example::
 
@@ -75,7 +76,7 @@ def register(model, method: str, *args, optimizer=None, scaler=None,
         model, method, process_group=process_group, lanes=lanes or ddp.LANES, **common)
     if optimizer is None:
         optimizer_binding.refuse_unseen_adam(state)
-    return state
+    return Session(state)
 
 
 def _check_model(model, sharded: bool) -> None:

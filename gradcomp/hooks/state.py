@@ -31,7 +31,7 @@ from ..comm import Comm
 from ..compressors.base import build
 from ..config import MethodConfig
 from ..memory import ParamMemory
-from . import checkpoint, stages
+from . import stages
 from . import optimizer as optimizer_binding
 from . import submit as submitting
 from .agree import destroy_groups
@@ -40,11 +40,11 @@ from .engine import Engine
 from .guard import Guard
 from .local_steps import LocalSteps
 from .plan import Plan, Sharding, from_model
-from .telemetry import Telemetry, attach_writer, state_stats
+from .telemetry import Telemetry
 from .topology import Hierarchy
 from .warmup import Warmup, window_sum
 
-_LIVE: "weakref.WeakSet[GradcompState]" = weakref.WeakSet()
+_LIVE: "weakref.WeakSet[HookState]" = weakref.WeakSet()
 
 
 @atexit.register
@@ -58,9 +58,10 @@ def _planned(field: str, doc: str) -> property:
     return property(lambda self: getattr(self.plan, field), doc=doc)
 
 
-class GradcompState:
-    """Everything one registered hook owns. Build it with :func:`gradcomp.register`, or
-    directly to call ``register_comm_hook(state, gradcomp.hook)`` yourself."""
+class HookState:
+    """Everything one registered hook owns: private to the library, behind the user's
+    :class:`hooks.session.Session` (what :func:`gradcomp.register` returns and
+    ``gradcomp.State(...)`` builds, with these arguments)."""
 
     def __init__(self, method: str, config: MethodConfig | None = None, *, group=None,
                  lane_groups: Sequence = (), param_names: dict[int, str] | None = None,
@@ -223,9 +224,17 @@ class GradcompState:
                               self.telemetry.log_scalar)
         return max(self._step, 0)
 
-    reduce = submitting.reduce
-    submit_slices = submitting.submit_slices
-    send_outer = submitting.outer
+    def reduce(self, x, params, bucket: int = 0, param_tensors=None, plain=None):
+        """One flat bucket's exchange on the caller's thread (hooks/submit.py)."""
+        return submitting.reduce(self, x, params, bucket, param_tensors, plain)
+
+    def submit_slices(self, bucket: int, buf, slices, tensors=None):
+        """A bucket laid out by ``slices`` queued on the first lane (hooks/submit.py)."""
+        return submitting.submit_slices(self, bucket, buf, slices, tensors)
+
+    def send_outer(self, bucket, x, slices, tensors, first, last, plain):
+        """Local steps' outer exchange of one bucket (hooks/submit.py)."""
+        return submitting.outer(self, bucket, x, slices, tensors, first, last, plain)
 
     def set_topology(self, local_size: int, groups) -> None:
         """Hierarchical: ``local_size`` ranks per node; ``groups``: per lane, (the node's
@@ -234,24 +243,17 @@ class GradcompState:
         self.engine.set_topology(groups)
 
     # ------------------------------------------------------------------ DDP side
-    submit = submitting.submit
+    def submit(self, bucket: int, buf, params, last: bool = True):
+        """A DDP bucket onto a lane; its future completes with the average (hooks/submit.py)."""
+        return submitting.submit(self, bucket, buf, params, last)
 
     def drain(self, before: int | None = None) -> None:
         """Wait until every queued exchange (of the steps before ``before``) has finished."""
         self.rounds.drain(before)
         self.delay.drain(before)
 
-    flush = submitting.flush
 
-    # ------------------------------------------------------------------ telemetry
-    attach = attach_writer
-    stats = state_stats
 
-    # ------------------------------------------------------------------ checkpoints
-    state_dict = checkpoint.state_dict
-    load_state_dict = checkpoint.load_state_dict
-    stateful = checkpoint.stateful
-    all_ranks = checkpoint.all_ranks
 
     @property
     def failed(self) -> BaseException | None:
@@ -259,10 +261,8 @@ class GradcompState:
         while none has."""
         return self.engine.error
 
-    memory_names = staticmethod(checkpoint.memory_names)
 
     # ------------------------------------------------------------------ Adam
-    adam_mode = optimizer_binding.adam_mode
 
     def bind_adam(self, optimizer) -> None:
         """With Adam/AdamW and ``adam`` on: freeze Adam's second moment for the compressed

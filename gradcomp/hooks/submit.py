@@ -1,9 +1,14 @@
-"""The three ways a bucket reaches a lane, one chosen at the state's construction from its
-config (``GradcompState.submit`` names the bucket's parameters, then calls it):
+"""How a bucket reaches a lane. Every entry (a DDP bucket, delayed or not, FSDP's reduce and
+its overlapped slices, local steps' outer exchange) builds its exchange with :func:`request`
+(the step counter, the warm-up's observation, the loss scale and Adam's transform, the live
+parameters: each written once, applied in that order) and runs it with :func:`run` (inline
+on the caller's thread, or queued on its lane). A DDP bucket goes one of three ways, chosen
+at the state's construction from its config (``HookState.submit`` names the bucket's
+parameters, then calls it):
 
   Inner     ``local_steps`` > 1: an inner step (this rank's gradient, or its node's average
             under a hierarchical topology); the rounds' outer exchange goes through
-            :meth:`GradcompState.send_outer` from hooks/local_steps.py
+            :meth:`HookState.send_outer` from hooks/local_steps.py
   Now       the exchange on its lane; DDP waits for its future
   Late      ``delay=D``: a copy exchanged in the background, the local gradient applied now
             plus the correction (average - local) of step t - D (hooks/delayed.py)
@@ -74,9 +79,48 @@ class Inner(Way):
             fut.set_result(buf)
             return fut
         plain = synchronous(optimizer_binding.dense_wire(st)) if sync else node_average
-        st.engine.enqueue(st.engine.lane(bucket), Exchange(
-            bucket, buf, slices, st.step, plain=plain, fut=fut), last)
-        return fut
+        return run(st, request(st, bucket, buf, slices, plain=plain, fut=fut), last=last)
+
+
+def request(state, bucket: int, buf: torch.Tensor, slices, *, params=None, names=None,
+            gradient: bool = True, starts: bool = False, plain=None, step: int | None = None,
+            fut=None) -> Exchange:
+    """The one exchange request, for every entry. ``slices``: the bucket's ParamSlices;
+    ``params``: the parameters' tensors, where the method reads them; ``names``: the
+    parameters' names (default: the slices', a piece's its parameter's). The step counter
+    (``begin``: ``starts`` or bucket 0 opens a step; the previous step's inf/NaN flag is
+    read there), the warm-up's observation, and for a ``gradient`` (not local steps'
+    pseudo-gradient) the loss scale it carries and Adam's transform, built while the
+    optimizer is idle. ``plain``: a reduce(x, ctx) run instead of the method (a buffers' or
+    an inner step's average) at ``step`` (default: the step in flight): nothing counted,
+    observed or scaled."""
+    slices = list(slices)
+    if plain is not None:
+        return Exchange(bucket, buf, slices, state.step if step is None else step,
+                        params=params, plain=plain, fut=fut)
+    step = state.begin(0 if starts else bucket)
+    scale = optimizer_binding.loss_scale(state.scaler) if gradient else None
+    state.warmup.observe(step, buf, slices, scale)
+    if gradient and state.adam is not None and not state.warmup.dense(step):
+        state.adam.scale(slices, buf.device)  # built here, while the optimizer is idle
+    if gradient and state.trace is not None:
+        now = time.perf_counter()
+        state.trace.append(("submit", bucket, now, now))
+    live = state.compressor.live(names if names is not None
+                                 else [base_name(s.name) for s in slices])
+    return Exchange(bucket, buf, slices, step, params=params, scale=scale, live=live, fut=fut)
+
+
+def run(state, ex: Exchange, *, inline: bool = False, last: bool = True, lane=None):
+    """Run a request: ``inline`` on the caller's thread (returns the average, in the
+    bucket's dtype), or queued on its lane (``lane``, default the bucket's; ``last``: the
+    last bucket of its round of the collective order), its future returned."""
+    if inline:
+        return stages.exchange(state, lane or state.engine.lanes[0], ex)
+    if ex.fut is None:
+        ex.fut = future(ex.buf)
+    state.engine.enqueue(lane or state.engine.lane(ex.bucket), ex, last)
+    return ex.fut
 
 
 class Now(Way):
@@ -85,24 +129,14 @@ class Now(Way):
     def __call__(self, bucket, buf, slices, params, names, last):
         st = self.state
         try:
-            step = st.begin(bucket)  # (the previous step's flags are read here)
+            ex = request(st, bucket, buf, slices, params=list(params), names=names)
         except Exception as exc:  # noqa: BLE001  (handed to DDP, as a lane's error is)
             return st.engine.failed(buf, exc)
-        scale = optimizer_binding.loss_scale(st.scaler)
-        st.warmup.observe(step, buf, slices, scale)
-        if st.adam is not None and not st.warmup.dense(step):
-            st.adam.scale(slices, buf.device)  # built here, while the optimizer is idle
-        ex = Exchange(bucket, buf, slices, step, params=list(params), scale=scale,
-                      live=st.compressor.live(names), fut=future(buf))
-        if st.trace is not None:
-            now = time.perf_counter()
-            st.trace.append(("submit", bucket, now, now))
         return self.send(ex, names, last)
 
     def send(self, ex: Exchange, names, last: bool):
         self.layouts[ex.bucket] = tuple(names)  # DDP's buckets, as seen
-        self.state.engine.enqueue(self.state.engine.lane(ex.bucket), ex, last)
-        return ex.fut
+        return run(self.state, ex, last=last)
 
 
 class Late(Now):
@@ -124,7 +158,8 @@ class Late(Now):
         if st.compressor.reads_params(ex.live):
             ex.params = [p.detach().clone() for p in params]
         ex.buf, ex.delayed, ex.scale = buf.clone(), True, None
-        st.engine.enqueue(st.engine.lane(ex.bucket), ex, last)
+        ex.fut = future(buf)
+        run(st, ex, last=last)
         # (the job's wait orders after the lane's stream)
         st.delay.add(step, ex.slices, ex.fut, zip(names, params))
         corr = st.delay.take(step - st.config.delay, ex.slices, buf)
@@ -141,16 +176,10 @@ class Late(Now):
 def reduce(state, x: torch.Tensor, params, bucket: int = 0, param_tensors=None,
            plain=None) -> torch.Tensor:
     """Synchronously reduce one flat bucket (any float dtype); returns the average in
-    x's dtype. The DDP hook runs exactly this, on the communication thread. ``plain``: a
+    x's dtype: the DDP hook's request, run on the caller's thread. ``plain``: a
     reduce(x, ctx) run instead of the method (an inner step's average under HSDP)."""
-    if plain is not None:
-        return stages.exchange(state, state.engine.lanes[0], Exchange(
-            bucket, x, list(params), state.step, plain=plain))
-    step = state.begin(bucket)
-    state.warmup.observe(step, x, params)
-    live = state.compressor.live([base_name(p.name) for p in params])  # (HSDP: pieces)
-    return stages.exchange(state, state.engine.lanes[0], Exchange(
-        bucket, x, list(params), step, params=param_tensors, live=live))
+    return run(state, request(state, bucket, x, params, params=param_tensors, plain=plain),
+               inline=True)
 
 
 def submit_slices(state, bucket: int, buf: torch.Tensor, slices, tensors=None
@@ -161,15 +190,10 @@ def submit_slices(state, bucket: int, buf: torch.Tensor, slices, tensors=None
     :meth:`reduce` does on the caller's thread, done on the lane's (the FSDP adapter's
     overlapped exchanges, which FSDP refuses delay and local steps for)."""
     try:
-        step = state.begin(bucket)
+        ex = request(state, bucket, buf, slices, params=tensors)
     except Exception as exc:  # noqa: BLE001  (the caller's wait raises it)
         return state.engine.failed(buf, exc)
-    state.warmup.observe(step, buf, slices)
-    live = state.compressor.live([base_name(p.name) for p in slices])
-    ex = Exchange(bucket, buf, list(slices), step, params=tensors, live=live,
-                  fut=future(buf))
-    state.engine.enqueue(state.engine.lanes[0], ex, True)
-    return ex.fut
+    return run(state, ex, lane=state.engine.lanes[0])
 
 
 def outer(state, bucket, x, slices, tensors, first, last, plain):
@@ -177,18 +201,11 @@ def outer(state, bucket, x, slices, tensors, first, last, plain):
     order: the method's, ``first`` of its exchange starting a step of its own (a fragment's
     buckets do not start at bucket 0), or ``plain``: the buffers' plain average.
     Returns (its future, its step)."""
-    if plain:
-        step = max(state.step - 1, 0)
-    else:
-        step = state.begin(0 if first else bucket)
-    if not plain:
-        state.warmup.observe(step, x, slices)
-    live = state.compressor.live([s.name for s in slices]) if not plain else None
-    fut = future(x)
-    state.engine.enqueue(state.engine.lane(bucket), Exchange(
-        bucket, x, slices, step, params=tensors, live=live,
-        plain=state.compressor.dense if plain else None, fut=fut), last)
-    return fut, step
+    ex = request(state, bucket, x, slices, params=tensors, names=[s.name for s in slices],
+                 gradient=False, starts=first,
+                 plain=state.compressor.dense if plain else None,
+                 step=max(state.step - 1, 0) if plain else None)
+    return run(state, ex, last=last), ex.step
 
 
 def flush(state) -> dict:

@@ -71,7 +71,7 @@ def compressed(state) -> bool:
 
 def buckets(state) -> int:
     """How many DDP buckets the state exchanged."""
-    return len(state.layouts) if state is not None else 0
+    return len(state._state.layouts) if state is not None else 0
 
 
 def every_case(pair) -> dict:
