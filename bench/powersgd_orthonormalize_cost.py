@@ -6,7 +6,7 @@ copied below) and with the current one, interleaved in one process, median of 20
 """
 import time, torch
 import gradcomp.compressors.powersgd as ps
-from gradcomp.hooks.state import GradcompState
+from gradcomp import State
 from gradcomp.hooks import build_config
 from gradcomp_bench import bench_ops
 
@@ -27,7 +27,7 @@ for key, layouts in (("resnet18", bench_ops.buckets(bench_ops.resnet18_shapes())
     res = {"old": [], "new": []}
     name, cfg = build_config("powersgd", warmup="none")
     xs = [torch.randn(sum(p.numel for p in b)) for b in layouts]
-    states = {w: GradcompState(name, cfg) for w in res}
+    states = {w: State(name, cfg) for w in res}
     for rep in range(25):
         for which, fn in (("old", old), ("new", new)):
             ps.orthonormalize = fn

@@ -1,5 +1,5 @@
 """One bucket exchange of ResNet-18's 11.2M gradient elements, world size 1, on the CPU:
-``GradcompState.reduce`` per method and kernel path, seconds per call (median of 3 after
+``gradcomp.State.reduce`` per method and kernel path, seconds per call (median of 3 after
 one warm call, which compiles where the path compiles).
 
     PYTHONPATH=. python bench/reduce_cpu.py --threads 1 --methods terngrad,onebit
@@ -39,7 +39,7 @@ def main() -> None:
         for path in a.paths.split(","):
             os.environ["GRADCOMP_KERNELS"] = path
             name, cfg = gradcomp.build_config(spec, warmup="none")
-            state = gradcomp.GradcompState(name, cfg)
+            state = gradcomp.State(name, cfg)
             buf = x.clone()  # one bucket, refilled outside the timing (as DDP's is reused)
             state.reduce(buf, params)
             times = []

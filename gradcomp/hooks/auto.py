@@ -19,8 +19,8 @@ for this optimizer, chosen at registration by measurement.
    A local-steps method (``sparseloco``, ``diloco``: a candidate with Adam/AdamW where its
    measured gap held) exchanges once per round: its seconds count divided by its
    ``local_steps``.
-4. The fastest wins (ties: the earlier candidate, ``allreduce`` first). ``stats()`` and
-   ``state.method_probe`` hold every candidate's seconds, the choice, and the predicted
+4. The fastest wins (ties: the earlier candidate, ``allreduce`` first). ``stats()`` holds
+   every candidate's seconds, the choice, and the predicted
    exchange seconds per step (the probe's, scaled to the model's bytes); it is logged on
    the ``gradcomp`` logger.
 

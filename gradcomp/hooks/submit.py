@@ -66,10 +66,9 @@ class Inner(Way):
         st = self.state
         if not st.rounds.bound:
             raise RuntimeError(f"local_steps={st.config.local_steps}: no optimizer to run "
-                               f"the outer step from; build the state with gradcomp.register"
-                               f"(model, ..., optimizer=opt) or call gradcomp.hooks.optimizer."
-                               f"bind(state, opt, module=model.module, bucket_bytes="
-                               f"model.bucket_bytes_cap) before training")
+                               f"the outer step from; register with gradcomp.register"
+                               f"(model, ..., optimizer=opt), which binds the rounds to the "
+                               f"optimizer's step (a state registered by hand has none)")
         st.telemetry.hand(buf.numel() * buf.element_size())
         fut = future(buf)
         sync, step = st.rounds.syncing, st.rounds.inner
