@@ -20,7 +20,7 @@ def register(model, method: str, *args, optimizer=None, scaler=None,
              lanes: int | None = None, process_group=None, log_dir=None, log_all_ranks=False,
              log_details=False, outer_optimizer=None, **options) -> Session:
     """Register a gradcomp communication hook on a DDP model (or a ``fully_shard`` model:
-    docs/fsdp.md) and return its state.
+    docs/fsdp.md) and return its :class:`Session` (hooks/session.py: the user's 15 names).
 
     ``method`` is a name or spec (``"powersgd:rank=2"``); ``options`` are the method's
     options (``gradcomp.methods()`` lists them). ``optimizer`` is required for ``dgc``, which
@@ -38,7 +38,6 @@ def register(model, method: str, *args, optimizer=None, scaler=None,
     only unless ``log_all_ranks``; ``log_details`` adds costly diagnostics such as PowerSGD's
     approximation error: see :meth:`Session.attach`). Must be called on every rank (it is
     collective): ranks that registered different methods or options all raise ValueError.
-    Returns the :class:`Session` (hooks/session.py): the user's API, 15 names.
 
     Example::
 
