@@ -8,6 +8,8 @@ import typing
 from typing import Final
 from dataclasses import dataclass
 
+from . import rules
+
 # Tensors with fewer elements than this go uncompressed: below it the compressed message plus
 # its metadata saves less than a round trip costs. 4096 elements = 16 KiB, about 0.13 ms at
 # 1 Gbit/s.
@@ -220,16 +222,7 @@ class MethodConfig:
               "frozen once compression starts, its first moment exchanged), freeze (frozen, "
               "the gradient exchanged), precondition (frozen, g / sqrt(v) exchanged) or off")
         object.__setattr__(self, "adam", Adam(self.adam))
-        check(self.local_steps == 1 or self.adam in (Adam.AUTO, Adam.FREEZE, Adam.OFF), "adam",
-              self.adam.value, f"auto, freeze or off with local_steps={self.local_steps} (the "
-              f"inner steps are Adam's own; with sync_steps its second moment freezes)")
-        check(self.local_steps == 1 or self.adam != Adam.FREEZE or self.sync_steps > 0, "adam",
-              self.adam.value, f"auto or off with local_steps={self.local_steps} and "
-              f"sync_steps=0; 'freeze' freezes the second moment the synchronous steps learned: "
-              f"set sync_steps=N > 0")
-        check(self.adam != Adam.MOMENTUM or self.delay == 0, "delay", self.delay,
-              "0 with adam='momentum' (the late average would be applied to a later first "
-              "moment than the one it was built from); adam='auto' or 'freeze' with delay")
+        rules.check(self)  # the rules between options (gradcomp/rules.py)
         self.validate()
 
     def _check_local_steps(self):

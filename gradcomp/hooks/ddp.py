@@ -7,7 +7,8 @@ from torch.nn.parallel import DistributedDataParallel
 from . import optimizer as optimizer_binding
 from .agree import Groups, agree, check_log_dir, discard, fingerprint, trainable
 from .checkpoint import load_group
-from .local_steps import check_fragments, check_local, check_outer_optimizer
+from .. import rules
+from .local_steps import check_fragments, check_outer_optimizer
 from .options import for_optimizer, is_auto, merge_options
 from .plan import Plan
 from .session import Session, state_of
@@ -138,13 +139,10 @@ def _validate(model, method, optimizer, scaler, lanes, writes, log_dir, world, o
                          f"new DistributedDataParallel to change the method")
     check_log_dir(log_dir, writes)  # before anything is attached
     name, config = _method_config(model, method, optimizer, options)
-    if scaler is not None and config.delay:
-        raise ValueError(f"scaler= with delay={config.delay}: a GradScaler skips a step on the "
-                         f"rank that overflowed, and with delay the others learn of it only "
-                         f"{config.delay} steps later; use delay=0, or bfloat16 without a "
-                         f"scaler")
-    check_local(config, optimizer, scaler)
-    check_outer_optimizer(outer_optimizer, config)
+    rules.check(config, rules.Job(rules.DDP, optimizer=optimizer is not None,
+                                  scaler=scaler is not None,
+                                  outer_optimizer=outer_optimizer is not None))
+    check_outer_optimizer(outer_optimizer)
     check_fragments(config, [p.numel() for p in model.module.parameters() if p.requires_grad])
     local = node_size(config, world)
     return (name, config), {"method": name, **config.to_dict(), "lanes": lanes,

@@ -36,10 +36,10 @@ them and puts each result where FSDP views the gradient (``_overlaps``: where FS
 cast or copy the reduced gradient instead, the exchange runs at once). Every parameter goes
 through every step (``set_reduce_scatter_unused_params(True)``: a parameter without a
 gradient sends zeros, as DDP's ``find_unused_parameters``), so a bucket's layout never changes.
-Refused with a message: ``delay``, ``local_steps`` on a 1-D mesh, ``local_delay``,
-``topology=hierarchical`` (HSDP is the
-hierarchy), ``scaler`` (use bf16 mixed precision), ``adam='precondition'``/``'momentum'``
-(``'auto'`` runs ``'freeze'``: a rank holds only its shard of Adam's moments), ``dgc`` with
+Refused with a message (gradcomp/rules.py, the option rules): ``delay``, ``local_steps`` on
+a 1-D mesh, ``local_delay``, ``topology=hierarchical`` (HSDP is the hierarchy), ``scaler``
+(use bf16 mixed precision), ``adam='precondition'``/``'momentum'`` (``'auto'`` runs
+``'freeze'``: a rank holds only its shard of Adam's moments); the method's own: ``dgc`` with
 weight decay on a 1-D mesh (it reads parameter values a rank does not hold), a parameter
 sharded on a dim other than 0, several FSDP parameter groups in one ``fully_shard``.
 """
@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from ..compressors.base import METHODS, ParamSlice
-from ..config import Adam
+from .. import rules
 from . import optimizer as optimizer_binding
 from .options import for_optimizer, is_auto
 from .. import comm
@@ -411,8 +411,14 @@ def _validate(model, units, info, hsdp, method, optimizer, scaler, writes, log_d
                          "older one puts FSDP's own collectives back)")
     name, config = for_optimizer(method, options, optimizer)
     optimizer_binding.check_method(name, config, optimizer)
-    _refuse(name, config, scaler, hsdp, optimizer)
-    check_outer_optimizer(outer_optimizer, config)
+    rules.check(config, rules.Job(rules.HSDP if hsdp else rules.FSDP,
+                                  optimizer=optimizer is not None, scaler=scaler is not None,
+                                  outer_optimizer=outer_optimizer is not None))
+    why = None if hsdp else METHODS[name].compressor.sharded_refusal(
+        config, optimizer_binding.has_weight_decay(optimizer))
+    if why:  # the method's own, on a 1-D mesh
+        raise ValueError(why)
+    check_outer_optimizer(outer_optimizer)
     names, numels = trainable(model)
     W, me = info.shard_mesh_size, info.shard_mesh_rank
     layouts = [_UnitLayout(g, names, W, me, hsdp) for _, _, g in units]
@@ -512,42 +518,3 @@ def _check_frozen(flags, model) -> None:
                     f"state.close(), then gradcomp.register(model, ...) again")
 
 
-# What the FSDP adapter refuses, in the order it checks: (whether a setting is refused, given
-# the config ``c``, the scaler and whether the mesh is 2-D; the message, formatted with them
-# and ``kind``, "FSDP" or "HSDP"). The method's own refusals come after these
-# (``Compressor.sharded_refusal``, 1-D meshes).
-REFUSALS = (
-    (lambda c, scaler, hsdp: c.delay,
-     "delay={c.delay} under {kind}: FSDP reduces each gradient into the optimizer's shard in "
-     "the same backward; allowed delay=0"),
-    (lambda c, scaler, hsdp: c.local_steps > 1 and not hsdp,
-     "local_steps={c.local_steps} under FSDP (a 1-D mesh): a rank holds only its shard, whose "
-     "gradient needs every rank's each step; allowed 1, or HSDP (a 2-D mesh: local steps "
-     "across the replicas, the node's reduce-scatter every step)"),
-    (lambda c, scaler, hsdp: c.local_delay,
-     "local_delay={c.local_delay} under {kind}: allowed 0 (the outer exchange runs at the "
-     "round's end)"),
-    (lambda c, scaler, hsdp: c.topology == "hierarchical",
-     "topology='hierarchical' under {kind}: allowed 'flat' or 'auto'; for dense traffic "
-     "inside a node and compressed across nodes shard with a 2-D mesh (HSDP), which is that "
-     "hierarchy"),
-    (lambda c, scaler, hsdp: scaler is not None,
-     "scaler= under {kind}: allowed None; train with "
-     "MixedPrecisionPolicy(param_dtype=torch.bfloat16) (no loss scale)"),
-    (lambda c, scaler, hsdp: c.adam in (Adam.PRECONDITION, Adam.MOMENTUM),
-     "adam={adam!r} under {kind}: a rank holds only its shard of Adam's state; "
-     "allowed 'auto' (freeze here), 'freeze' or 'off'"),
-)
-
-
-def _refuse(name, config, scaler, hsdp, optimizer) -> None:
-    """What the FSDP adapter does not do (:data:`REFUSALS`, then the method's own on a 1-D
-    mesh), named (ValueError) at registration."""
-    kind = "HSDP" if hsdp else "FSDP"
-    for refused, message in REFUSALS:
-        if refused(config, scaler, hsdp):
-            raise ValueError(message.format(c=config, kind=kind, adam=str(config.adam)))
-    why = None if hsdp else METHODS[name].compressor.sharded_refusal(
-        config, optimizer_binding.has_weight_decay(optimizer))
-    if why:
-        raise ValueError(why)

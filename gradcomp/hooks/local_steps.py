@@ -107,20 +107,6 @@ class _Round:
                    ready(buffers_avg) if buffers_avg is not None else None, buffers_sent)
 
 
-def check_local(config, optimizer, scaler) -> None:
-    """Registration-time refusals of ``local_steps > 1`` (raise ValueError naming what)."""
-    H = config.local_steps
-    if H == 1:
-        return
-    if optimizer is None:
-        raise ValueError(f"local_steps={H} needs register(..., optimizer=opt): the outer step "
-                         f"runs every {H} calls of opt.step() (a step post-hook)")
-    if scaler is not None:
-        raise ValueError(f"scaler= with local_steps={H}: a GradScaler skips optimizer steps on "
-                         f"the rank that overflowed, which would then end its rounds at other "
-                         f"steps than the rest; use bfloat16 without a scaler")
-
-
 def node_average(x: torch.Tensor, ctx) -> torch.Tensor:
     """Between nodes, nothing: under a hierarchical topology an inner step averages inside
     the node only (the node's reduce-scatter, this, the node's allgather)."""
@@ -170,14 +156,12 @@ def default_outer(config):
     return make
 
 
-def check_outer_optimizer(factory, config) -> None:
-    """``outer_optimizer=``: a callable that builds a torch optimizer over a list of tensors,
-    with ``local_steps`` > 1 (TypeError or ValueError naming what is wrong)."""
+def check_outer_optimizer(factory) -> None:
+    """``outer_optimizer=``: a callable that builds a torch optimizer over a list of tensors
+    (TypeError or ValueError naming what is wrong; with local_steps=1 gradcomp/rules.py
+    refuses it)."""
     if factory is None:
         return
-    if config.local_steps == 1:
-        raise ValueError("outer_optimizer= with local_steps=1: there is no outer step; allowed "
-                         "with local_steps > 1 (or leave it out)")
     if isinstance(factory, torch.optim.Optimizer) or not callable(factory):
         raise TypeError(f"outer_optimizer={factory!r}: allowed a callable that builds the "
                         f"optimizer from a list of tensors, e.g. lambda params: "
