@@ -106,22 +106,28 @@ class Session:
 
     @property
     def ordered(self) -> bool | None:
-        """Whether collectives take turns in one global order (hooks/engine.py); set it
-        after registration, before the first step, to choose."""
-        return self._state.ordered
+        """Whether collectives take turns in one global order, the same on every rank (what
+        NCCL needs; hooks/engine.py): decided at the first exchange, False where every
+        lane's process groups are gloo (which needs no order across groups), True
+        otherwise; None until then. Set it (after registration, before the first step) to
+        choose."""
+        return self._state.engine.seq.ordered
 
     @ordered.setter
     def ordered(self, value: bool) -> None:
-        self._state.ordered = value
+        if not isinstance(value, bool):
+            raise TypeError(f"ordered={value!r}: allowed True or False")
+        self._state.engine.seq.ordered = value
 
     @property
     def trace(self) -> list | None:
-        """Set to [] to record (event, bucket, start, end) times; None: off."""
-        return self._state.trace
+        """Set to [] to record (event, bucket, start, end) times of the exchanges; None:
+        off."""
+        return self._state.engine.trace
 
     @trace.setter
     def trace(self, value: list | None) -> None:
-        self._state.trace = value
+        self._state.engine.trace = value
 
 
 def state_of(obj) -> HookState:

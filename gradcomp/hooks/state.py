@@ -167,32 +167,9 @@ class HookState:
         self.telemetry.mark_written(self._step)
 
     @property
-    def ordered(self) -> bool | None:
-        """Whether collectives take turns in one global order, the same on every rank (what
-        NCCL needs; hooks/engine.py): decided at the first exchange, False where every lane's
-        process groups are gloo (which needs no order across groups), True otherwise; None
-        until then. Set it (after registration, before the first step) to choose."""
-        return self.engine.seq.ordered
-
-    @ordered.setter
-    def ordered(self, value: bool) -> None:
-        if not isinstance(value, bool):
-            raise TypeError(f"ordered={value!r}: allowed True or False")
-        self.engine.seq.ordered = value
-
-    @property
     def lanes(self) -> int:
         """How many buckets' exchanges can run at once (one process group each)."""
         return len(self.engine.lanes)
-
-    @property
-    def trace(self) -> list | None:
-        """Set to [] to record (event, bucket, start, end) times; None: off."""
-        return self.engine.trace
-
-    @trace.setter
-    def trace(self, value: list | None) -> None:
-        self.engine.trace = value
 
     @property
     def layouts(self) -> dict[int, tuple]:

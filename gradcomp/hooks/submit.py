@@ -102,9 +102,9 @@ def request(state, bucket: int, buf: torch.Tensor, slices, *, params=None, names
     state.warmup.observe(step, buf, slices, scale)
     if gradient and state.adam is not None and not state.warmup.dense(step):
         state.adam.scale(slices, buf.device)  # built here, while the optimizer is idle
-    if gradient and state.trace is not None:
+    if gradient and state.engine.trace is not None:
         now = time.perf_counter()
-        state.trace.append(("submit", bucket, now, now))
+        state.engine.trace.append(("submit", bucket, now, now))
     live = state.compressor.live(names if names is not None
                                  else [base_name(s.name) for s in slices])
     return Exchange(bucket, buf, slices, step, params=params, scale=scale, live=live, fut=fut)
