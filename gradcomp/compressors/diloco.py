@@ -50,9 +50,8 @@ class DiLoCoConfig(MethodConfig):
     (``outer_lr`` 0.7, Nesterov ``outer_momentum`` 0.9) every 16 steps, 3 bits per value,
     after 100 synchronous steps in int4 rows, each rank's Adam left as it is (``adam`` off:
     its own second moment, the user's clip). The synchronous start is what holds a short
-    run (the GPT-tiny test's 300 steps: +0.20 nats without it, +0.06 with 50 steps, +0.025
-    with 100); the frozen second moment of the 2-steps-a-round setting (sync_steps=200,
-    outer_lr 1) lost 0.18 nats there with the Nesterov outer step. Without Adam:
+    run, and the frozen second moment lost with the Nesterov outer step (the probes:
+    docs/delay-and-local-steps.md, "The local-steps methods"). Without Adam:
     ``local_steps`` 2, ``outer_lr`` 1.5 without ``outer_momentum`` (each rank's steps are
     shorter in noisy coordinates than DDP's, about 1/sqrt(W)); the CNN rows of RESULTS."""
 

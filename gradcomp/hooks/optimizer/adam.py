@@ -5,8 +5,8 @@ moment v averages the squares of what it receives, and the squares of compressed
 are not the squares of gradients. Top-k at 5% hands each coordinate a burst about 20 times
 its gradient one step in 20 (v grows ~20x, the step shrinks ~4.5x); 1-bit hands every
 coordinate of a 256-element chunk the chunk's mean magnitude (v loses the per-coordinate
-scale Adam exists for). Measured on the GPT of bench/RESULTS.md, every method at its
-defaults ended 0.10-0.31 nats above allreduce.
+scale Adam exists for). The measurements behind each choice below are in docs/adam.md
+("The probes behind the design").
 
 The cure of 1-bit Adam (Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training
 with Adam's Convergence Speed", ICML 2021, arXiv:2102.02888): v settles early in training, so
@@ -45,37 +45,26 @@ of m: the exchange compresses a g + b (a = 1 - beta1, b = beta1 m, plus Adam's L
 sign of ``maximize``) and writes (average - b) / a into ``p.grad``, so that the frozen step's
 own m = beta1 m + (1 - beta1) g lands on the average. The error feedback then works on the
 momentum, as DGC's momentum correction does for SGD: what a rank held back is released into
-m, not filtered through another ten steps of it. Measured on the GPT (600-step probes, seed
-0, allreduce 2.0034): onebit 2.0716 -> 2.0411, topk 2.0794 -> 2.0513; PowerSGD and TernGrad
-measured worse with it (2.0550 -> 2.0915, 1.9796 -> 2.0146), so their "auto" stays
-"freeze" (``Compressor.adam_exchange``). Under FSDP/HSDP (a rank holds only its shard of m)
+m, not filtered through another ten steps of it. It helped onebit and topk and not PowerSGD
+or TernGrad, whose "auto" stays "freeze" (``Compressor.adam_exchange``). Under FSDP/HSDP (a rank holds only its shard of m)
 and with ``delay`` "auto" is "freeze".
 
 ``adam="precondition"``
 also compresses in the update's own scale, g / sqrt(v_hat) (:meth:`FrozenVariance.scale`), so
-that the compression error is spread as Adam will apply it; measured on the GPT it was
-0.007-0.014 nats worse than "freeze" for onebit, topk and powersgd (PowerSGD's low rank does
-not survive the per-element scaling), so it is not the default. ``adam="off"`` leaves Adam to
+that the compression error is spread as Adam will apply it; it measured worse than "freeze"
+(PowerSGD's low rank does not survive the per-element scaling), so it is not the default. ``adam="off"`` leaves Adam to
 see compressed gradients (the measured loss, kept for comparison).
 
 Gradient clipping (``torch.nn.utils.clip_grad_norm_`` between backward and ``step()``, as
 language-model loops do). In a compressed step the gradients the user's clip sees are what
 the exchange handed back, whose norm carries the compression error: where the first moment
-is exchanged, (average - b) / a holds the moment's error times 1 / (1 - beta1). Measured on
-the GPT of bench/RESULTS.md (bench/clip_norms.py; AdamW, clip 1.0, seed 0): at the switch
-the norm the clip sees went from 0.9 to 1.3-1.6 for onebit, against 0.8-1.2 for the exact
-average of the same gradients; the ranks' own gradients' norm (RMS over ranks) was 13-26%
-above the exact one and sqrt(<exact average, handed back>) about 20% below it, so neither
-side of the exchange holds the norm a faithful clip needs. Over 600 steps onebit ended
-+1.6% from allreduce clipped on every step, -2.1% clipped on the first 150 only (allreduce
-itself: 2.0034 and 2.0015). So under DDP without ``delay`` the clip is taken off the
+is exchanged, (average - b) / a holds the moment's error times 1 / (1 - beta1), and neither
+side of the exchange holds the norm a faithful clip needs (measured: docs/adam.md). So
+under DDP without ``delay`` the clip is taken off the
 compressed steps (hooks/unclip.py: each compressed bucket's exchange records the norm of
 what it handed back, the step's pre-hook undoes the coefficient the clip applied). The
 dense warm-up's steps, whose gradients are the exact averages, keep the clip. Not under
 FSDP/HSDP (a rank's gradients are its shard) nor with ``delay``.
-
-What freezing costs by itself: ``topk:ratio=1`` (every element sent, v frozen at the
-switch) ended the 2000-step GPT run at 1.6082 against allreduce's 1.6083 (bench/RESULTS.md).
 """
 from __future__ import annotations
 
