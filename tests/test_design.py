@@ -240,12 +240,31 @@ def test_no_function_is_over_sixty_lines():
     assert not long, long
 
 
-def test_the_state_module_stays_small():
-    """hooks/state.py ties the components together and holds nothing else: the ways a bucket
-    is submitted (hooks/submit.py), the exchange's stages (hooks/stages.py), the lanes
-    (hooks/engine.py), telemetry, the Adam binding and checkpoints live in their modules."""
-    lines = (ROOT / "hooks" / "state.py").read_text().count("\n")
-    assert lines < 300, lines
+# what one exchange request carries (hooks/engine.py's Exchange): the bucket, its buffer and
+# layout, the step, the parameters' tensors where the method reads them, the loss scale, the
+# live parameters, a plain reduce run instead of the method, its future, delayed or not;
+# the engine fills in the event and the round of the collective order
+REQUEST_FIELDS = ["bucket", "buf", "slices", "step", "params", "scale", "live", "plain", "fut",
+                  "delayed", "event", "rnd"]
+
+
+def test_one_function_builds_the_exchange_request():
+    """Every entry's exchange is built by hooks/submit.py's ``request`` (the only place an
+    ``Exchange`` is constructed) and carries the fields above, nothing else."""
+    import dataclasses
+
+    from gradcomp.hooks.engine import Exchange
+    assert [f.name for f in dataclasses.fields(Exchange)] == REQUEST_FIELDS
+    built = []
+    for p in ROOT.rglob("*.py"):
+        tree = ast.parse(p.read_text())
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(fn):
+                    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                            and node.func.id == "Exchange"):
+                        built.append(f"{p.relative_to(ROOT)}:{fn.name}")
+    assert set(built) == {"hooks/submit.py:request"}, built
 
 
 def test_hooks_compare_no_method_name():
