@@ -13,7 +13,6 @@ from .options import for_optimizer, is_auto, merge_options
 from .plan import Plan
 from .session import Session, state_of
 from .state import HookState
-from .telemetry import attach_writer
 from .topology import node_size
 
 MAX_LANES = 32
@@ -113,7 +112,7 @@ def register_ddp(model: DistributedDataParallel, method: str, *, optimizer=None,
                            warn=dist.get_rank(group) == 0, outer_optimizer=outer_optimizer)
     if log_dir is not None and writes:
         from torch.utils.tensorboard import SummaryWriter
-        attach_writer(state, SummaryWriter(log_dir), details=log_details)
+        state.telemetry.attach(SummaryWriter(log_dir), log_details, state.step - 1)
     return state
 
 

@@ -62,7 +62,6 @@ from .guard import check_steps, step_flag
 from .local_steps import check_fragments, check_outer_optimizer, synchronous
 from .plan import Plan, Sharding
 from .state import HookState
-from .telemetry import attach_writer
 from .topology import SEP
 
 
@@ -382,7 +381,7 @@ def register_fsdp(model, method: str, *, optimizer=None, scaler=None, log_dir=No
                            outer_optimizer=outer_optimizer)
     if log_dir is not None and writes:
         from torch.utils.tensorboard import SummaryWriter
-        attach_writer(state, SummaryWriter(log_dir), details=log_details)
+        state.telemetry.attach(SummaryWriter(log_dir), log_details, state.step - 1)
     _REGISTERED.add(model)  # last: a registration that raised leaves no mark
     state.on_close(lambda: _REGISTERED.discard(model))
     return state

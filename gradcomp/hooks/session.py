@@ -20,7 +20,6 @@ from __future__ import annotations
 from . import checkpoint
 from . import submit as submitting
 from .state import HookState
-from .telemetry import attach_writer, state_stats
 
 
 class Session:
@@ -61,14 +60,37 @@ class Session:
 
     # ------------------------------------------------------------------ telemetry
     def stats(self) -> dict:
-        """What the method has done, in optimizer steps: bytes on the wire, time, the
-        warm-up (docs/troubleshooting.md's table describes every key)."""
-        return state_stats(self._state)
+        """What the method has done, counted in optimizer steps (calls of ``optimizer.step()``)
+        for every method, ``local_steps`` included; docs/troubleshooting.md's table describes
+        every key. The latest exchange's bytes (with ``local_steps`` the latest round's, with
+        ``delay=D`` the step D back): ``raw_bytes`` (the gradients' own), ``sent_bytes``
+        (handed to collectives), ``wire_bytes`` (on this rank's link: a ring allreduce
+        2(W-1)/W of a message, an allgather (W-1), an all-to-all (W-1)/W), their split inside
+        and between nodes, ``ratio``, collectives and seconds. ``step`` (``rounds``: outer
+        rounds started), the warm-up's ``compressing``, ``warmup_switch_step`` (the optimizer
+        step compression starts at; with local steps where the first compressed round begins,
+        after ``sync_steps``), ``compressing_since`` (that step once reached), the probes'
+        measurements. Over the run since this state was created (a resumed job counts from its
+        resumption): ``run_raw_bytes`` (every optimizer step's gradients: what plain DDP's
+        allreduce hands over), ``run_sent_bytes``, ``run_wire_bytes`` (every exchange's, the
+        dense warm-up's and ``sync_steps``' included), ``run_raw_wire_bytes`` (a ring allreduce
+        of the raw bytes) and ``run_ratio`` = ``run_raw_wire_bytes / run_wire_bytes``, the
+        figure bench/RESULTS.md reports (in one process, with no wire: raw / sent)."""
+        return _stats(self._state)
 
     def attach(self, writer, details: bool = False) -> None:
         """Log per-step scalars to a TensorBoard ``SummaryWriter`` (or anything with
-        ``add_scalar``); ``details``: each memory slot's norm too (hooks/telemetry.py)."""
-        attach_writer(self._state, writer, details)
+        ``add_scalar``): compression ratio, wire and sent bytes, the norm of each memory slot
+        (residuals, velocities) and what the method records (DGC's sparsity and mean sampled
+        threshold; with ``details`` also PowerSGD's relative approximation error and, for a
+        method whose residual is its own message's error (``Compressor.residual_slot``:
+        onebit's first stage, terngrad, topk, threshold), ``residual_energy``: ||residual after
+        the step||^2 / ||gradient + residual before||^2, summed over the step's buckets, i.e.
+        1 - delta of error feedback's contraction (at or above 1 the residual does not
+        shrink); both cost passes over the gradient). Written from the communication thread
+        when a step's exchanges have all finished; nothing is computed while no writer is
+        attached."""
+        self._state.telemetry.attach(writer, details, self._state.step - 1)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
@@ -128,6 +150,55 @@ class Session:
     @trace.setter
     def trace(self, value: list | None) -> None:
         self._state.engine.trace = value
+
+
+def _stats(state) -> dict:
+    """Session.stats of the hook state ``state``: its components' counters."""
+    tel, last = state.telemetry, state.step - 1
+    t, raw = tel.record(last - state.config.delay)
+    run, run_raw = tel.totals()
+    step, run_raw, switch, started, compressing = _in_optimizer_steps(state, run_raw)
+    W = state.world_size
+    ring = 2 * (W - 1) / W
+    if run.wire:
+        run_ratio = run_raw * ring / run.wire
+    else:
+        run_ratio = run_raw / run.sent if run.sent else float("inf")
+    out = {
+        "step": step, "raw_bytes": raw, "sent_bytes": t.sent,
+        "wire_bytes": t.wire, "raw_wire_bytes": raw * ring,
+        "intra_node_wire_bytes": t.intra, "inter_node_wire_bytes": t.wire - t.intra,
+        "ratio": raw / t.sent if t.sent else float("inf"),
+        "collectives": t.collectives,
+        "comm_s": t.comm_s, "codec_s": t.total_s - t.comm_s,
+        "codec_cpu_s": t.total_cpu_s - t.comm_cpu_s,
+        "compressing": compressing,
+        "warmup_switch_step": switch, "warmup_norm_change": state.warmup.ratio,
+        "run_raw_bytes": run_raw, "run_sent_bytes": run.sent, "run_wire_bytes": run.wire,
+        "run_raw_wire_bytes": run_raw * ring, "run_ratio": run_ratio,
+        "compressing_since": switch if started else None,
+        "topology": "hierarchical" if state.local_size else "flat",
+        "topology_probe": state.topology_probe, "method_probe": state.method_probe,
+    }
+    if state.rounds.active:
+        out["rounds"] = state.step
+    return out
+
+
+def _in_optimizer_steps(state, run_raw: int):
+    """(optimizer steps taken, the run's raw bytes, the optimizer step compression starts
+    at, whether the run has reached it, whether the step in flight is compressed). With
+    local steps the state's steps and the warm-up count rounds, and the raw bytes are one
+    gradient per optimizer step (those the adapter was handed), not one per round."""
+    last, switch = state.step - 1, state.warmup.switch_step()
+    if not state.rounds.active:
+        started = switch is not None and last >= switch
+        return state.step, run_raw, switch, started, bool(state.warmup.compressing(max(last, 0)))
+    step = state.rounds.inner
+    if switch is not None:
+        switch = state.rounds.optimizer_step_of(switch)
+    started = switch is not None and step - 1 >= switch
+    return step, state.telemetry.handed(), switch, started, started
 
 
 def state_of(obj) -> HookState:
