@@ -545,27 +545,3 @@ class AllRanksCheckpoint:
                                  f"global rank 0 wrote")
             return ranks[rank]
         load(self.state, read)
-
-
-def stateful(state) -> "DistributedCheckpoint":
-    """This state for ``torch.distributed.checkpoint`` (a ``Stateful``)::
-
-        dcp.save({"model": model, "optim": opt, "gradcomp": state.stateful()}, ...)
-
-    Each rank's state is its own (residuals of its own gradients), so it goes in under a
-    key of its rank, as one opaque entry (the bytes of ``state_dict()``): DCP would
-    otherwise keep one rank's copy of equal keys, and could not load memory a fresh state
-    has not created yet."""
-    return DistributedCheckpoint(state)
-
-
-def all_ranks(state) -> "AllRanksCheckpoint":
-    """This state for a framework's checkpoint that one rank writes and every rank
-    loads (Lightning's, Accelerate's ``save_state``, the HF Trainer's)::
-
-        accelerator.register_for_checkpointing(state.all_ranks())
-
-    Its ``state_dict()`` is collective (every rank calls it, as those frameworks do):
-    each rank's state is gathered onto global rank 0, whose copy holds all of them;
-    ``load_state_dict()`` on every rank takes its own rank's from that copy."""
-    return AllRanksCheckpoint(state)

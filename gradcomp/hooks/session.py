@@ -18,7 +18,6 @@ is private: ``gradcomp.hook`` and the adapters reach it, a user does not.
 from __future__ import annotations
 
 from . import checkpoint
-from . import submit as submitting
 from .state import HookState
 
 
@@ -102,20 +101,39 @@ class Session:
         of it, or nothing and an error naming what is wrong."""
         checkpoint.load_state_dict(self._state, state_dict)
 
-    def stateful(self):
-        """This session as a torch.distributed.checkpoint ``Stateful``."""
-        return checkpoint.stateful(self._state)
+    def stateful(self) -> checkpoint.DistributedCheckpoint:
+        """This session for ``torch.distributed.checkpoint`` (a ``Stateful``)::
 
-    def all_ranks(self):
-        """This session for a framework's checkpoint that rank 0 writes and every rank
-        loads (Lightning's, Accelerate's, the HF Trainer's)."""
-        return checkpoint.all_ranks(self._state)
+            dcp.save({"model": model, "optim": opt, "gradcomp": state.stateful()}, ...)
+
+        Each rank's state is its own (residuals of its own gradients), so it goes in under
+        a key of its rank, as one opaque entry (the bytes of ``state_dict()``): DCP would
+        otherwise keep one rank's copy of equal keys, and could not load memory a fresh
+        state has not created yet."""
+        return checkpoint.DistributedCheckpoint(self._state)
+
+    def all_ranks(self) -> checkpoint.AllRanksCheckpoint:
+        """This session for a framework's checkpoint that one rank writes and every rank
+        loads (Lightning's, Accelerate's ``save_state``, the HF Trainer's)::
+
+            accelerator.register_for_checkpointing(state.all_ranks())
+
+        Its ``state_dict()`` is collective (every rank calls it, as those frameworks do):
+        each rank's state is gathered onto global rank 0, whose copy holds all of them;
+        ``load_state_dict()`` on every rank takes its own rank's from that copy."""
+        return checkpoint.AllRanksCheckpoint(self._state)
 
     # ------------------------------------------------------------------ the exchanges
     def flush(self) -> dict:
-        """End of training: wait for what is in flight and apply what is owed (delayed
-        averages' corrections, local steps' last exchange); docs/delay-and-local-steps.md."""
-        return submitting.flush(self._state)
+        """End of training. With ``delay``: wait for the exchanges still in flight and put
+        the sum of their corrections into each parameter's ``.grad``; call
+        ``optimizer.step()`` once more after it and every averaged gradient has been
+        applied. Returns the corrections by parameter name. With ``local_steps`` and
+        ``local_delay=1``: wait for the outer exchange in flight and apply it to the
+        parameters (and buffers) now; called at a round's end, every rank then holds the
+        global point (no ``optimizer.step()`` after it). A no-op otherwise."""
+        self._state.rounds.flush()
+        return self._state.delay.flush()
 
     def close(self) -> None:
         """Stop the communication threads after the exchanges queued so far."""

@@ -207,18 +207,6 @@ def outer(state, bucket, x, slices, tensors, first, last, plain):
     return run(state, ex, last=last), ex.step
 
 
-def flush(state) -> dict:
-    """End of training. With ``delay``: wait for the exchanges still in flight and put the
-    sum of their corrections into each parameter's ``.grad``; call ``optimizer.step()``
-    once more after it and every averaged gradient has been applied. Returns the
-    corrections by parameter name. With ``local_steps`` and ``local_delay=1``: wait for
-    the outer exchange in flight and apply it to the parameters (and buffers) now;
-    called at a round's end, every rank then holds the global point (no
-    ``optimizer.step()`` after it). A no-op otherwise."""
-    state.rounds.flush()
-    return state.delay.flush()
-
-
 def choose(config):
     """The way a state with ``config`` submits its buckets."""
     if config.local_steps > 1:
