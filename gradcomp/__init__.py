@@ -3,11 +3,10 @@
     state = gradcomp.register(ddp_model, "dgc", ratio=0.001, optimizer=opt)
 """
 from .compressors import METHODS
-from .hooks import Session, build_config, hook, methods, parse_spec, register
+from .hooks import State, build_config, hook, methods, parse_spec, register
 
-State = Session
 __version__ = "0.1.0"
-__all__ = ["METHODS", "Session", "State", "build_config", "hook", "methods", "parse_spec",
+__all__ = ["METHODS", "State", "build_config", "hook", "methods", "parse_spec",
            "register"]
 
 _INTEGRATIONS = {"lightning", "accelerate", "hf", "integrations"}

@@ -254,7 +254,7 @@ def train(rank: int, world: int, cfg: TrainConfig | dict) -> dict:
             xb, yb = data.normalize(xb).to(device), ytr[idx].to(device)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            traced = getattr(state, "trace", False) is None  # a gradcomp.Session: its timestamps
+            traced = getattr(state, "trace", False) is None  # a gradcomp.State: its timestamps
             if traced:
                 state.trace = []
             t0, c0 = time.perf_counter(), time.process_time()

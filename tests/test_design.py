@@ -64,9 +64,9 @@ def test_lower_layers_import_nothing_above_them(layer, below):
 TORCH_PRIVATES = {"_get_fsdp_state", "_fsdp_param_groups", "_reduce_scatter_process_group",
                   "_reduce_scatter_comm", "_all_reduce_hook", "_orig_size", "_scale", "_base",
                   "_comm_hooks", "_execution_engine", "_get_default_store"}
-# the one private read of our own objects outside a method: the session's module reaching the
-# hook state behind a session (what gradcomp.hook is handed for a hook registered by hand)
-OWN_MODULE_PRIVATE = ("gradcomp/hooks/session.py", "_state")
+# the one private read of our own objects outside a method: the public state's module reaching the
+# hook state behind it (what gradcomp.hook is handed for a hook registered by hand)
+OWN_MODULE_PRIVATE = ("gradcomp/hooks/public.py", "_state")
 
 
 def test_no_module_reads_another_objects_private_attributes():
@@ -91,7 +91,7 @@ def test_no_module_reads_another_objects_private_attributes():
 
 
 # what register() returns and gradcomp.State() builds: the user's API, nothing else
-SESSION_NAMES = {"config", "method", "step", "failed", "stats", "attach", "state_dict",
+PUBLIC_NAMES = {"config", "method", "step", "failed", "stats", "attach", "state_dict",
                  "load_state_dict", "stateful", "all_ranks", "flush", "close", "reduce",
                  "ordered", "trace"}
 
@@ -109,18 +109,18 @@ def _registered(rank, world):
         state.close()
 
 
-def test_the_session_exposes_the_users_names_only(spawn):
-    """register() returns a Session whose public names are the user's API (at most 15): the
+def test_the_public_state_exposes_the_users_names_only(spawn):
+    """register() returns a State whose public names are the user's API (at most 15): the
     hook state behind it (the engine, the components, the adapters' entries) is private, and
     nothing can be added to it."""
     import gradcomp
-    assert len(SESSION_NAMES) <= 15
+    assert len(PUBLIC_NAMES) <= 15
     (kind, names), = spawn(_registered, 1, timeout=60)
-    assert kind == "Session" and set(names) == SESSION_NAMES, names
+    assert kind == "State" and set(names) == PUBLIC_NAMES, names
     s = gradcomp.State("onebit")
     try:
-        assert isinstance(s, gradcomp.Session)
-        assert {n for n in dir(s) if not n.startswith("_")} == SESSION_NAMES
+        assert isinstance(s, gradcomp.State)
+        assert {n for n in dir(s) if not n.startswith("_")} == PUBLIC_NAMES
         for internal in ("memory", "engine", "rounds", "compressor", "submit", "begin"):
             assert not hasattr(s, internal), internal
         with pytest.raises(AttributeError):
@@ -381,7 +381,7 @@ def _entries(rank, world, spec):
                 g = torch.Generator().manual_seed(100 * step + rank)
                 x = torch.randn(slices[-1].offset + slices[-1].numel, generator=g)
                 got.append(go(st, x.clone()).clone())
-            out[entry] = (torch.stack(got), st.step, gradcomp.Session(st).stats()["sent_bytes"])
+            out[entry] = (torch.stack(got), st.step, gradcomp.State(st).stats()["sent_bytes"])
         finally:
             st.close()
     return out

@@ -79,7 +79,7 @@ def check_checkpoint(sd, state) -> None:
     missing = [k for k in ("method", "config", "world_size", "step", "memory") if k not in sd]
     if missing:
         raise ValueError(f"gradcomp checkpoint: missing key(s) {', '.join(missing)}: not a "
-                         f"checkpoint of Session.state_dict(), or a partial one")
+                         f"checkpoint of State.state_dict(), or a partial one")
     try:
         digest = tensor_digest(sd) if "digest" in sd else None
     except Exception as exc:  # noqa: BLE001  (a tensor whose bytes cannot be read)
@@ -476,7 +476,7 @@ def _rank(state) -> int:
 
 
 class DistributedCheckpoint:
-    """A session as a ``torch.distributed.checkpoint`` Stateful (see ``stateful()``)."""
+    """A gradcomp.State as a ``torch.distributed.checkpoint`` Stateful (see ``stateful()``)."""
 
     def __init__(self, state):
         self.state = state
@@ -504,7 +504,7 @@ ALL_RANKS_FORMAT = "gradcomp-all-ranks-1"
 
 
 class AllRanksCheckpoint:
-    """A session as one object for a checkpoint written by rank 0 (see ``all_ranks()``):
+    """A gradcomp.State as one object for a checkpoint written by rank 0 (see ``all_ranks()``):
     ``{"format", "world_size", "ranks": [state_dict() of rank 0, 1, ...]}`` with CPU tensors
     (loads with ``torch.load(weights_only=True)``). Ranks other than 0 return their own entry
     only (the others None): frameworks write rank 0's."""

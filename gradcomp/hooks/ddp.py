@@ -11,7 +11,7 @@ from .. import rules
 from .local_steps import check_fragments, check_outer_optimizer
 from .options import for_optimizer, is_auto, merge_options
 from .plan import Plan
-from .session import Session, state_of
+from .public import State, state_of
 from .state import HookState
 from .topology import node_size
 
@@ -19,7 +19,7 @@ MAX_LANES = 32
 LANES = 4  # the default: process groups (and threads) exchanging buckets side by side
 
 
-def hook(state: Session, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: queue the bucket's exchange, return its future at once."""
     buf = bucket.buffer()
     fut = state_of(state).submit(bucket.index(), buf, bucket.parameters(), bucket.is_last())
@@ -118,7 +118,7 @@ def register_ddp(model: DistributedDataParallel, method: str, *, optimizer=None,
 
 def _hook_owner(fn, hook_state) -> str:
     """Whose communication hook a DDP model holds, in words."""
-    if isinstance(hook_state, (Session, HookState)):
+    if isinstance(hook_state, (State, HookState)):
         return (f"gradcomp's, registered with method {hook_state.method!r} (gradcomp.register "
                 f"was called on this model before)")
     where = ".".join(filter(None, (getattr(fn, "__module__", None),

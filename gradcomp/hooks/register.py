@@ -9,7 +9,7 @@ from . import optimizer as optimizer_binding
 from .agree import agree
 from ..config import quote
 from .options import check_keywords, merge_options
-from .session import Session
+from .public import State
 
 # register()'s own keywords (every other keyword is an option of the method)
 OWN = ("optimizer", "scaler", "lanes", "process_group", "log_dir", "log_all_ranks",
@@ -18,9 +18,9 @@ OWN = ("optimizer", "scaler", "lanes", "process_group", "log_dir", "log_all_rank
 
 def register(model, method: str, *args, optimizer=None, scaler=None,
              lanes: int | None = None, process_group=None, log_dir=None, log_all_ranks=False,
-             log_details=False, outer_optimizer=None, **options) -> Session:
+             log_details=False, outer_optimizer=None, **options) -> State:
     """Register a gradcomp communication hook on a DDP model (or a ``fully_shard`` model:
-    docs/fsdp.md) and return its :class:`Session` (hooks/session.py: the user's 15 names).
+    docs/fsdp.md) and return its :class:`State` (hooks/public.py: the user's 15 names).
 
     ``method`` is a name or spec (``"powersgd:rank=2"``); ``options`` are the method's
     options (``gradcomp.methods()`` lists them). ``optimizer`` is required for ``dgc``, which
@@ -36,7 +36,7 @@ def register(model, method: str, *args, optimizer=None, scaler=None,
     ``lanes``: DDP only, how many buckets' exchanges run side by side (4 where None;
     docs/topology.md). ``log_dir``: TensorBoard scalars per step (rank 0
     only unless ``log_all_ranks``; ``log_details`` adds costly diagnostics such as PowerSGD's
-    approximation error: see :meth:`Session.attach`). Must be called on every rank (it is
+    approximation error: see :meth:`State.attach`). Must be called on every rank (it is
     collective): ranks that registered different methods or options all raise ValueError.
 
     Example::
@@ -75,7 +75,7 @@ def register(model, method: str, *args, optimizer=None, scaler=None,
         model, method, process_group=process_group, lanes=lanes or ddp.LANES, **common)
     if optimizer is None:
         optimizer_binding.refuse_unseen_adam(state)
-    return Session(state)
+    return State(state)
 
 
 def _check_model(model, sharded: bool) -> None:

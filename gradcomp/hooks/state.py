@@ -60,7 +60,7 @@ def _planned(field: str, doc: str) -> property:
 
 class HookState:
     """Everything one registered hook owns: private to the library, behind the user's
-    :class:`hooks.session.Session` (what :func:`gradcomp.register` returns and
+    :class:`hooks.public.State` (what :func:`gradcomp.register` returns and
     ``gradcomp.State(...)`` builds, with these arguments)."""
 
     def __init__(self, method: str, config: MethodConfig | None = None, *, group=None,

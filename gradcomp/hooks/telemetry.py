@@ -51,7 +51,7 @@ class Telemetry:
 
     def attach(self, writer, details: bool, step: int) -> None:
         """Log per-step scalars from now on (``step``: the step in flight; the earlier ones
-        logged nothing). See ``Session.attach``."""
+        logged nothing). See ``State.attach``."""
         self.writer, self.details = writer, details
         self._written = max(self._written, step - 1)
 

@@ -1,5 +1,5 @@
 """One line in the training frameworks users already run, each a small adapter over
-:func:`gradcomp.register` and :meth:`Session.all_ranks` (the state in the framework's own
+:func:`gradcomp.register` and :meth:`State.all_ranks` (the state in the framework's own
 checkpoints). Imported on demand: ``import gradcomp`` imports none of the frameworks.
 
 * :mod:`gradcomp.integrations.lightning`: ``GradcompCallback`` for ``lightning.pytorch.Trainer``;

@@ -6,7 +6,7 @@
 ``prepare`` wraps the model in DDP when the job has several processes; this registers the
 method on it with the prepared optimizer (an ``AcceleratedOptimizer``: gradcomp binds the
 torch optimizer inside it) and hands the state to ``accelerator.register_for_checkpointing``
-(every rank's state, gathered onto rank 0: ``Session.all_ranks()``), so that
+(every rank's state, gathered onto rank 0: ``State.all_ranks()``), so that
 ``accelerator.save_state`` / ``load_state`` carry it. Gradient accumulation through
 ``accelerator.accumulate(model)`` works as in DDP: the micro-steps run under ``no_sync``.
 ``gradcomp.register(model, ...)`` on the prepared model works as well; it then leaves the

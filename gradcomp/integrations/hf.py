@@ -8,7 +8,7 @@ The Trainer wraps the model in DDP (``trainer.model_wrapped``) when the job has 
 processes, inside ``train()``; a ``TrainerCallback`` registers the method on it when training
 begins, with the Trainer's optimizer (an ``AcceleratedOptimizer``: gradcomp binds the torch
 optimizer inside it). Each Trainer checkpoint (``checkpoint-N/``) gets ``gradcomp.pt``, every
-rank's state gathered onto rank 0 (``Session.all_ranks()``), and
+rank's state gathered onto rank 0 (``State.all_ranks()``), and
 ``trainer.train(resume_from_checkpoint=...)`` (a path, or True for the latest) puts each
 rank's back. Gradient accumulation works as in DDP (``no_sync`` micro-steps).
 """
@@ -73,7 +73,7 @@ class GradcompTrainerCallback(TrainerCallback):
 
 def register(trainer, method: str, **options) -> GradcompTrainerCallback:
     """Add the callback to ``trainer`` (``options`` as for :func:`gradcomp.register`) and
-    return it; ``.state`` is the Session once ``train()`` has begun."""
+    return it; ``.state`` is the State once ``train()`` has begun."""
     cb = GradcompTrainerCallback(trainer, method, **options)
     trainer.add_callback(cb)
     train = trainer.train

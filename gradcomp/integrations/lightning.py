@@ -4,7 +4,7 @@ The callback registers the method on the model Lightning wrapped in DDP (or shar
 FSDP2) once it exists (``on_fit_start``), with the optimizer Lightning configured (the first
 of ``configure_optimizers``, or ``optimizer_index``), and keeps the gradcomp state in
 Lightning's own checkpoints: ``ModelCheckpoint``'s files and ``trainer.save_checkpoint``
-hold every rank's state (gathered onto rank 0, ``Session.all_ranks()``), and
+hold every rank's state (gathered onto rank 0, ``State.all_ranks()``), and
 ``trainer.fit(..., ckpt_path=...)`` puts each rank's back. ``accumulate_grad_batches`` works
 as in DDP (the micro-steps run under ``no_sync``), and so does automatic optimization, whose
 backward runs inside ``optimizer.step(closure)``. Lightning registers its own
@@ -25,7 +25,7 @@ from . import check_model, check_options, distributed, single_process_warning
 
 class GradcompCallback(Callback):
     """Register ``method`` (a name or spec, ``options`` as for :func:`gradcomp.register`) on
-    the model the strategy wrapped. ``state``: the registered Session (None before
+    the model the strategy wrapped. ``state``: the registered State (None before
     ``fit`` starts, or on a single device)."""
 
     def __init__(self, method: str, *, optimizer_index: int = 0, **options):

@@ -1,4 +1,4 @@
-"""The session: what :func:`gradcomp.register` returns and ``gradcomp.State(...)`` builds, the
+"""The user's state: what :func:`gradcomp.register` returns and ``gradcomp.State(...)`` builds, the
 user's side of a registered method and nothing else. Its public names are the whole API
 (docs/reference.md lists them; tests/test_design.py holds the list):
 
@@ -21,7 +21,7 @@ from . import checkpoint
 from .state import HookState
 
 
-class Session:
+class State:
     """A registered method. ``gradcomp.State(method, config, model=net)`` builds one for a
     hook registered by hand (``ddp.register_comm_hook(state, gradcomp.hook)``): the arguments
     are :class:`hooks.state.HookState`'s."""
@@ -35,7 +35,7 @@ class Session:
                        else HookState(method, config, **kwargs))
 
     def __repr__(self) -> str:
-        return f"gradcomp.Session(method={self.method!r}, step={self.step})"
+        return f"gradcomp.State(method={self.method!r}, step={self.step})"
 
     # ------------------------------------------------------------------ what runs
     @property
@@ -102,7 +102,7 @@ class Session:
         checkpoint.load_state_dict(self._state, state_dict)
 
     def stateful(self) -> checkpoint.DistributedCheckpoint:
-        """This session for ``torch.distributed.checkpoint`` (a ``Stateful``)::
+        """This state for ``torch.distributed.checkpoint`` (a ``Stateful``)::
 
             dcp.save({"model": model, "optim": opt, "gradcomp": state.stateful()}, ...)
 
@@ -113,7 +113,7 @@ class Session:
         return checkpoint.DistributedCheckpoint(self._state)
 
     def all_ranks(self) -> checkpoint.AllRanksCheckpoint:
-        """This session for a framework's checkpoint that one rank writes and every rank
+        """This state for a framework's checkpoint that one rank writes and every rank
         loads (Lightning's, Accelerate's ``save_state``, the HF Trainer's)::
 
             accelerator.register_for_checkpointing(state.all_ranks())
@@ -171,7 +171,7 @@ class Session:
 
 
 def _stats(state) -> dict:
-    """Session.stats of the hook state ``state``: its components' counters."""
+    """State.stats of the hook state ``state``: its components' counters."""
     tel, last = state.telemetry, state.step - 1
     t, raw = tel.record(last - state.config.delay)
     run, run_raw = tel.totals()
@@ -220,6 +220,6 @@ def _in_optimizer_steps(state, run_raw: int):
 
 
 def state_of(obj) -> HookState:
-    """The hook state of a session (or the hook state itself): what ``gradcomp.hook`` and the
+    """The hook state of a gradcomp.State (or the hook state itself): what ``gradcomp.hook`` and the
     adapters work on."""
-    return obj._state if isinstance(obj, Session) else obj
+    return obj._state if isinstance(obj, State) else obj
