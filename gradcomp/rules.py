@@ -29,6 +29,12 @@ class Job:
     scaler: bool = False
     outer_optimizer: bool = False
 
+    @classmethod
+    def given(cls, adapter: str, optimizer=None, scaler=None, outer_optimizer=None) -> "Job":
+        """The job of a registration with these arguments (each given or None)."""
+        return cls(adapter, optimizer is not None, scaler is not None,
+                   outer_optimizer is not None)
+
 
 @dataclass(frozen=True)
 class Rule:

@@ -112,7 +112,7 @@ def register_ddp(model: DistributedDataParallel, method: str, *, optimizer=None,
                            warn=dist.get_rank(group) == 0, outer_optimizer=outer_optimizer)
     if log_dir is not None and writes:
         from torch.utils.tensorboard import SummaryWriter
-        state.telemetry.attach(SummaryWriter(log_dir), log_details, state.step - 1)
+        State(state).attach(SummaryWriter(log_dir), details=log_details)
     return state
 
 
@@ -139,9 +139,7 @@ def _validate(model, method, optimizer, scaler, lanes, writes, log_dir, world, o
                          f"new DistributedDataParallel to change the method")
     check_log_dir(log_dir, writes)  # before anything is attached
     name, config = _method_config(model, method, optimizer, options)
-    rules.check(config, rules.Job(rules.DDP, optimizer=optimizer is not None,
-                                  scaler=scaler is not None,
-                                  outer_optimizer=outer_optimizer is not None))
+    rules.check(config, rules.Job.given(rules.DDP, optimizer, scaler, outer_optimizer))
     check_outer_optimizer(outer_optimizer)
     check_fragments(config, [p.numel() for p in model.module.parameters() if p.requires_grad])
     local = node_size(config, world)

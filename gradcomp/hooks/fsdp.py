@@ -61,6 +61,7 @@ from .checkpoint import load_group
 from .guard import check_steps, step_flag
 from .local_steps import check_fragments, check_outer_optimizer, synchronous
 from .plan import Plan, Sharding
+from .public import State
 from .state import HookState
 from .topology import SEP
 
@@ -381,7 +382,7 @@ def register_fsdp(model, method: str, *, optimizer=None, scaler=None, log_dir=No
                            outer_optimizer=outer_optimizer)
     if log_dir is not None and writes:
         from torch.utils.tensorboard import SummaryWriter
-        state.telemetry.attach(SummaryWriter(log_dir), log_details, state.step - 1)
+        State(state).attach(SummaryWriter(log_dir), details=log_details)
     _REGISTERED.add(model)  # last: a registration that raised leaves no mark
     state.on_close(lambda: _REGISTERED.discard(model))
     return state
@@ -411,9 +412,8 @@ def _validate(model, units, info, hsdp, method, optimizer, scaler, writes, log_d
                          "older one puts FSDP's own collectives back)")
     name, config = for_optimizer(method, options, optimizer)
     optimizer_binding.check_method(name, config, optimizer)
-    rules.check(config, rules.Job(rules.HSDP if hsdp else rules.FSDP,
-                                  optimizer=optimizer is not None, scaler=scaler is not None,
-                                  outer_optimizer=outer_optimizer is not None))
+    rules.check(config, rules.Job.given(rules.HSDP if hsdp else rules.FSDP, optimizer, scaler,
+                                        outer_optimizer))
     why = None if hsdp else METHODS[name].compressor.sharded_refusal(
         config, optimizer_binding.has_weight_decay(optimizer))
     if why:  # the method's own, on a 1-D mesh

@@ -229,18 +229,13 @@ class HookState:
         self.rounds.drain(before)
         self.delay.drain(before)
 
-
-
-
     @property
     def failed(self) -> BaseException | None:
         """The error an exchange of this state raised (every later one fails with it), None
         while none has."""
         return self.engine.error
 
-
     # ------------------------------------------------------------------ Adam
-
     def bind_adam(self, optimizer) -> None:
         """With Adam/AdamW and ``adam`` on: freeze Adam's second moment for the compressed
         parameters once compression starts (hooks/optimizer/); else nothing changes."""
