@@ -10,7 +10,7 @@ import torch
 
 import gradcomp
 from gradcomp.compressors.diloco import dequantize, quantize
-from gradcomp.compressors.sparseloco import pack_signs, unpack_signs
+from gradcomp.compressors.rows import pack_signs, pack_uint, unpack_signs, unpack_uint
 from conftest import SHAPES, layout, lay_out, state_for
 
 NAMES = list(SHAPES)
@@ -43,6 +43,18 @@ def test_signs_pack_and_unpack():
     packed = pack_signs(neg)
     assert packed.dtype == torch.uint8 and packed.shape == (3, 8)
     assert torch.equal(unpack_signs(packed), 1.0 - 2.0 * neg.float())
+
+
+@pytest.mark.parametrize("bits", [1, 5, 8, 12, 15])
+def test_places_pack_end_to_end_in_their_bits_and_unpack(bits):
+    v = torch.randint(0, 2 ** bits, (3, 16), generator=torch.Generator().manual_seed(bits))
+    packed = pack_uint(v, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 16 * bits // 8)
+    assert torch.equal(unpack_uint(packed, bits), v)
+    # bit b of value i at bit i * bits + b of the row
+    i, b = 5, bits - 1
+    at = i * bits + b
+    assert torch.equal((packed[:, at // 8].long() >> (at % 8)) & 1, (v[:, i] >> b) & 1)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -175,8 +187,10 @@ def test_message_sizes_are_as_documented():
     st = gradcomp.State(name, cfg)
     st.reduce(torch.randn(n), params)
     rows, k = -(-30000 // cfg.chunk), cfg.k
-    # per row: int16 indices, one sign bit each, an fp32 mean per group; the bias dense
-    assert st.stats()["sent_bytes"] == rows * (2 * k + k // 8 + 4 * cfg.levels) + 4 * 40 + flag
+    # per row: 12-bit places (chunk 4096), one sign bit each, an fp32 mean per group; the
+    # bias dense
+    assert cfg.chunk == 4096
+    assert st.stats()["sent_bytes"] == rows * (12 * k // 8 + k // 8 + 4 * cfg.levels) + 4 * 40 + flag
     name, cfg = gradcomp.build_config("diloco", warmup="none")
     st = gradcomp.State(name, cfg)
     st.reduce(torch.randn(n), params)

@@ -47,6 +47,20 @@ def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
     return 1.0 - 2.0 * unpack_bits(packed).float()
 
 
+def pack_uint(v: torch.Tensor, bits: int) -> torch.Tensor:
+    """(..., n) integers in [0, 2^bits) -> (..., n * bits / 8) uint8, value i's bit b at bit
+    i * bits + b of the row (n * bits a multiple of 8)."""
+    shifts = torch.arange(bits, device=v.device)
+    planes = (v.long().unsqueeze(-1) >> shifts) & 1
+    return pack_signs(planes.reshape(*v.shape[:-1], -1).bool())
+
+
+def unpack_uint(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_uint`: (..., m) uint8 -> (..., 8m / bits) int64."""
+    planes = unpack_bits(packed).reshape(*packed.shape[:-1], -1, bits).long()
+    return (planes << torch.arange(bits, device=packed.device)).sum(-1)
+
+
 def _group(a: torch.Tensor, cuts: torch.Tensor) -> torch.Tensor:
     """Each magnitude's group: how many of its row's ``cuts`` (R, L - 1) it exceeds."""
     g = torch.zeros(a.shape, dtype=torch.long, device=a.device)

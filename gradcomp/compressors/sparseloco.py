@@ -12,16 +12,17 @@ hooks/local_steps.py) comes here, per parameter, in fp32:
   3. The kept values are quantized: the row's k values in rank order form ``levels`` groups
      of k/levels; each group is sent as the mean of its magnitudes (one fp32 per group and
      row) and each value as its sign alone. A value's group follows from its place in the
-     message, so a value costs one bit whatever ``levels`` is; the index costs two bytes.
+     message, so a value costs one bit whatever ``levels`` is; its place in the row costs
+     the bits that count to ``chunk`` (12 at the default 4096), packed end to end.
   4. e = y - what was sent (the unsent values, and what the quantization took).
   5. One allgather carries every rank's (indices, signs, group means) and the parameters
      sent dense (below ``min_numel``, or named in ``exact``); every rank decodes them all in
      rank order and averages: every rank gets the same values.
 The outer step (``outer_lr``, hooks/local_steps.py) applies the average.
 
-Bytes per row and rank: 2k (indices) + k/8 (signs) + 4 * levels (group means): with the
-defaults, 288 bytes for 4096 fp32 elements (16 KiB), 57x fewer bytes per round than a dense
-fp32 exchange of the round, times H against a per-step allreduce.
+Bytes per row and rank: 12k/8 (indices, at chunk 4096) + k/8 (signs) + 4 * levels (group
+means): with the defaults, 224 bytes for 4096 fp32 elements (16 KiB), 73x fewer bytes per round
+than a dense fp32 exchange of the round, times H against a per-step allreduce.
 """
 from __future__ import annotations
 
@@ -33,10 +34,10 @@ from .. import kernels
 from ..config import MethodConfig, RESIDUAL, check
 from ..kernels.chunks import chunk_plan
 from .base import Compressor, dense_values, put_dense, register_method, zero_dense
-from .rows import pack_signs, unpack_signs
+from .rows import pack_signs, pack_uint, unpack_signs, unpack_uint
 from .wire import DENSE, Field, Message
 
-MAX_CHUNK = 32768  # a row's indices travel as int16
+MAX_CHUNK = 32768  # a row's places fit in 15 bits
 
 
 MESSAGE = Message(
@@ -44,12 +45,19 @@ MESSAGE = Message(
     Field("groups", torch.float32, "rows * levels", "per row, each group's mean magnitude (the "
           "group of a kept value follows from its rank in the row)"),
     DENSE,
-    Field("indices", torch.int16, "rows * k", "per row, its kept values' places in the row, "
-          "largest first"),
+    Field("indices", torch.uint8, "rows * k * bits // 8", "per row, its kept values' places "
+          "in the row, largest first, `bits` each (the bits that count to `chunk`), packed end "
+          "to end (bit b of place i at bit i * bits + b of the row)"),
     Field("signs", torch.uint8, "rows * k // 8", "per row, its kept values' signs, one bit "
           "each (bit b of byte j: value 8j + b is negative)"),
     note="`rows`: each compressed parameter cut into rows of `chunk` elements (its last row "
          "short); `k` values kept per row, in `levels` groups of `k / levels`.")
+
+
+def index_bits(chunk: int) -> int:
+    """The bits of a place in a row of ``chunk`` elements (k is a multiple of 8, so a row's
+    places fill whole bytes)."""
+    return max(1, (chunk - 1).bit_length())
 
 
 @dataclass(frozen=True)
@@ -115,14 +123,15 @@ class SparseLoCo(Compressor):
             plan.put(m, y)
             zero_dense(y, dense)
         d = dense_values(x, dense)
-        lay = MESSAGE.bind(rows=rows, levels=L, k=k, n_dense=d.numel())
+        b = index_bits(c)
+        lay = MESSAGE.bind(rows=rows, levels=L, k=k, bits=b, n_dense=d.numel())
         got = lay.unpack(ctx.comm.allgather(lay.pack(
-            groups=groups, dense=d, indices=idx.to(torch.int16), signs=pack_signs(neg))))
+            groups=groups, dense=d, indices=pack_uint(idx, b), signs=pack_signs(neg))))
         r_grp = got["groups"].reshape(W, rows, L)
-        r_idx = got["indices"].reshape(W, rows, k)
+        r_idx = unpack_uint(got["indices"].reshape(W, rows, k * b // 8), b)
         r_sign = unpack_signs(got["signs"].reshape(W, rows, k // 8))
         r_vals = r_sign * r_grp.repeat_interleave(k // L, dim=2)
-        r_pos = r_idx.long() + torch.arange(rows, device=x.device).view(1, rows, 1) * c
+        r_pos = r_idx + torch.arange(rows, device=x.device).view(1, rows, 1) * c
         acc = x.new_zeros(rows * c)
         kernels.scatter_add(r_vals, r_pos, acc)  # rank order: the same sums on every rank
         out = x.zero_()
