@@ -75,6 +75,11 @@ def check(ok: bool, name: str, value, allowed: str) -> None:
         raise ValueError(f"invalid {name}={value!r}: allowed {allowed}")
 
 
+# the rounds' options as they are without local steps: an exchange every optimizer step (a
+# probe's config, hooks/topology.py)
+ONE_STEP_EACH = {"local_steps": 1, "local_delay": 0, "sync_steps": 0, "fragments": 1}
+
+
 @dataclass(frozen=True)
 class MethodConfig:
     """Options every method has.
@@ -247,9 +252,33 @@ class MethodConfig:
     @property
     def warmup_rule(self) -> str:
         """The warm-up that runs: "adaptive" or "none" ("auto" resolved by ``local_steps``)."""
-        if self.warmup == "auto":
-            return "none" if self.local_steps > 1 else "adaptive"
-        return self.warmup
+        return self.warmup_rule_of(self.to_dict())
+
+    @staticmethod
+    def warmup_rule_of(options: dict) -> str:
+        """:attr:`warmup_rule` of a config's options as plain values (a checkpoint's)."""
+        if options["warmup"] == "auto":
+            local = options.get("local_steps", 1)
+            return "none" if isinstance(local, int) and local > 1 else "adaptive"
+        return options["warmup"]
+
+    @property
+    def steps_per_exchange(self) -> int:
+        """Optimizer steps per exchange of a parameter: 1, or with local steps the round's
+        ``local_steps`` (hooks/local_steps.py owns what happens between)."""
+        return self.local_steps
+
+    @property
+    def in_rounds(self) -> bool:
+        """Whether the method takes local steps: its exchange is an outer round's
+        pseudo-gradient, the optimizer's own inner steps between (hooks/local_steps.py)."""
+        return self.local_steps > 1
+
+    @property
+    def synchronous_start(self) -> bool:
+        """Whether local steps begin with ``sync_steps`` synchronous steps (Adam's second
+        moment then learned from averaged gradients, and frozen)."""
+        return self.in_rounds and self.sync_steps > 0
 
     def validate(self) -> None:
         """Method-specific checks; raise ValueError naming the bad value."""

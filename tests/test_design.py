@@ -398,3 +398,38 @@ def test_every_entry_builds_one_request_and_gives_the_same_bits(spec, spawn):
         assert steps == 3 and 0 < sent < ref[0].numel() * 4 * 3  # it compressed
         for entry, (got, n, b) in out.items():
             assert got.equal(ref) and n == steps and b == sent, entry
+
+
+# the options of local steps (config.py), read only by the component that runs them, the
+# config (which answers the rest in its own terms: ``in_rounds``, ``steps_per_exchange``,
+# ``synchronous_start``), the option rules and the two methods whose defaults set them
+ROUND_OPTIONS = {"local_steps", "sync_steps", "local_delay", "fragments", "outer_lr",
+                 "outer_momentum"}
+ROUNDS_OWNERS = {"hooks/local_steps.py", "config.py", "rules.py", "compressors/diloco.py",
+                 "compressors/sparseloco.py"}
+
+
+def test_only_the_local_steps_component_reads_the_rounds_options():
+    """Outside hooks/local_steps.py, the config and the rule table, no code reads a local
+    steps option (an attribute, a keyword, a key): what the rest needs to know, it asks the
+    config (``in_rounds``, ``steps_per_exchange``, ``synchronous_start``) or the component
+    (``state.rounds``). Docstrings and comments may speak of them."""
+    found = []
+    for p in ROOT.rglob("*.py"):
+        rel = str(p.relative_to(ROOT))
+        if rel in ROUNDS_OWNERS:
+            continue
+        tree = ast.parse(p.read_text())
+        docs = {id(n.body[0].value) for n in ast.walk(tree)
+                if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                and n.body and isinstance(n.body[0], ast.Expr)
+                and isinstance(n.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            word = (node.attr if isinstance(node, ast.Attribute)
+                    else node.arg if isinstance(node, ast.keyword)
+                    else node.id if isinstance(node, ast.Name)
+                    else node.value if (isinstance(node, ast.Constant) and id(node) not in docs
+                                        and isinstance(node.value, str)) else None)
+            if word in ROUND_OPTIONS:
+                found.append(f"{rel}:{getattr(node, 'lineno', '?')} {word}")
+    assert not found, found

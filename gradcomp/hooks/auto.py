@@ -84,7 +84,7 @@ def probe(make_state, configs: dict, named_params, group, bucket_bytes, device=N
         states.append(lambda name=name, cfg=probe_config(config): make_state(name, cfg))
     times = time_exchanges(states, params, group, device)
     # a local-steps method exchanges once per round: its seconds per step
-    seconds = {c: t / cfg.local_steps for (c, (_, cfg)), t in zip(configs.items(), times)}
+    seconds = {c: t / cfg.steps_per_exchange for (c, (_, cfg)), t in zip(configs.items(), times)}
     chosen = pick(seconds)
     probe_elems = params[-1].offset + params[-1].numel
     total = sum(p.numel() for _, p in named_params)

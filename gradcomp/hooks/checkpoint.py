@@ -369,9 +369,7 @@ def _check_compatible(state, sd: dict) -> None:
     mine = config.to_dict()
     for k in ("topology", "local_size", "adam"):  # adam: as it runs, in _check_adam
         saved.pop(k), mine.pop(k)
-    if saved["warmup"] == "auto":
-        local = saved["local_steps"]
-        saved["warmup"] = "none" if isinstance(local, int) and local > 1 else "adaptive"
+    saved["warmup"] = type(config).warmup_rule_of(saved)
     mine["warmup"] = config.warmup_rule
     if sd.get("method") != state.method or saved != mine:
         auto = ""

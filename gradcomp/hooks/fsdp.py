@@ -59,7 +59,7 @@ from .. import comm
 from .agree import Groups, agree, check_log_dir, discard, fingerprint, trainable
 from .checkpoint import load_group
 from .guard import check_steps, step_flag
-from .local_steps import check_fragments, check_outer_optimizer, synchronous
+from .local_steps import check_outer_optimizer, outer_pieces, synchronous
 from .plan import Plan, Sharding
 from .public import State
 from .state import HookState
@@ -424,9 +424,10 @@ def _validate(model, units, info, hsdp, method, optimizer, scaler, writes, log_d
     layouts = [_UnitLayout(g, names, W, me, hsdp) for _, _, g in units]
     if hsdp:  # the memory holds this rank's pieces: their sizes are what a checkpoint holds
         numels.update({s.name: s.numel for lay in layouts for s in lay.piece})
-    pieces = _outer_pieces(units, names, me, W, config)
-    if pieces is not None:
-        check_fragments(config, [t.numel() for _, t in pieces])
+    held = [(names[id(fp.sharded_param)], fp.sharded_param.to_local())  # its row blocks
+            for _, _, g in units for fp in g.fsdp_params
+            if fp.sharded_param.requires_grad and fp.sharded_size.numel()]
+    pieces = outer_pieces(config, held, me, W)
     return (name, config, names, numels, layouts, pieces), {
         "method": name, **config.to_dict(), "mesh": list(info.mesh.mesh.shape),
         **fingerprint(model, optimizer, scaler)}
@@ -482,21 +483,6 @@ def _install_hsdp(state, adapter, mod, g, lay, alone) -> None:
 # under HSDP the rounds send one outer bucket of every piece a rank holds: the same number
 # of exchanges on every rank of the mesh, whose inf/NaN flag goes round all of them
 _ONE_OUTER_BUCKET = 2**62
-
-
-def _outer_pieces(units, names, me: int, W: int, config):
-    """HSDP with ``local_steps`` > 1: (name, local tensor) of each row block this rank holds,
-    named as the memory keeps it (``name#me/W``); ValueError where it holds none."""
-    if config.local_steps == 1:
-        return None
-    pieces = [(f"{names[id(fp.sharded_param)]}{SEP}{me}/{W}", fp.sharded_param.to_local())
-              for _, _, g in units for fp in g.fsdp_params
-              if fp.sharded_param.requires_grad and fp.sharded_size.numel()]
-    if not pieces:
-        raise ValueError(f"local_steps={config.local_steps} under HSDP: shard {me} of {W} holds "
-                         f"no rows of any parameter (more ranks per node than rows); allowed "
-                         f"fewer ranks per node, or local_steps=1")
-    return pieces
 
 
 def _check_frozen(flags, model) -> None:

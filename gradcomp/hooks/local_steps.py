@@ -145,6 +145,22 @@ def check_fragments(config, numels: list[int]) -> list[int]:
     return where
 
 
+def outer_pieces(config, held, me: int, W: int) -> list | None:
+    """HSDP: what the rounds average on this rank (shard ``me`` of ``W``), from ``held``,
+    (name, local tensor) of each row block it holds: the same, named as the memory keeps
+    them (``name#me/W``), the fragments checked against them; None without local steps.
+    ValueError where it holds none."""
+    if not config.in_rounds:
+        return None
+    pieces = [(f"{name}{SEP}{me}/{W}", t) for name, t in held]
+    if not pieces:
+        raise ValueError(f"local_steps={config.local_steps} under HSDP: shard {me} of {W} holds "
+                         f"no rows of any parameter (more ranks per node than rows); allowed "
+                         f"fewer ranks per node, or local_steps=1")
+    check_fragments(config, [t.numel() for _, t in pieces])
+    return pieces
+
+
 def default_outer(config):
     """The outer optimizer's factory from ``outer_lr`` and ``outer_momentum``: torch's SGD
     with Nesterov momentum (DiLoCo's), on the global point G with the average as gradient."""
@@ -239,6 +255,14 @@ class LocalSteps:
     def bound(self) -> bool:
         """Whether an optimizer's steps run the rounds (``bind``)."""
         return bool(self._hooks)
+
+    def check_bound(self) -> None:
+        """An inner step's gradient arrived: the rounds must have an optimizer to end in."""
+        if not self.bound:
+            raise RuntimeError(f"local_steps={self.config.local_steps}: no optimizer to run "
+                               f"the outer step from; register with gradcomp.register"
+                               f"(model, ..., optimizer=opt), which binds the rounds to the "
+                               f"optimizer's step (a state registered by hand has none)")
 
     def bind(self, params, buffers, bucket_bytes: int | None, send, outer_optimizer=None) -> None:
         """Lay the outer buckets out: ``params``, (name, tensor) pairs in module order (under

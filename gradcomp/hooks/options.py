@@ -118,7 +118,7 @@ def methods() -> list[dict]:
     out = []
     for s in METHODS.values():
         adam = dict(s.compressor.adam_defaults)
-        if not s.compressor.stateless and s.config().local_steps == 1:
+        if not s.compressor.stateless and not s.config().in_rounds:
             adam.setdefault("dense_wire", "bfloat16")
         out.append({"name": s.name, "description": s.description,
                     "options": s.config.options(), "adam_defaults": adam})

@@ -64,11 +64,7 @@ class Inner(Way):
 
     def __call__(self, bucket, buf, slices, params, names, last):
         st = self.state
-        if not st.rounds.bound:
-            raise RuntimeError(f"local_steps={st.config.local_steps}: no optimizer to run "
-                               f"the outer step from; register with gradcomp.register"
-                               f"(model, ..., optimizer=opt), which binds the rounds to the "
-                               f"optimizer's step (a state registered by hand has none)")
+        st.rounds.check_bound()
         st.telemetry.hand(buf.numel() * buf.element_size())
         fut = future(buf)
         sync, step = st.rounds.syncing, st.rounds.inner
@@ -209,6 +205,6 @@ def outer(state, bucket, x, slices, tensors, first, last, plain):
 
 def choose(config):
     """The way a state with ``config`` submits its buckets."""
-    if config.local_steps > 1:
+    if config.in_rounds:
         return Inner
     return Late if config.delay else Now

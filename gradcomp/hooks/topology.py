@@ -25,7 +25,7 @@ import torch
 
 from .. import comm
 from ..compressors.base import ParamSlice
-from ..config import check
+from ..config import ONE_STEP_EACH, check
 
 SEP = "#"
 
@@ -160,7 +160,7 @@ def probe_config(config):
     without Adam or local steps (a throwaway state keeps nothing past the probe)."""
     from dataclasses import replace
     return replace(config, warmup="none", dense_steps=None, adam="off", delay=0,
-                   local_steps=1, local_delay=0, sync_steps=0, topology="flat")
+                   topology="flat", **ONE_STEP_EACH)
 
 
 def probe_times(make_state, params, group, pairs, local, device=None) -> tuple[float, float]:

@@ -51,7 +51,7 @@ def default_exchange(method: str) -> str:
     pseudo-gradient of its own local steps: a method whose ``local_steps`` defaults above
     1), else ``Compressor.adam_exchange``."""
     spec = METHODS[method]
-    return LOCAL if spec.config().local_steps > 1 else spec.compressor.adam_exchange
+    return LOCAL if spec.config().in_rounds else spec.compressor.adam_exchange
 
 
 def held(mode: str | None = None) -> list[str]:
@@ -66,7 +66,7 @@ def warn_measured(state, optimizer, stacklevel: int = 3) -> None:
     """Once per method and process: a method whose measured defaults did not hold with
     Adam/AdamW, run at those defaults with Adam/AdamW (``stacklevel``: the user's call)."""
     method, config = state.method, state.config
-    local = config.local_steps > 1  # Adam's own inner steps, the pseudo-gradient sent
+    local = config.in_rounds  # Adam's own inner steps, the pseudo-gradient sent
     mode = LOCAL if local else adam_mode(state)
     own = METHODS[method].compressor.adam_defaults.get("adam")  # (off: the method's choice)
     if method in _warned or not is_adam(optimizer) or (config.adam == Adam.OFF and own != "off"):
@@ -103,8 +103,8 @@ def check_method(name, config, optimizer) -> None:
                          f"{type(optimizer).__name__}: allowed adam='auto' or 'off' here")
     if not adam:
         return
-    if config.local_steps > 1:  # the inner steps are Adam's own (config checks the mode);
-        if config.sync_steps:  # after the synchronous steps, the frozen-variance step
+    if config.in_rounds:  # the inner steps are Adam's own (config checks the mode);
+        if config.synchronous_start:  # after the synchronous steps, the frozen-variance step
             check_adam(optimizer)
         return
     check_adam(optimizer)

@@ -375,7 +375,7 @@ def frozen_variance(state, optimizer):
         return None
     names, comp, warmup = state.param_names, state.compressor, state.warmup
     if state.rounds.active:  # local steps: frozen after sync_steps for every inner step,
-        if not state.config.sync_steps:  # whatever the method sends each round
+        if not state.config.synchronous_start:  # whatever the method sends each round
             return None
         return FrozenVariance(optimizer, lambda p: id(p) in names,
                               lambda: not state.rounds.syncing, names, store=state.memory,
@@ -401,7 +401,7 @@ def adam_mode(state) -> "Adam":
     c = state.config
     if c.adam != Adam.AUTO:
         return Adam(c.adam)
-    if c.local_steps > 1:  # the inner steps are Adam's own (sync_steps: v frozen after them)
+    if c.in_rounds:  # the inner steps are Adam's own (sync_steps: v frozen after them)
         return Adam.FREEZE
     ok = c.error_feedback and not c.delay and not state.sharded
     return Adam(state.compressor.adam_exchange) if ok else Adam.FREEZE
