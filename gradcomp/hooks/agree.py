@@ -147,10 +147,8 @@ class Groups:
             raise
 
 
-def discard(state, groups) -> None:
-    """A refused registration leaves nothing behind: its threads and process groups."""
-    if state is not None:
-        state.close()
+def discard(groups) -> None:
+    """A refused registration leaves nothing behind: its process groups."""
     destroy_groups(groups)
 
 

@@ -100,7 +100,7 @@ def register_ddp(model: DistributedDataParallel, method: str, *, optimizer=None,
     (name, config), mine = agree(
         group, ranks, lambda: _validate(model, method, optimizer, scaler, lanes, writes, log_dir,
                                         len(ranks), options, outer_optimizer),
-        lambda _: discard(None, groups.made))
+        lambda _: discard(groups.made))
     with groups.undone_on_error():
         plan = _plan(model, name, config, group, ranks, groups, lanes, mine["ranks per node"],
                      scaler, probe)
@@ -222,7 +222,7 @@ def _choose_method(model, spec, optimizer, group, ranks, options, made, scaler=N
                               "bucket_bytes_cap": getattr(model, "bucket_bytes_cap", None),
                               **fingerprint(model.module, optimizer, None)}
 
-    (opts, cfgs), _ = agree(group, ranks, build, lambda _: discard(None, made))
+    (opts, cfgs), _ = agree(group, ranks, build, lambda _: discard(made))
     names, numels = trainable(model.module)
     named = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
 
@@ -234,7 +234,7 @@ def _choose_method(model, spec, optimizer, group, ranks, options, made, scaler=N
         found = auto.probe(make_state, cfgs, named, group,
                            getattr(model, "bucket_bytes_cap", None), _device(model.module))
     except BaseException:
-        discard(None, made)
+        discard(made)
         raise
     return found["chosen"], opts, found
 

@@ -365,7 +365,7 @@ def register_fsdp(model, method: str, *, optimizer=None, scaler=None, log_dir=No
     (name, config, names, numels, layouts, pieces), _ = agree(
         world, everyone, lambda: _validate(model, units, info, hsdp, method, optimizer, scaler,
                                            writes, log_dir, options, outer_optimizer),
-        lambda _: discard(None, groups.made))
+        lambda _: discard(groups.made))
     with groups.undone_on_error():
         plan = Plan(sharding=Sharding.HSDP if hsdp else Sharding.FSDP,
                     stats_group=world if hsdp else None,

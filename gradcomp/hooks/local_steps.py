@@ -543,6 +543,32 @@ class LocalSteps:
             self._rounds[f] = _Round.done(r["step"], bs, self._flats(r["averages"], bs),
                                           r["buffers_average"], r["buffers_sent"])
 
+    def check_same_start(self, group, numels: dict) -> None:
+        """Local steps, at the first step of a first round that no checkpoint started: every
+        rank's model is the same (the rounds' global point is taken from it, on each rank), else
+        every rank raises naming the ranks that differ (``group``: the loads' group; ``numels``:
+        the state's parameters, HSDP's pieces compared within their shard). A job resumed inside
+        a round without gradcomp's state would otherwise run on with each rank's own point for
+        good."""
+        if group is None or not dist.is_initialized() or self.start is not None:
+            return
+        # under HSDP a rank's rounds hold its shard's rows: compared with that shard's replicas
+        shard = tuple(n for n in numels if SEP in n)
+        everyone = comm.all_gather_object((shard, self.digest()), group)
+        ranks = dist.get_process_group_ranks(group)
+        first = {}
+        for r, (k, d) in zip(ranks, everyone):
+            first.setdefault(k, (r, d))
+        differ = [r for r, (k, d) in zip(ranks, everyone)
+                  if d is not None and first[k][1] is not None and not same_model(d, first[k][1])]
+        if differ:
+            ref = first[everyone[ranks.index(differ[0])][0]][0]
+            raise ValueError(f"gradcomp: the ranks' models differ at the first step of local steps "
+                             f"(rank(s) {', '.join(map(str, differ))} from rank {ref}'s): each "
+                             f"rank's rounds would start from its own point and never meet. A job "
+                             f"resumed inside a round must load every rank's own gradcomp state "
+                             f"(state.load_state_dict(...) on every rank) with its own model: "
+                             f"{SAVE_EACH_MODEL}")
 
 def _outer_of(sd: dict) -> dict | None:
     """The outer optimizer's saved state; a checkpoint of the hand-written outer step keeps
@@ -575,33 +601,6 @@ def same_model(a, b) -> bool:
         sq = max(abs(x[1]), abs(y[1]))
         return abs(x[1] - y[1]) <= 1e-9 * sq and abs(x[0] - y[0]) <= 1e-6 * sq ** 0.5
     return len(a) == len(b) and all(close(x, y) for x, y in zip(a, b))
-
-
-def check_same_start(state) -> None:
-    """Local steps, at the first step of a first round that no checkpoint started: every
-    rank's model is the same (the rounds' global point is taken from it, on each rank), else
-    every rank raises naming the ranks that differ. A job resumed inside a round without
-    gradcomp's state would otherwise run on with each rank's own point for good."""
-    group = state.load_group
-    if group is None or not dist.is_initialized() or state.rounds.start is not None:
-        return
-    # under HSDP a rank's rounds hold its shard's rows: compared with that shard's replicas
-    shard = tuple(n for n in state.param_numels if SEP in n)
-    everyone = comm.all_gather_object((shard, state.rounds.digest()), group)
-    ranks = dist.get_process_group_ranks(group)
-    first = {}
-    for r, (k, d) in zip(ranks, everyone):
-        first.setdefault(k, (r, d))
-    differ = [r for r, (k, d) in zip(ranks, everyone)
-              if d is not None and first[k][1] is not None and not same_model(d, first[k][1])]
-    if differ:
-        ref = first[everyone[ranks.index(differ[0])][0]][0]
-        raise ValueError(f"gradcomp: the ranks' models differ at the first step of local steps "
-                         f"(rank(s) {', '.join(map(str, differ))} from rank {ref}'s): each "
-                         f"rank's rounds would start from its own point and never meet. A job "
-                         f"resumed inside a round must load every rank's own gradcomp state "
-                         f"(state.load_state_dict(...) on every rank) with its own model: "
-                         f"{SAVE_EACH_MODEL}")
 
 
 def check_local_state(loc, config, numels: dict, param_names: dict) -> None:

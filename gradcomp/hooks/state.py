@@ -197,7 +197,10 @@ class HookState:
                 self.warmup.redo(self._step)
             else:
                 self._step += 1
-            self.warmup.begin(max(self._step, 0), partial(window_sum, self),
+            group = self.stats_group if self.stats_group is not None else self.group
+            self.warmup.begin(max(self._step, 0),
+                              partial(window_sum, drain=self.drain, group=group,
+                                      telemetry=self.telemetry),
                               self.telemetry.log_scalar)
         return max(self._step, 0)
 

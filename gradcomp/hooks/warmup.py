@@ -164,15 +164,15 @@ class Warmup:
         self.ratio, self._switch = sd["ratio"], sd["switch"]
 
 
-def window_sum(state, acc: torch.Tensor, step: int) -> int:
-    """The warm-up's one collective: its window's values summed over every rank (under
-    HSDP the whole mesh, so the job switches at one step), issued while no exchange is in
-    flight (the same program point on every rank). Returns how many ranks."""
-    state.drain()
-    group = state.stats_group if state.stats_group is not None else state.group
+def window_sum(acc: torch.Tensor, step: int, *, drain, group, telemetry) -> int:
+    """The warm-up's one collective: its window's values summed over every rank of
+    ``group`` (under HSDP the whole mesh, so the job switches at one step), issued after
+    ``drain()`` while no exchange is in flight (the same program point on every rank), its
+    bytes counted in ``telemetry``. Returns how many ranks."""
+    drain()
     world = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
     if world > 1:
         t = Traffic()
         collectives.all_reduce_now(acc, "sum", group, traffic=t)
-        state.telemetry.add(step, t)
+        telemetry.add(step, t)
     return world

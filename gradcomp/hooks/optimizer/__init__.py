@@ -17,7 +17,6 @@ import torch
 from ...compressors import METHODS
 from ...config import Adam
 from ...compressors.dgc import MOMENTUM_KEYS, MOMENTUM_OFF
-from ..local_steps import check_same_start
 from .adam import (FROZEN_KEY, FROZEN_SLOT, GAPS_SLOT, FrozenVariance, adam_mode,  # noqa: F401
                    check_adam, frozen_variance)
 from .steps import ADAM_TYPES, after_closure, is_adam, step_hooks, unwrap  # noqa: F401
@@ -257,13 +256,13 @@ def refuse_unseen_adam(state) -> None:
 def _check_first_round(state, optimizer) -> None:
     """Local steps: at the first step, before the rounds take their global point from this
     rank's model, every rank's model must be the same unless a checkpoint set the point
-    (hooks/local_steps.py's ``check_same_start``); the hook goes after that step."""
+    (hooks/local_steps.py's ``LocalSteps.check_same_start``); the hook goes after that step."""
     done = []  # (the hook stays, a no-op, until close(): torch iterates its hooks' dict)
 
     def pre(opt, args, kwargs):
         if not done:
             done.append(True)
-            check_same_start(state)
+            state.rounds.check_same_start(state.load_group, state.param_numels)
     state.on_close(unwrap(optimizer).register_step_pre_hook(pre).remove)
 
 
