@@ -78,8 +78,11 @@ def test_hsdp_gpt_terngrad_holds(corpus):
 
 
 # The local-steps methods at their defaults on the same recipe (300 steps; seeds 0 / 1 / 2):
-#   sparseloco  2.2762 / 2.2734 / 2.3327  (+0.045 / +0.038 / +0.120 over allreduce); its rounds
-#               sent 20x fewer bytes than their dense size (run_ratio), once every 4 steps
+#   sparseloco  2.2787 / 2.2638 (seeds 0 / 1; +0.048 / +0.029 over allreduce); its rounds
+#               sent 45x fewer bytes than their dense size (run_ratio), once every 4 steps
+#               (every parameter in rows of 12-bit places: with the biases and norms sent
+#               dense, 22x). 8 steps a round lose here: 2.3247 on the mean of seeds 0 and 1,
+#               and with the outer step that holds them on the 2000-step GPT (2.5) 2.3978
 #   diloco      2.2637 / 2.2521 / 2.2754  (+0.033 / +0.017 / +0.063): with AdamW its first 100
 #               steps synchronous in int4 rows, then DiLoCo's outer step (0.7, Nesterov 0.9)
 #               every 16 steps, 3 bits per value, each rank's Adam its own. Without the
@@ -91,8 +94,8 @@ def test_hsdp_gpt_terngrad_holds(corpus):
 #               4 steps loses 0.12 to 0.18 nats here, and sparseloco's top-k with error
 #               feedback does better than it
 # The test takes seeds 0 and 1 and asks, on their mean, sparseloco within 0.08 of allreduce
-# with its rounds compressed at least 15x, and diloco within 0.03, at least 4x over the run.
-HOLDS = {"sparseloco": (0.08, 15), "diloco": (0.03, 4)}
+# with its rounds compressed at least 30x, and diloco within 0.03, at least 4x over the run.
+HOLDS = {"sparseloco": (0.08, 30), "diloco": (0.03, 4)}
 
 
 @pytest.mark.parametrize("method", sorted(HOLDS))
