@@ -89,11 +89,12 @@ def onebit_compress(x, residual, chunk):
 def _decoder(name: str, out: torch.Tensor, accumulate: bool):
     """The decoder ``name`` for ``out``, taking the decoders' arguments. With
     ``accumulate=False`` its result is what a zero-filled out would get, bit for bit (0 + v:
-    -0.0 comes out +0.0): :mod:`.cpu`'s and :mod:`.compiled`'s decoders write it without
-    reading out; the others get out zeroed first."""
+    -0.0 comes out +0.0): :mod:`.cpu`'s, :mod:`.compiled`'s and the Triton decoders write
+    it without reading out (no launch to zero it on a GPU); the reference gets out zeroed
+    first."""
     which = backend(name, out)
     fn = implementation(name, out, which)
-    if which in ("cpu", "compiled"):
+    if which in ("cpu", "compiled", "triton"):
         return functools.partial(fn, accumulate=accumulate)
     if not accumulate:
         out.zero_()

@@ -133,6 +133,7 @@ def _onebit_decompress_kernel(
     out_ptr,     # (n,) accumulator, in place                     reads 4n, writes 4n
     nbytes, nchunks, cbytes, W, alpha,
     BYTES: tl.constexpr,  # bytes per program (8 * BYTES elements)
+    ACCUMULATE: tl.constexpr,  # False: out is written, not read
 ):
     byte = tl.program_id(0).to(tl.int64) * BYTES + tl.arange(0, BYTES)
     bit = tl.arange(0, 8)
@@ -151,13 +152,18 @@ def _onebit_decompress_kernel(
         sp += 2 * nchunks
     eoff = byte[:, None] * 8 + bit[None, :]
     emask = bmask[:, None] & (bit[None, :] < 8)
-    o = tl.load(out_ptr + eoff, mask=emask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + eoff, o + alpha * acc, mask=emask)
+    if ACCUMULATE:
+        o = tl.load(out_ptr + eoff, mask=emask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + eoff, o + alpha * acc, mask=emask)
+    else:  # 0 + v, as a zeroed out would get it: -0.0 comes out +0.0, NaN stays NaN
+        v = alpha * acc
+        tl.store(out_ptr + eoff, tl.where(v == 0.0, 0.0, v), mask=emask)
 
 
 def onebit_decompress(bits: torch.Tensor, scales: torch.Tensor, chunk: int, out: torch.Tensor,
-                      alpha: float = 1.0) -> torch.Tensor:
-    """See :func:`gradcomp.kernels.reference.onebit_decompress`. One pass over out."""
+                      alpha: float = 1.0, accumulate: bool = True) -> torch.Tensor:
+    """See :func:`gradcomp.kernels.reference.onebit_decompress`. One pass over out (written
+    without being read where ``accumulate`` is False: what a zeroed out would get)."""
     c.check_flat(out, "out")
     c.check_contiguous(bits, "bits")
     c.check_contiguous(scales, "scales")
@@ -173,5 +179,5 @@ def onebit_decompress(bits: torch.Tensor, scales: torch.Tensor, chunk: int, out:
     width = c.BLOCK // 8
     _onebit_decompress_kernel[(triton.cdiv(n // 8, width),)](
         bits, scales, out, n // 8, nchunks, chunk // 8, W, float(alpha),
-        BYTES=width, num_warps=c.NUM_WARPS)
+        BYTES=width, ACCUMULATE=bool(accumulate), num_warps=c.NUM_WARPS)
     return out

@@ -101,6 +101,7 @@ def _ternary_decompress_kernel(
     out_ptr,     # (n,) accumulator, in place                           reads 4n, writes 4n
     n, row, S, W, alpha,
     BYTES: tl.constexpr,  # bytes per program (4 * BYTES elements)
+    ACCUMULATE: tl.constexpr,  # False: out is written, not read
 ):
     byte = tl.program_id(0).to(tl.int64) * BYTES + tl.arange(0, BYTES)
     sub = tl.arange(0, 4)
@@ -117,13 +118,19 @@ def _ternary_decompress_kernel(
         acc += tl.where(code == 1, s, tl.where(code == 2, -s, 0.0))
         pp += row
         sp += S
-    o = tl.load(out_ptr + eoff, mask=emask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + eoff, o + alpha * acc, mask=emask)
+    if ACCUMULATE:
+        o = tl.load(out_ptr + eoff, mask=emask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + eoff, o + alpha * acc, mask=emask)
+    else:  # 0 + v, as a zeroed out would get it: -0.0 comes out +0.0, NaN stays NaN
+        v = alpha * acc
+        tl.store(out_ptr + eoff, tl.where(v == 0.0, 0.0, v), mask=emask)
 
 
 def ternary_decompress(packed: torch.Tensor, scale: torch.Tensor, seg: torch.Tensor,
-                       out: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
-    """See :func:`gradcomp.kernels.reference.ternary_decompress`. One pass over out."""
+                       out: torch.Tensor, alpha: float = 1.0,
+                       accumulate: bool = True) -> torch.Tensor:
+    """See :func:`gradcomp.kernels.reference.ternary_decompress`. One pass over out (written
+    without being read where ``accumulate`` is False: what a zeroed out would get)."""
     c.check_flat(out, "out")
     c.check_flat(seg, "seg")
     c.check_contiguous(packed, "packed")
@@ -141,5 +148,5 @@ def ternary_decompress(packed: torch.Tensor, scale: torch.Tensor, seg: torch.Ten
     width = c.BLOCK // 4
     _ternary_decompress_kernel[(triton.cdiv(n, 4 * width),)](
         packed, scale, seg, out, n, row, scale.shape[1], W, float(alpha),
-        BYTES=width, num_warps=c.NUM_WARPS)
+        BYTES=width, ACCUMULATE=bool(accumulate), num_warps=c.NUM_WARPS)
     return out
