@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 from ..reference import check_flat  # noqa: F401  (the kernels check their inputs with it)
 
@@ -39,3 +41,15 @@ def check_fp32(t: torch.Tensor, name: str, n: int) -> None:
     check_flat(t, name)
     if t.dtype != torch.float32 or t.numel() != n:
         raise ValueError(f"{name} must be fp32 with {n} elements, got {t.dtype} with {t.numel()}")
+
+
+@triton.jit
+def store_sum(out_ptr, off, mask, v, ACCUMULATE: tl.constexpr):
+    """A decoder's result ``v`` into out: added to what out holds, or (``ACCUMULATE``
+    False) written without reading out, as 0 + v: what a zeroed out would get, -0.0 coming
+    out +0.0 and NaN staying NaN."""
+    if ACCUMULATE:
+        o = tl.load(out_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + off, o + v, mask=mask)
+    else:
+        tl.store(out_ptr + off, tl.where(v == 0.0, 0.0, v), mask=mask)

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from . import common as c
+from .common import store_sum
 
 
 # --------------------------------------------------------------------------- 1-bit SGD
@@ -152,12 +153,7 @@ def _onebit_decompress_kernel(
         sp += 2 * nchunks
     eoff = byte[:, None] * 8 + bit[None, :]
     emask = bmask[:, None] & (bit[None, :] < 8)
-    if ACCUMULATE:
-        o = tl.load(out_ptr + eoff, mask=emask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + eoff, o + alpha * acc, mask=emask)
-    else:  # 0 + v, as a zeroed out would get it: -0.0 comes out +0.0, NaN stays NaN
-        v = alpha * acc
-        tl.store(out_ptr + eoff, tl.where(v == 0.0, 0.0, v), mask=emask)
+    store_sum(out_ptr, eoff, emask, alpha * acc, ACCUMULATE)
 
 
 def onebit_decompress(bits: torch.Tensor, scales: torch.Tensor, chunk: int, out: torch.Tensor,

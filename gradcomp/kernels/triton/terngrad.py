@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from . import common as c
+from .common import store_sum
 
 
 # --------------------------------------------------------------------------- TernGrad
@@ -118,12 +119,7 @@ def _ternary_decompress_kernel(
         acc += tl.where(code == 1, s, tl.where(code == 2, -s, 0.0))
         pp += row
         sp += S
-    if ACCUMULATE:
-        o = tl.load(out_ptr + eoff, mask=emask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + eoff, o + alpha * acc, mask=emask)
-    else:  # 0 + v, as a zeroed out would get it: -0.0 comes out +0.0, NaN stays NaN
-        v = alpha * acc
-        tl.store(out_ptr + eoff, tl.where(v == 0.0, 0.0, v), mask=emask)
+    store_sum(out_ptr, eoff, emask, alpha * acc, ACCUMULATE)
 
 
 def ternary_decompress(packed: torch.Tensor, scale: torch.Tensor, seg: torch.Tensor,
