@@ -252,7 +252,7 @@ class MethodConfig:
     @property
     def warmup_rule(self) -> str:
         """The warm-up that runs: "adaptive" or "none" ("auto" resolved by ``local_steps``)."""
-        return self.warmup_rule_of(self.to_dict())
+        return self.warmup_rule_of({"warmup": self.warmup, "local_steps": self.local_steps})
 
     @staticmethod
     def warmup_rule_of(options: dict) -> str:

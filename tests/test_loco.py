@@ -186,15 +186,17 @@ def test_message_sizes_are_as_documented():
     name, cfg = gradcomp.build_config("sparseloco", warmup="none")
     st = gradcomp.State(name, cfg)
     st.reduce(torch.randn(n), params)
-    rows, k = -(-30000 // cfg.chunk) + 1, cfg.k  # the bias a row of its own (min_numel=0)
-    # per row: 12-bit places (chunk 4096), one sign bit each, an fp32 mean per group
-    assert cfg.chunk == 4096 and cfg.min_numel == 0
-    assert st.stats()["sent_bytes"] == rows * (12 * k // 8 + k // 8 + 4 * cfg.levels) + flag
-    name, cfg = gradcomp.build_config("sparseloco:min_numel=4096", warmup="none")
+    rows, k = -(-30000 // cfg.chunk), cfg.k
+    # per row: 12-bit places (chunk 4096), one sign bit each, an fp32 mean per group; the
+    # bias, under min_numel (64), dense in fp32
+    assert cfg.chunk == 4096 and cfg.min_numel == 64
+    row = 12 * k // 8 + k // 8 + 4 * cfg.levels
+    assert st.stats()["sent_bytes"] == rows * row + 4 * 40 + flag
+    name, cfg = gradcomp.build_config("sparseloco:min_numel=0", warmup="none")
     st = gradcomp.State(name, cfg)
     st.reduce(torch.randn(n), params)
-    # below min_numel the bias goes dense, in fp32
-    assert st.stats()["sent_bytes"] == (rows - 1) * (12 * k // 8 + k // 8 + 4 * cfg.levels) + 4 * 40 + flag
+    # every parameter as rows: the bias one short row
+    assert st.stats()["sent_bytes"] == (rows + 1) * row + flag
     name, cfg = gradcomp.build_config("diloco", warmup="none")
     st = gradcomp.State(name, cfg)
     st.reduce(torch.randn(n), params)

@@ -47,18 +47,32 @@ def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
     return 1.0 - 2.0 * unpack_bits(packed).float()
 
 
+def _places(n: int, bits: int, device):
+    """Where each of n ``bits``-bit values starts in its row: (first byte, bit in it)."""
+    start = torch.arange(n, device=device) * bits
+    return start // 8, (start % 8).int()
+
+
 def pack_uint(v: torch.Tensor, bits: int) -> torch.Tensor:
-    """(..., n) integers in [0, 2^bits) -> (..., n * bits / 8) uint8, value i's bit b at bit
-    i * bits + b of the row (n * bits a multiple of 8)."""
-    shifts = torch.arange(bits, device=v.device)
-    planes = (v.long().unsqueeze(-1) >> shifts) & 1
-    return pack_signs(planes.reshape(*v.shape[:-1], -1).bool())
+    """(..., n) integers in [0, 2^bits), bits <= 16 -> (..., n * bits / 8) uint8: value i's
+    bit b at bit i * bits + b of the row (n * bits a multiple of 8). A value spans at most
+    three bytes: its pieces are added into them (they share no bit)."""
+    n, m = v.shape[-1], v.shape[-1] * bits // 8
+    byte, shift = _places(n, bits, v.device)
+    w = v.int() << shift
+    out = torch.zeros(*v.shape[:-1], m + 2, dtype=torch.int32, device=v.device)
+    for j in range(3):
+        out.index_add_(-1, byte + j, (w >> (8 * j)) & 0xFF)
+    return out[..., :m].to(torch.uint8)
 
 
 def unpack_uint(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack_uint`: (..., m) uint8 -> (..., 8m / bits) int64."""
-    planes = unpack_bits(packed).reshape(*packed.shape[:-1], -1, bits).long()
-    return (planes << torch.arange(bits, device=packed.device)).sum(-1)
+    n = packed.shape[-1] * 8 // bits
+    byte, shift = _places(n, bits, packed.device)
+    p = torch.nn.functional.pad(packed, (0, 2)).int()
+    w = p[..., byte] | (p[..., byte + 1] << 8) | (p[..., byte + 2] << 16)
+    return ((w >> shift) & ((1 << bits) - 1)).long()
 
 
 def _group(a: torch.Tensor, cuts: torch.Tensor) -> torch.Tensor:

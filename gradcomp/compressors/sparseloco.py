@@ -69,16 +69,16 @@ class SparseLoCoConfig(MethodConfig):
     decay: the error feedback's decay, in (0, 1] (the paper's beta, 0.95 there; 1 here: with
     a few steps per round a value waits tens of rounds for its turn, and a decay throws most
     of it away: measured on the GPT, docs/delay-and-local-steps.md).
-    min_numel: 0 (every parameter sent as rows: a small one is one short row, its k largest
-    values as the rest; dense, the biases and norms of a small model cost more than its
-    matrices' rows).
+    min_numel: 64 (a parameter of 64 elements or more goes as rows, a small one as one short
+    row: sent dense, the biases and norms of a small model cost more than its matrices'
+    rows; below 56 elements a row's 224 bytes cost more than the values).
     The local-steps options default to the method's own settings: ``local_steps`` 4,
     ``outer_lr`` 1.5 (about the square root of the replicas: each rank's Adam takes shorter
     steps in noisy coordinates than DDP's), no ``outer_momentum``. Longer rounds hold with a
     larger outer step on long runs (8 steps at 2.5, 16 at 3 on the 2000-step GPT) and lose
     on short ones (docs/delay-and-local-steps.md)."""
 
-    min_numel: int = 0
+    min_numel: int = 64
     local_steps: int = 4
     outer_lr: float = 1.5
     outer_momentum: float = 0.0
