@@ -433,3 +433,24 @@ def test_only_the_local_steps_component_reads_the_rounds_options():
             if word in ROUND_OPTIONS:
                 found.append(f"{rel}:{getattr(node, 'lineno', '?')} {word}")
     assert not found, found
+
+
+# the modules whose functions still take the whole hook state as a parameter: the session's
+# own (public.py, state.py), its pipeline (submit.py, stages.py), DDP's hook (torch passes
+# the state), the checkpoint's assembly, the optimizer binding and FSDP's installation
+WHOLE_STATE_TAKERS = {"hooks/public.py", "hooks/state.py", "hooks/submit.py", "hooks/stages.py",
+                      "hooks/ddp.py", "hooks/checkpoint.py", "hooks/optimizer/__init__.py",
+                      "hooks/optimizer/adam.py", "hooks/fsdp.py"}
+
+
+def test_no_other_module_takes_the_whole_state():
+    """A component gets what it needs (the warm-up's window sum: drain, group, telemetry;
+    the rounds' start check: the loads' group and the parameters), not the hook state: only
+    the modules above still take it, and none is added."""
+    found = set()
+    for p in ROOT.rglob("*.py"):
+        for fn in ast.walk(ast.parse(p.read_text())):
+            if (isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.args.args
+                    and fn.args.args[0].arg in ("state", "st", "hook_state")):
+                found.add(str(p.relative_to(ROOT)))
+    assert found <= WHOLE_STATE_TAKERS, sorted(found - WHOLE_STATE_TAKERS)
