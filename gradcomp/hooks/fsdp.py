@@ -457,12 +457,13 @@ def _install(model, state, units, layouts, alone) -> None:
             mod.set_custom_reduce_scatter(_reduce_scatter(adapter, lay, g))
             state.on_close(lambda g=g, old=old: setattr(g, "_reduce_scatter_comm", old))
         else:
-            _install_hsdp(state, adapter, mod, g, lay, alone)
+            _install_hsdp(state.on_close, adapter, mod, g, lay, alone)
 
 
-def _install_hsdp(state, adapter, mod, g, lay, alone) -> None:
+def _install_hsdp(on_close, adapter, mod, g, lay, alone) -> None:
     """HSDP: FSDP's own all-reduce on a group of one (a no-op), as a sum (FSDP divides by the
-    node's size after the hook); ours runs from the hook."""
+    node's size after the hook); ours runs from the hook. ``on_close(undo)``: undone at the
+    state's close."""
     old = (g.mesh_info.replicate_process_group, g.force_sum_reduction_for_comms,
            g._all_reduce_hook)
     g.mesh_info.replicate_process_group = alone
@@ -477,7 +478,7 @@ def _install_hsdp(state, adapter, mod, g, lay, alone) -> None:
     def undo():
         g.mesh_info.replicate_process_group, g.force_sum_reduction_for_comms, \
             g._all_reduce_hook = old
-    state.on_close(undo)
+    on_close(undo)
 
 
 # under HSDP the rounds send one outer bucket of every piece a rank holds: the same number
