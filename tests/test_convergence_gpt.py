@@ -81,8 +81,10 @@ def test_hsdp_gpt_terngrad_holds(corpus):
 #   sparseloco  2.2787 / 2.2638 (seeds 0 / 1; +0.048 / +0.029 over allreduce); its rounds
 #               sent 45x fewer bytes than their dense size (run_ratio), once every 4 steps
 #               (every parameter of 64 elements or more in rows of 12-bit places: with
-#               the biases and norms sent dense, 22x). 8 steps a round lose here: 2.3247 on the mean of seeds 0 and 1,
-#               and with the outer step that holds them on the 2000-step GPT (2.5) 2.3978
+#               the biases and norms sent dense, 22x). Fewer bytes a round lose here (means
+#               of seeds 0 and 1): 8 steps a round 2.3247, and with the outer step that
+#               holds them on the 2000-step GPT (2.5) 2.3978; k = 64 2.3306; 6 steps with
+#               k = 96 2.3429
 #   diloco      2.2637 / 2.2521 / 2.2754  (+0.033 / +0.017 / +0.063): with AdamW its first 100
 #               steps synchronous in int4 rows, then DiLoCo's outer step (0.7, Nesterov 0.9)
 #               every 16 steps, 3 bits per value, each rank's Adam its own. Without the
