@@ -114,6 +114,12 @@ class MethodConfig:
         pseudo-gradient (round start - parameters) goes through the method, with its error
         feedback, and an outer SGD-Nesterov step (``outer_lr``, ``outer_momentum``) applies
         the average. 1 = every step (the usual path). See hooks/local_steps.py.
+    grow_every, max_local_steps: with local_steps > 1 and grow_every = N > 0, the rounds
+        grow: a round that starts at or after N steps of rounds is twice ``local_steps``
+        long, at or after 2N twice that, and so on up to ``max_local_steps`` (local SGD
+        with a growing period, Haddadpour et al., NeurIPS 2019); the outer learning rate of
+        a round of H steps is ``outer_lr`` * sqrt(H / local_steps). 0: every round
+        ``local_steps`` long. ``max_local_steps`` 0: no cap below MAX_LOCAL_STEPS.
     outer_lr, outer_momentum: the outer optimizer's learning rate and Nesterov momentum.
     local_delay: 1 overlaps a round's outer exchange with the next round's inner steps and
         applies it one round late (Streaming DiLoCo, Douillard et al. 2025); 0 = at once.
@@ -173,6 +179,8 @@ class MethodConfig:
     topology: str = "auto"
     local_size: int = 0
     local_steps: int = 1
+    grow_every: int = 0
+    max_local_steps: int = 0
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     local_delay: int = 0
@@ -233,6 +241,10 @@ class MethodConfig:
     def _check_local_steps(self):
         check(1 <= self.local_steps <= MAX_LOCAL_STEPS, "local_steps", self.local_steps,
               f"an integer >= 1 and <= {MAX_LOCAL_STEPS} (1 = sync every step)")
+        check(0 <= self.grow_every <= MAX_STEPS, "grow_every", self.grow_every,
+              "an integer >= 0 (0: rounds of local_steps steps throughout) and <= 2**53")
+        check(0 <= self.max_local_steps <= MAX_LOCAL_STEPS, "max_local_steps",
+              self.max_local_steps, f"an integer >= 0 (0: no cap) and <= {MAX_LOCAL_STEPS}")
         check(0 < self.outer_lr <= 10, "outer_lr", self.outer_lr, "a number > 0 and <= 10")
         check(0 <= self.outer_momentum < 1, "outer_momentum", self.outer_momentum,
               "a number in [0, 1)")

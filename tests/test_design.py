@@ -404,7 +404,7 @@ def test_every_entry_builds_one_request_and_gives_the_same_bits(spec, spawn):
 # config (which answers the rest in its own terms: ``in_rounds``, ``steps_per_exchange``,
 # ``synchronous_start``), the option rules and the two methods whose defaults set them
 ROUND_OPTIONS = {"local_steps", "sync_steps", "local_delay", "fragments", "outer_lr",
-                 "outer_momentum"}
+                 "outer_momentum", "grow_every", "max_local_steps"}
 ROUNDS_OWNERS = {"hooks/local_steps.py", "config.py", "rules.py", "compressors/diloco.py",
                  "compressors/sparseloco.py"}
 

@@ -133,6 +133,110 @@ def test_outer_step_is_torch_sgd_nesterov_on_the_average(runs):
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
 
 
+# growing rounds: local_steps=2, doubled at each 4 steps of rounds, at most 8: rounds start
+# at steps 0, 2, 4, 8 and last 2, 2, 4, 8 (a round is as long as where it starts says)
+GROWING = "allreduce:local_steps=2,grow_every=4,max_local_steps=8,outer_lr=0.7,outer_momentum=0.9"
+GROWN = [2, 2, 4, 8]
+
+
+def _growing_by_hand(rank, world):
+    """Rounds of GROWN steps, the outer lr of a round of L steps 0.7 sqrt(L / 2), against
+    torch's SGD(nesterov=True) on the averaged pseudo-gradient at that lr; and the steps at
+    which the state sent."""
+    net, model, opt, state = _job(GROWING, sgd={"lr": LR})
+    ref = small_net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    local = small_net()
+    lopt = torch.optim.SGD(local.parameters(), lr=LR)
+    step, sent = 0, []
+    for L in GROWN:
+        for _ in range(L):
+            before = state.step
+            _step(model, opt, rank, step)
+            x, y = batch(rank, step)
+            lopt.zero_grad()
+            nn.functional.cross_entropy(local(x), y).backward()
+            lopt.step()
+            step += 1
+            if state.step > before:
+                sent.append(step)
+        with torch.no_grad():
+            for p, q in zip(ref.parameters(), local.parameters()):
+                d = p - q
+                dist.all_reduce(d)
+                p.grad = d / world
+        ref_opt.param_groups[0]["lr"] = 0.7 * (L / 2) ** 0.5
+        ref_opt.step()
+        with torch.no_grad():
+            for p, q in zip(ref.parameters(), local.parameters()):
+                q.copy_(p)
+    return _flat(net), _flat(ref), sent
+
+
+def test_growing_rounds_double_where_they_start_with_the_outer_lr_scaled(runs):
+    for r in runs:
+        got, ref, sent = r["growing"]
+        assert sent == [2, 4, 8, 16]  # the round ends
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+    assert not torch.equal(runs[0]["growing"][0], runs[0]["nesterov"][0])
+
+
+def test_round_lengths_follow_the_documented_rule():
+    from gradcomp.hooks.local_steps import round_lengths
+    for opts in ({"grow_every": 500, "max_local_steps": 16}, {"grow_every": 3, "max_local_steps": 64},
+                 {"local_steps": 6, "grow_every": 100, "max_local_steps": 16},
+                 {"grow_every": 7}, {"grow_every": 0, "max_local_steps": 16},
+                 {"local_steps": 32, "grow_every": 10, "max_local_steps": 16}):
+        c = gradcomp.build_config("sparseloco", **opts)[1]
+        pieces, p = round_lengths(c), 0
+        H0, N, cap = c.local_steps, c.grow_every, c.max_local_steps or 100_000
+        for _ in range(400):  # every round start from the rule itself
+            L = H0 if not N else min(H0 * 2 ** min(p // N, 40), max(cap, H0))
+            piece = [q for q in pieces if q[0] <= p][-1]
+            assert piece[1] == L and (p - piece[0]) % L == 0, (opts, p)
+            p += L
+        assert all(a[1] < b[1] for a, b in zip(pieces, pieces[1:]))
+    # where an exchange begins: rounds of 2, 2, 4, 8, 8 (and with 2 fragments, two a round)
+    from gradcomp.hooks.local_steps import LocalSteps
+    c = gradcomp.build_config("allreduce", local_steps=2, grow_every=4, max_local_steps=8)[1]
+    assert [LocalSteps(c).optimizer_step_of(e) for e in range(6)] == [0, 2, 4, 8, 16, 24]
+    c = gradcomp.build_config("allreduce", local_steps=2, grow_every=4, max_local_steps=8,
+                              fragments=2, sync_steps=5)[1]
+    assert [LocalSteps(c).optimizer_step_of(e) for e in range(6)] == [5, 5, 7, 7, 9, 9]
+
+
+def _growing_resume(rank, world, path):
+    """Growing rounds with local_delay=1, 12 steps (rounds at 0, 2, 6, 10: the round in flight
+    at step 7 is 4 steps long, so its outer lr is scaled), uninterrupted and resumed in fresh
+    objects from steps 3 and 7."""
+    spec = "sparseloco:chunk=64,k=8,local_steps=2,grow_every=2,max_local_steps=4,local_delay=1"
+    net, model, opt, state = _job(spec, net_fn=_BNNet, lanes=1)
+    for step in range(12):
+        if step in (3, 7):
+            torch.save({"model": net.state_dict(), "opt": opt.state_dict(),
+                        "gradcomp": state.state_dict()}, f"{path}/grow{step}-rank{rank}.pt")
+        _step(model, opt, rank, step)
+    whole, resumed = _flat(net), {}
+    for cut in (3, 7):
+        net, model, opt, state = _job(spec, net_fn=_BNNet, lanes=1)
+        ck = torch.load(f"{path}/grow{cut}-rank{rank}.pt")
+        net.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["opt"])
+        state.load_state_dict(ck["gradcomp"])
+        for step in range(cut, 12):
+            _step(model, opt, rank, step)
+        resumed[cut] = _flat(net)
+    return whole, resumed, state.stats()
+
+
+def test_growing_rounds_resume_bit_exact_with_a_grown_round_in_flight(runs):
+    for r in runs:
+        whole, resumed, stats = r["growing_resume"]
+        assert stats["compressing"] and 0 < stats["run_sent_bytes"] < stats["run_raw_bytes"]
+        for cut, got in resumed.items():
+            assert torch.equal(got, whole), cut
+
+
 def _late_by_hand(rank, world, spec, lr, mu, rounds):
     """local_delay=1's rule written out on whole-model vectors (see hooks/local_steps.py): at a
     round's end P = R - theta; the previous round's average A arrives: m = mu m + A,
@@ -507,6 +611,9 @@ def test_bad_options_are_named():
                         ({"local_delay": 1}, "0 unless local_steps > 1"),
                         ({"local_steps": 4, "delay": 1}, "invalid delay=1: allowed 0 with local_steps=4"),
                         ({"local_steps": 4, "sync_steps": -1}, "invalid sync_steps=-1"),
+                        ({"local_steps": 4, "grow_every": -1}, "invalid grow_every=-1: allowed "
+                                                               "an integer >= 0"),
+                        ({"local_steps": 4, "max_local_steps": -2}, "invalid max_local_steps=-2"),
                         ({"local_steps": 4, "adam": "momentum"},
                          "invalid adam='momentum': allowed auto, freeze or off with local_steps=4"),
                         ({"local_steps": 4, "adam": "freeze"},
@@ -619,6 +726,8 @@ def _everything(rank, world, path):
         "averaging": _averaging_by_hand(rank, world, *AVERAGING),
         "nesterov": _nesterov_by_hand(rank, world, *NESTEROV),
         "late": _late_by_hand(rank, world, *LATE),
+        "growing": _growing_by_hand(rank, world),
+        "growing_resume": _growing_resume(rank, world, path),
         "rounds": _trajectories(rank, world, ROUNDS, 2 * H + 1),
         "delayed": _trajectories(rank, world, DELAYED, 3 * H),
         "conserve": {spec: _conservation(rank, world,

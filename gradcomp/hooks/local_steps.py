@@ -68,7 +68,9 @@ import torch.distributed as dist
 
 from .. import comm
 from ..compressors.base import dense_average
+from ..config import MAX_LOCAL_STEPS
 from .delayed import flat_slices
+from .optimizer.steps import learning_rates, set_learning_rates
 from .schema import bad, check_int, check_names, check_tensor
 from .topology import SEP
 
@@ -79,17 +81,21 @@ class _Round:
     """An outer exchange in flight: its step, the outer buckets it carries and each one's
     future (the average of D), the buffers' future and this rank's buffers when sent."""
 
-    def __init__(self, step, buckets, futures, buffers_future=None, buffers_sent=None):
+    def __init__(self, step, buckets, futures, buffers_future=None, buffers_sent=None,
+                 length=None):
         self.step, self.buckets, self.futures = step, list(buckets), futures
         self.buffers_future, self.buffers_sent = buffers_future, buffers_sent
+        self.length = length  # the round's steps (its outer learning rate's scale)
 
     def __getstate__(self):  # waited for: futures do not pickle
         return {"step": self.step, "buckets": self.buckets, "averages": self.averages(),
-                "buffers_avg": self.buffers(), "buffers_sent": self.buffers_sent}
+                "buffers_avg": self.buffers(), "buffers_sent": self.buffers_sent,
+                "length": self.length}
 
     def __setstate__(self, d):
         self.__dict__.update(_Round.done(d["step"], d["buckets"], d["averages"],
-                                         d["buffers_avg"], d["buffers_sent"]).__dict__)
+                                         d["buffers_avg"], d["buffers_sent"],
+                                         d["length"]).__dict__)
 
     def averages(self) -> list[torch.Tensor]:
         return [f.wait() for f in self.futures]
@@ -98,13 +104,14 @@ class _Round:
         return self.buffers_future.wait() if self.buffers_future is not None else None
 
     @classmethod
-    def done(cls, step, buckets, averages, buffers_avg, buffers_sent) -> "_Round":
+    def done(cls, step, buckets, averages, buffers_avg, buffers_sent, length) -> "_Round":
         def ready(t):
             f = torch.futures.Future()
             f.set_result(t)
             return f
         return cls(step, buckets, [ready(a) for a in averages],
-                   ready(buffers_avg) if buffers_avg is not None else None, buffers_sent)
+                   ready(buffers_avg) if buffers_avg is not None else None, buffers_sent,
+                   length)
 
 
 def node_average(x: torch.Tensor, ctx) -> torch.Tensor:
@@ -119,6 +126,24 @@ def synchronous(wire: str):
     def average(x: torch.Tensor, ctx) -> torch.Tensor:
         return dense_average(x, ctx, wire)
     return average
+
+
+def round_lengths(config) -> list[tuple[int, int]]:
+    """The rounds' lengths as (first step, length) pieces, steps counted from the first
+    round's start: a round that starts at step p (of rounds) is ``local_steps`` * 2^(p //
+    ``grow_every``) long, at most ``max_local_steps`` (``grow_every`` 0: one piece, every
+    round ``local_steps`` long). Each piece starts where a round starts."""
+    H0, N = config.local_steps, config.grow_every
+    cap = config.max_local_steps or MAX_LOCAL_STEPS
+    pieces = [(0, H0)]
+    p, L = 0, H0
+    while N and H0 > 1 and L < cap:
+        p += -(-((p // N + 1) * N - p) // L) * L  # the first round start at the next growth
+        grown = min(H0 << min(p // N, 20), cap)
+        if grown > L:
+            pieces.append((p, grown))
+            L = grown
+    return pieces
 
 
 def fragment_of(numels: list[int], fragments: int) -> list[int]:
@@ -216,12 +241,14 @@ class LocalSteps:
         self._send = None
         self._factory = default_outer(self.config)
         self._opt = None                     # the outer optimizer, built over ``start``
+        self._lrs: list = []                 # its param groups' learning rates as built
+        self._lengths = round_lengths(self.config)
 
     def __getstate__(self):
         d = self.__dict__.copy()
         d["_outer_saved"] = self._outer_state()
         for k in ("_outer_buckets", "_fragments", "_outer_buffers", "_hooks", "_send",
-                  "_factory", "_opt"):
+                  "_factory", "_opt", "_lrs", "_lengths"):
             del d[k]
         return d
 
@@ -242,8 +269,16 @@ class LocalSteps:
     def optimizer_step_of(self, exchange: int) -> int:
         """The optimizer step at which outer exchange ``exchange`` (counted from 0 as the
         state counts its steps: a round's N fragments are N exchanges) begins."""
-        c = self.config
-        return c.sync_steps + exchange // c.fragments * c.local_steps
+        r = exchange // self.config.fragments
+        for (p, L), (end, _) in zip(self._lengths, self._lengths[1:] + [(None, None)]):
+            if end is None or r < (end - p) // L:
+                return self.config.sync_steps + p + r * L
+            r -= (end - p) // L
+
+    def round_at(self, n: int) -> tuple[int, int]:
+        """(where its piece of :func:`round_lengths` starts, its length) of the round that
+        step ``n`` of rounds (from 0) belongs to."""
+        return next((p, L) for p, L in reversed(self._lengths) if p <= n)
 
     @property
     def syncing(self) -> bool:
@@ -351,31 +386,33 @@ class LocalSteps:
                 with torch.no_grad():
                     self._start_here()
             return
-        H, F = self.config.local_steps, self.config.fragments
-        t = (self._inner - S) % H
+        n, F = self._inner - S, self.config.fragments
+        p, H = self.round_at(n - 1)
+        t = (n - p) % H
         for f in range(F):
             if t == (f + 1) * H // F % H:
                 with torch.no_grad():
-                    self._fragment_end(f)
+                    self._fragment_end(f, H)
 
-    def _fragment_end(self, f: int) -> None:
+    def _fragment_end(self, f: int, length: int) -> None:
         """Fragment ``f``'s round ends: send its D, apply its outer step (now, or the one in
         flight with local_delay=1), and measure its next D from here."""
         bs = self._fragments[f]
         deltas = [self._anchor[b] - self._flat_bucket(b) for b in bs]
         with_buffers = f == len(self._fragments) - 1
         if not self.config.local_delay:
-            self._outer_apply(self._outer_send(bs, deltas, with_buffers), None)
+            self._outer_apply(self._outer_send(bs, deltas, with_buffers, length), None)
         else:
             pending = self._rounds.pop(f, None)
             if pending is not None:
                 self._outer_apply(pending, deltas)
-            self._rounds[f] = self._outer_send(bs, deltas, with_buffers)
+            self._rounds[f] = self._outer_send(bs, deltas, with_buffers, length)
         self._reanchor(bs)
 
-    def _outer_send(self, bs, deltas, with_buffers: bool) -> _Round:
+    def _outer_send(self, bs, deltas, with_buffers: bool, length: int) -> _Round:
         """Queue each of buckets ``bs``' exchange of ``deltas`` (and, ``with_buffers``, the
-        buffers' plain average) in the global order; returns the round in flight."""
+        buffers' plain average) in the global order; returns the round in flight (of
+        ``length`` steps)."""
         buffers = None
         if with_buffers and self._outer_buffers:
             buffers = torch.cat([b.detach().reshape(-1).float() for _, b in self._outer_buffers])
@@ -391,12 +428,13 @@ class LocalSteps:
             bfut, s = self._send(len(self._outer_buckets), buffers.clone(), slices, None,
                                  not bs, True, True)
             step = s if step is None else step
-        return _Round(step, bs, futures, bfut, buffers)
+        return _Round(step, bs, futures, bfut, buffers, length)
 
     def _optimizer(self) -> torch.optim.Optimizer:
         """The outer optimizer over G (built at its first step, its saved state loaded)."""
         if self._opt is None:
             self._opt = self._factory(self.start)
+            self._lrs = learning_rates(self._opt)
             if self._outer_saved is not None:
                 self._opt.load_state_dict(self._unname_outer(
                     self._outer_saved, self._opt.state_dict()["param_groups"]))
@@ -409,6 +447,9 @@ class LocalSteps:
         G - ``progress`` (local_delay=1: this rank's progress since)."""
         avgs = rnd.averages()
         opt = self._optimizer()
+        if len(self._lengths) > 1:  # growing rounds: lr * sqrt(H / local_steps)
+            scale = (rnd.length / self.config.local_steps) ** 0.5
+            set_learning_rates(opt, [lr * scale for lr in self._lrs])
         for b, a in zip(rnd.buckets, avgs):
             self.start[b].grad = a
         opt.step()
@@ -522,7 +563,8 @@ class LocalSteps:
         if not self.active:
             return None
         rounds = {f: {"step": r.step, "averages": self._named(r.averages(), r.buckets),
-                      "buffers_average": r.buffers(), "buffers_sent": r.buffers_sent}
+                      "buffers_average": r.buffers(), "buffers_sent": r.buffers_sent,
+                      "length": r.length}
                   for f, r in self._rounds.items()}
         return {"inner_steps": self._inner, "start": self._named(self.start),
                 "anchor": self._named(self._anchor), "outer": self._outer_state(),
@@ -541,7 +583,8 @@ class LocalSteps:
         for f, r in _rounds_of(sd).items():
             bs = self._fragments[f]
             self._rounds[f] = _Round.done(r["step"], bs, self._flats(r["averages"], bs),
-                                          r["buffers_average"], r["buffers_sent"])
+                                          r["buffers_average"], r["buffers_sent"],
+                                          r.get("length", self.config.local_steps))
 
     def check_same_start(self, group, numels: dict) -> None:
         """Local steps, at the first step of a first round that no checkpoint started: every
@@ -649,6 +692,8 @@ def check_local_state(loc, config, numels: dict, param_names: dict) -> None:
             raise bad("local round", rnd, "a dict with step, averages, buffers_average, "
                                            "buffers_sent")
         check_int("local round step", rnd["step"])
+        if rnd.get("length") is not None:
+            check_int("local round length", rnd["length"])
         named("local round averages", rnd["averages"], whole=F == 1)
         for key in ("buffers_average", "buffers_sent"):
             if rnd[key] is not None:

@@ -61,3 +61,14 @@ def after_closure(args, kwargs, fn):
     if where == "args":
         return (args[0], closure_then_fn, *args[2:]), kwargs
     return args, {**kwargs, "closure": closure_then_fn}
+
+
+def learning_rates(optimizer) -> list[float]:
+    """Each param group's learning rate."""
+    return [g["lr"] for g in optimizer.param_groups]
+
+
+def set_learning_rates(optimizer, lrs) -> None:
+    """Each param group's learning rate set to ``lrs``' (in group order)."""
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g["lr"] = lr
