@@ -80,6 +80,8 @@ class SparseLoCoConfig(MethodConfig):
 
     min_numel: int = 64
     local_steps: int = 4
+    grow_every: int = 500
+    max_local_steps: int = 16
     outer_lr: float = 1.5
     outer_momentum: float = 0.0
     chunk: int = 4096
