@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
 from conftest import batch, small_net
-from gradcomp.hooks.optimizer import FROZEN_KEY, FrozenVariance, adam_mode
+from gradcomp.hooks.optimizer import FROZEN_KEY, FrozenVariance
 
 DENSE, COMPRESSED = 3, 4
 
@@ -381,7 +381,7 @@ def _moment_identity(rank, world, specs, kind="adamw"):
                 dist.all_reduce(mine)
                 worst = max(worst, float((mine / world - opt.state[p]["exp_avg"]).abs().max()))
                 term = max(term, float(owed.abs().max()))
-        out.append((worst, term, adam_mode(state._state)))
+        out.append((worst, term, state._state.adam_mode))
         state.close()
     return out
 

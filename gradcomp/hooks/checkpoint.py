@@ -18,7 +18,6 @@ import torch.distributed as dist
 
 from .. import comm
 from ..config import MAX_STEPS, Adam, quote
-from . import optimizer as optimizer_binding
 from .agree import agree
 from .local_steps import SAVE_EACH_MODEL, check_local_state, same_model
 from .optimizer import FROZEN_SLOT
@@ -435,7 +434,7 @@ def _check_model_names(state, sd: dict) -> None:
 def exchanged(state) -> str:
     """What the method's residuals are made of: "gradient", or with Adam bound Adam's first
     moment ("momentum") or the preconditioned gradient ("precondition")."""
-    mode = optimizer_binding.adam_mode(state) if state.adam is not None else Adam.OFF
+    mode = state.adam_mode if state.adam is not None else Adam.OFF
     return mode.value if mode in (Adam.MOMENTUM, Adam.PRECONDITION) else "gradient"
 
 
@@ -456,7 +455,7 @@ def _check_adam(state, sd: dict) -> None:
         raise ValueError(f"checkpoint's residuals are of the {saved} (its job exchanged "
                          f"that); this job exchanges the {mine} (adam="
                          f"{str(state.config.adam)!r}, running "
-                         f"{optimizer_binding.adam_mode(state).value!r}): register with adam={how[saved]} "
+                         f"{state.adam_mode.value!r}): register with adam={how[saved]} "
                          f"to resume it")
 
 

@@ -239,10 +239,18 @@ class HookState:
         return self.engine.error
 
     # ------------------------------------------------------------------ Adam
+    @property
+    def adam_mode(self):
+        """What ``adam`` runs with Adam/AdamW (hooks/optimizer/adam.py's ``adam_mode``)."""
+        return optimizer_binding.adam_mode(self.config, self.compressor, self.sharded)
+
     def bind_adam(self, optimizer) -> None:
         """With Adam/AdamW and ``adam`` on: freeze Adam's second moment for the compressed
         parameters once compression starts (hooks/optimizer/); else nothing changes."""
-        adam = optimizer_binding.frozen_variance(self, optimizer)
+        adam = optimizer_binding.frozen_variance(
+            optimizer, config=self.config, names=self.param_names, compressor=self.compressor,
+            memory=self.memory, sharded=self.sharded, rounds=self.rounds,
+            compressing=lambda: not self.warmup.dense(max(self.step - 1, 0)))
         if adam is not None:
             self.adam = adam
 

@@ -366,42 +366,44 @@ class FrozenVariance:
         self._hidden = []
 
 
-def frozen_variance(state, optimizer):
+def frozen_variance(optimizer, *, config, names, compressor, memory, sharded, rounds,
+                    compressing):
     """With Adam/AdamW and ``adam`` "auto"/"freeze"/"momentum"/"precondition": the binding that
     freezes Adam's second moment for the compressed parameters once compression starts
     (:class:`FrozenVariance`; with local steps, for every parameter after ``sync_steps``, the
-    clip taken off the inner steps); None where there is none to make."""
-    if state.config.adam == Adam.OFF or not is_adam(optimizer):
+    clip taken off the inner steps); None where there is none to make. ``names``: the
+    parameters' names by id; ``memory``: where its slots live; ``sharded``: FSDP/HSDP;
+    ``rounds``: the local-steps component; ``compressing()``: whether the step being taken
+    is compressed."""
+    if config.adam == Adam.OFF or not is_adam(optimizer):
         return None
-    names, comp, warmup = state.param_names, state.compressor, state.warmup
-    if state.rounds.active:  # local steps: frozen after sync_steps for every inner step,
-        if not state.config.synchronous_start:  # whatever the method sends each round
+    if config.in_rounds:  # local steps: frozen after sync_steps for every inner step,
+        if not config.synchronous_start:  # whatever the method sends each round
             return None
         return FrozenVariance(optimizer, lambda p: id(p) in names,
-                              lambda: not state.rounds.syncing, names, store=state.memory,
-                              unclip=not state.sharded and not state.config.keep_clip)
-    if comp.stateless:
+                              lambda: not rounds.syncing, names, store=memory,
+                              unclip=not sharded and not config.keep_clip)
+    if compressor.stateless:
         return None
-    mode = adam_mode(state)
+    mode = adam_mode(config, compressor, sharded)
     return FrozenVariance(
-        optimizer, lambda p: id(p) in names and comp.compresses(names[id(p)], tuple(p.shape)),
-        lambda: not warmup.dense(max(state.step - 1, 0)), names,
+        optimizer, lambda p: id(p) in names and compressor.compresses(names[id(p)], tuple(p.shape)),
+        compressing, names,
         precondition=mode == Adam.PRECONDITION, momentum=mode == Adam.MOMENTUM,
-        store=state.memory, unclip=not (state.sharded or state.config.delay
-                                        or state.config.keep_clip))
+        store=memory, unclip=not (sharded or config.delay or config.keep_clip))
 
 
-def adam_mode(state) -> "Adam":
+def adam_mode(config, compressor, sharded: bool) -> "Adam":
     """What ``adam`` runs with Adam/AdamW. "auto": the method's measured choice
     (``Compressor.adam_exchange``: "momentum", the first moment exchanged, for onebit,
     topk, threshold, dgc; "freeze" for powersgd, terngrad) under DDP without ``delay``
     and with error feedback on, else "freeze" (FSDP/HSDP: a rank holds only its shard
     of the moment; ``delay``: the moment read at the exchange is not the one the late
     average is applied to)."""
-    c = state.config
+    c = config
     if c.adam != Adam.AUTO:
         return Adam(c.adam)
     if c.in_rounds:  # the inner steps are Adam's own (sync_steps: v frozen after them)
         return Adam.FREEZE
-    ok = c.error_feedback and not c.delay and not state.sharded
-    return Adam(state.compressor.adam_exchange) if ok else Adam.FREEZE
+    ok = c.error_feedback and not c.delay and not sharded
+    return Adam(compressor.adam_exchange) if ok else Adam.FREEZE
