@@ -71,7 +71,7 @@ class Rider:
 class Comm:
     """Collectives of one lane. With a ``ticket`` (set per exchange by the engine) each
     collective is issued asynchronously in its turn of the global order and waited for after
-    the turn is given up; without one (a single thread: ``HookState.reduce``) it is
+    the turn is given up; without one (a single thread: ``Entries.reduce``) it is
     issued at once."""
 
     def __init__(self, group=None, traffic: Traffic | None = None, rider: Rider | None = None,

@@ -353,7 +353,7 @@ def test_class_names_are_unique_and_hooks_function_names_too():
 
 
 def _entries(rank, world, spec):
-    """One bucket, three steps, through each entry: DDP's hook (HookState.submit), the
+    """One bucket, three steps, through each entry: DDP's hook (``entries.bucket``), the
     synchronous reduce (FSDP's, by hand), FSDP's queued slices, local steps' outer exchange."""
     import torch
 
@@ -367,10 +367,10 @@ def _entries(rank, world, spec):
     params = [p for _, p in named]
     name, cfg = gradcomp.build_config(spec, warmup="none", min_numel=0)
     entries = {
-        "ddp": lambda st, x: st.submit(0, x, params, True).wait(),
-        "reduce": lambda st, x: st.reduce(x, slices, 0, params),
-        "slices": lambda st, x: st.submit_slices(0, x, slices, params).wait(),
-        "outer": lambda st, x: st.send_outer(0, x, slices, params, True, True, False)[0].wait(),
+        "ddp": lambda st, x: st.entries.bucket(0, x, params, True).wait(),
+        "reduce": lambda st, x: st.entries.reduce(x, slices, 0, params),
+        "slices": lambda st, x: st.entries.slices(0, x, slices, params).wait(),
+        "outer": lambda st, x: st.entries.outer(0, x, slices, params, True, True, False)[0].wait(),
     }
     out = {}
     for entry, go in entries.items():
@@ -436,11 +436,11 @@ def test_only_the_local_steps_component_reads_the_rounds_options():
 
 
 # the modules whose functions still take the whole hook state as a parameter: the session's
-# own (public.py, state.py), its pipeline (submit.py, stages.py), DDP's hook (torch passes
-# the state), the checkpoint's assembly and the optimizer binding's registration (Adam's
-# binding takes its collaborators: config, names, compressor, memory, rounds)
-WHOLE_STATE_TAKERS = {"hooks/public.py", "hooks/state.py", "hooks/submit.py", "hooks/stages.py",
-                      "hooks/ddp.py", "hooks/checkpoint.py", "hooks/optimizer/__init__.py"}
+# own (public.py, state.py), DDP's hook (torch passes the state), the checkpoint's assembly
+# and the optimizer binding's registration (the entries into the pipeline, the stages of an
+# exchange and Adam's binding are built with their collaborators)
+WHOLE_STATE_TAKERS = {"hooks/public.py", "hooks/state.py", "hooks/ddp.py", "hooks/checkpoint.py",
+                      "hooks/optimizer/__init__.py"}
 
 
 def test_no_other_module_takes_the_whole_state():

@@ -148,7 +148,7 @@ def _growing_by_hand(rank, world):
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.7, momentum=0.9, nesterov=True)
     local = small_net()
     lopt = torch.optim.SGD(local.parameters(), lr=LR)
-    step, sent = 0, []
+    step, sent, edges = 0, [], []
     for L in GROWN:
         for _ in range(L):
             before = state.step
@@ -160,6 +160,8 @@ def _growing_by_hand(rank, world):
             step += 1
             if state.step > before:
                 sent.append(step)
+            st = state.stats()
+            edges.append((st["at_round_edge"], st["round_length"]))
         with torch.no_grad():
             for p, q in zip(ref.parameters(), local.parameters()):
                 d = p - q
@@ -170,13 +172,17 @@ def _growing_by_hand(rank, world):
         with torch.no_grad():
             for p, q in zip(ref.parameters(), local.parameters()):
                 q.copy_(p)
-    return _flat(net), _flat(ref), sent
+    return _flat(net), _flat(ref), sent, edges
 
 
 def test_growing_rounds_double_where_they_start_with_the_outer_lr_scaled(runs):
     for r in runs:
-        got, ref, sent = r["growing"]
+        got, ref, sent, edges = r["growing"]
         assert sent == [2, 4, 8, 16]  # the round ends
+        # stats(): at a round's edge after steps 2, 4, 8, 16; the round in progress (at an
+        # edge: the next one) 2, 2, 4, 8 steps long
+        assert [s + 1 for s, (at, _) in enumerate(edges) if at] == sent
+        assert [L for _, L in edges] == [2, 2, 2, 4, 4, 4, 4, 8] + [8] * 8
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
     assert not torch.equal(runs[0]["growing"][0], runs[0]["nesterov"][0])
 
@@ -226,6 +232,7 @@ def _growing_resume(rank, world, path):
         for step in range(cut, 12):
             _step(model, opt, rank, step)
         resumed[cut] = _flat(net)
+    state.flush()  # (the exchange in flight counted in stats() once it is over)
     return whole, resumed, state.stats()
 
 
@@ -634,7 +641,7 @@ def test_a_state_hooked_without_register_refuses_to_train_locally_forever():
     st = gradcomp.State(*gradcomp.build_config("topk:local_steps=2"),
                                 param_names={id(w): "w"}, param_numels={"w": 3})
     with pytest.raises(RuntimeError, match="local_steps=2: no optimizer to run the outer step"):
-        st._state.submit(0, torch.zeros(3), [w])
+        st._state.entries.bucket(0, torch.zeros(3), [w])
 
 
 def _refusals(rank, world):

@@ -23,14 +23,16 @@ def mix(*parts: int) -> int:
 class BucketCtx:
     """BucketContext for one bucket at one step (see compressors.base.BucketContext)."""
 
-    def __init__(self, state, comm: Comm, bucket: int, params: list[ParamSlice],
+    def __init__(self, stages, comm: Comm, bucket: int, params: list[ParamSlice],
                  param_tensors, device, step: int, live=None):
-        self.state, self.bucket, self.params = state, bucket, params
+        """``stages``: the bucket's :class:`hooks.stages.Stages` (its memory, telemetry,
+        warm-up and config back the context)."""
+        self.stages, self.bucket, self.params = stages, bucket, params
         self.comm, self.step, self.device, self.live = comm, step, device, live
         self.grad_dtype = torch.float32  # the gradient's own dtype (set by stages.split)
         self.dense_wire = None  # a dense step's wire, "bfloat16", "int8" or "int4" (stages.method)
-        self.logging = state.telemetry.logging
-        self.details = self.logging and state.telemetry.details
+        self.logging = stages.telemetry.logging
+        self.details = self.logging and stages.telemetry.details
         self._tensors = param_tensors
         self.snapshot = None  # the inf/NaN guard's, while it runs the exchange
         self._next = {}       # slot -> (current, next) of memory_next, until finish()
@@ -39,20 +41,20 @@ class BucketCtx:
     def compressed(self) -> int:
         """Compressed steps before this one: the step less the warm-up's switch (0 while the
         switch is not known). The switch is in the checkpoint: a resumed job counts alike."""
-        switch = self.state.warmup.switch_step()
+        switch = self.stages.warmup.switch_step()
         return 0 if switch is None else max(self.step - switch, 0)
 
     def memory(self, slot):
-        buf = self.state.memory.flat(slot, self.bucket, [p.name for p in self.params],
+        buf = self.stages.memory.flat(slot, self.bucket, [p.name for p in self.params],
                                      [p.numel for p in self.params], self.device)
         if self.snapshot is not None:  # the guard's: copied before its first write
-            self.state.memory.cover(self.snapshot, slot)
+            self.stages.memory.cover(self.snapshot, slot)
         return buf
 
     def memory_next(self, slot):
         hit = self._next.get(slot)
         if hit is None:
-            hit = self._next[slot] = self.state.memory.next_flat(
+            hit = self._next[slot] = self.stages.memory.next_flat(
                 slot, self.bucket, [p.name for p in self.params], [p.numel for p in self.params],
                 self.device)
         return hit
@@ -68,19 +70,19 @@ class BucketCtx:
         pending, self._next = self._next, {}
         for slot, (_, nxt) in pending.items():
             if ok:
-                self.state.memory.commit(slot, self.bucket, nxt)
+                self.stages.memory.commit(slot, self.bucket, nxt)
             else:
-                self.state.memory.discard(slot, self.bucket, nxt)
+                self.stages.memory.discard(slot, self.bucket, nxt)
 
     def scalars(self, slot):
-        buf = self.state.memory.flat(slot, self.bucket, [p.name for p in self.params],
+        buf = self.stages.memory.flat(slot, self.bucket, [p.name for p in self.params],
                                      [1] * len(self.params), self.device)
         if self.snapshot is not None:
-            self.state.memory.cover(self.snapshot, slot)
+            self.stages.memory.cover(self.snapshot, slot)
         return buf
 
     def tensor(self, slot, name, init):
-        return self.state.memory.tensor(slot, name, init)
+        return self.stages.memory.tensor(slot, name, init)
 
     def segment_ids(self):
         return torch.repeat_interleave(
@@ -93,8 +95,8 @@ class BucketCtx:
         return torch.cat([t.detach().reshape(-1).float() for t in self._tensors])
 
     def seed(self, stream, name):
-        return mix(self.state.config.seed, self.step, zlib.crc32(name.encode()), self.comm.rank,
+        return mix(self.stages.config.seed, self.step, zlib.crc32(name.encode()), self.comm.rank,
                     stream)
 
     def log(self, key, value):
-        self.state.telemetry.log(self.step, key, value)  # (nothing without a writer)
+        self.stages.telemetry.log(self.step, key, value)  # (nothing without a writer)

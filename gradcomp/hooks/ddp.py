@@ -22,7 +22,7 @@ LANES = 4  # the default: process groups (and threads) exchanging buckets side b
 def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: queue the bucket's exchange, return its future at once."""
     buf = bucket.buffer()
-    fut = state_of(state).submit(bucket.index(), buf, bucket.parameters(), bucket.is_last())
+    fut = state_of(state).entries.bucket(bucket.index(), buf, bucket.parameters(), bucket.is_last())
     return fut.then(lambda f: _result(f, buf))
 
 

@@ -1,6 +1,6 @@
 """The FSDP2 adapter: ``gradcomp.register(model, method, optimizer=opt)`` on a model sharded
 with ``torch.distributed.fsdp.fully_shard``. Beside the DDP adapter (ddp.py), it reuses the
-hook state's exchange (``HookState.reduce``: the method, its per-parameter memory, the
+hook state's exchange (``entries.reduce``: the method, its per-parameter memory, the
 inf/NaN guard, the adaptive warm-up, the Adam binding, stats and checkpoints) and changes only
 where a gradient enters and leaves it.
 
@@ -222,9 +222,9 @@ class _Adapter:
 
         x, b = lay.gather(input), self.bucket()
         if not _overlaps(group, out):
-            return put(self.state.reduce(x, lay.full, b))
+            return put(self.state.entries.reduce(x, lay.full, b))
         post = _post_factor(group, out)
-        self.later(self.state.submit_slices(b, x, lay.full), lambda avg: put(avg, post))
+        self.later(self.state.entries.slices(b, x, lay.full), lambda avg: put(avg, post))
 
     def shard(self, lay: _UnitLayout, group, out: torch.Tensor, params):
         """HSDP: the node's sum of this rank's shard -> the job's average over replicas (in
@@ -259,21 +259,21 @@ class _Adapter:
             def put(avg):
                 torch._foreach_copy_([out[o : o + m] for o, m in spans],
                                      lay.mine(avg, whole=False)[1])
-            return self.later(self.state.submit_slices(b, x, lay.piece, params()), put)
+            return self.later(self.state.entries.slices(b, x, lay.piece, params()), put)
         if not lay.padded:
             x = out if post == 1 else out.div_(post)
-            self.state.reduce(x, lay.piece, b, params())
+            self.state.entries.reduce(x, lay.piece, b, params())
             if post != 1:
                 out.mul_(post)
             return
-        self._rows(lay, out, post, lambda x: self.state.reduce(x, lay.piece, b, params()))
+        self._rows(lay, out, post, lambda x: self.state.entries.reduce(x, lay.piece, b, params()))
 
     def _synchronous(self, lay: _UnitLayout, group, out: torch.Tensor) -> None:
         """One of the first ``sync_steps`` of local steps: this rank's rows of the node's
         average averaged over their replicas, dense (``dense_wire``), on the caller's
         thread."""
-        b, wire = self.bucket(), optimizer_binding.dense_wire(self.state)
-        self._rows(lay, out, _post_factor(group, out), lambda x: self.state.reduce(
+        b, wire = self.bucket(), optimizer_binding.dense_wire(self.state.config, self.state.adam is not None)
+        self._rows(lay, out, _post_factor(group, out), lambda x: self.state.entries.reduce(
             x, lay.piece, b, plain=synchronous(wire)))
 
     @staticmethod

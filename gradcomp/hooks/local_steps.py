@@ -275,6 +275,18 @@ class LocalSteps:
                 return self.config.sync_steps + p + r * L
             r -= (end - p) // L
 
+    def edge(self) -> tuple[int, bool]:
+        """(the length of the round in progress, or of the next one at an edge; whether the
+        steps taken so far end at a round's edge: during ``sync_steps`` and where the last
+        fragment's round just ended, where with local_delay=0 every rank holds the same
+        model)."""
+        n = self._inner - self.config.sync_steps
+        if n <= 0:
+            return self.round_at(0)[1], True
+        p, H = self.round_at(n - 1)
+        at = (n - p) % H == 0
+        return (self.round_at(n)[1] if at else H), at
+
     def round_at(self, n: int) -> tuple[int, int]:
         """(where its piece of :func:`round_lengths` starts, its length) of the round that
         step ``n`` of rounds (from 0) belongs to."""

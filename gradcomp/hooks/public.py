@@ -142,7 +142,7 @@ class State:
     def reduce(self, x, params, bucket: int = 0):
         """Synchronously exchange one flat bucket ``x`` laid out by ``params`` (ParamSlices);
         returns the average in x's dtype: what the DDP hook does to a bucket."""
-        return self._state.reduce(x, params, bucket)
+        return self._state.entries.reduce(x, params, bucket)
 
     @property
     def ordered(self) -> bool | None:
@@ -200,6 +200,7 @@ def _stats(state) -> dict:
     }
     if state.rounds.active:
         out["rounds"] = state.step
+        out["round_length"], out["at_round_edge"] = state.rounds.edge()
     return out
 
 

@@ -1,5 +1,5 @@
-"""One bucket's exchange, in stages (:func:`exchange` runs them on a lane): the
-topology's split (:func:`split`), then the method's stage (:func:`method`): the warm-up's
+"""One bucket's exchange, in stages (:meth:`Stages.exchange` runs them on a lane): the
+topology's split (:meth:`Stages.split`), then the method's stage (:meth:`Stages.method`): the warm-up's
 choice between the dense and the compressed exchange, Adam's transforms in and out, the
 inf/NaN guard around the exchange, and the residual diagnostic."""
 from __future__ import annotations
@@ -9,100 +9,113 @@ import time
 import torch
 
 from ..comm import Traffic
-from . import optimizer as optimizer_binding
 from .context import BucketCtx
+from .optimizer import dense_wire
 from .telemetry import sq_norm
 
 
-def exchange(state, lane, ex):
-    """One bucket's exchange on ``lane`` (the state's engine runs it), as stages: unscale,
-    the topology's split, the method (the warm-up's choice, Adam's transforms, the guard),
-    rescale. ``ex.plain``: a reduce(x, ctx) run instead of the method's, without memory
-    or guard (local_steps: an inner step's node average, the buffers' average)."""
-    buf, step, scale = ex.buf, ex.step, ex.scale
-    if ex.bucket == 0 and state.telemetry.logging:
-        # the last step every exchange of which has finished by now
-        last = step - 1 - state.config.delay
-        state.telemetry.write(last, state.memory, state.warmup.compressing(last))
-    traffic = Traffic()
-    for c in lane.comms():
-        c.traffic = traffic
-    x = buf if buf.dtype == torch.float32 else buf.float()
-    if scale is not None:  # memory holds unscaled values: the loss scale may change
-        x = x / scale
-    t0, c0 = time.perf_counter(), time.thread_time()
-    ctx, run = split(state, lane, ex)
-    if ex.plain is not None:
-        out = run(x, ex.plain)
-    elif state.compressor.stateless:
-        out = run(x, state.compressor.reduce)
-    else:
-        out = method(state, ctx, lane, x, run)
-    ctx.finish(True)  # unguarded paths' memory_next buffers (the guard finished its own)
-    if scale is not None:
-        out = out * scale
-    if out is not buf:
-        buf.copy_(out)
-    if (ex.plain is None and state.adam is not None and not state.compressor.stateless
-            and not state.warmup.dense(step) and not state.rounds.active):
-        state.adam.record(step, buf, ex.slices, scale)  # for the clip (hooks/optimizer/adam.py)
-    traffic.total_s += time.perf_counter() - t0
-    traffic.total_cpu_s += time.thread_time() - c0
-    state.telemetry.add(step, traffic, buf.numel() * buf.element_size(),
-                        keep=step - state.config.delay - 4)
-    return buf
+class Stages:
+    """The stages of one bucket's exchange, built by the hook state with the components they
+    use: the config, the compressor, the memory, the telemetry, the warm-up, the guard, the
+    rounds (local steps), the hierarchy, and ``adam()``, the Adam binding or None (it is
+    bound after the state is built). :meth:`exchange` runs them on a lane."""
 
+    def __init__(self, *, config, compressor, memory, telemetry, warmup, guard, rounds,
+                 hierarchy, adam):
+        self.config, self.compressor, self.memory = config, compressor, memory
+        self.telemetry, self.warmup, self.guard = telemetry, warmup, guard
+        self.rounds, self.hierarchy, self._adam = rounds, hierarchy, adam
 
-def split(state, lane, ex):
-    """(the bucket's context, ``run(y, method)``): the method over the whole bucket on the
-    lane's comm (flat), or under a hierarchical topology on this rank's shard of the node's
-    reduce-scatter, allgathered after."""
-    params, tensors = ex.slices, ex.params
-    if lane.inter is None:
-        ctx = BucketCtx(state, lane.comm, ex.bucket, params, tensors, ex.buf.device, ex.step,
-                        ex.live)
+    def exchange(self, lane, ex):
+        """One bucket's exchange on ``lane`` (the state's engine runs it), as stages:
+        unscale, the topology's split, the method (the warm-up's choice, Adam's transforms,
+        the guard), rescale. ``ex.plain``: a reduce(x, ctx) run instead of the method's,
+        without memory or guard (local_steps: an inner step's node average, the buffers'
+        average)."""
+        buf, step, scale = ex.buf, ex.step, ex.scale
+        if ex.bucket == 0 and self.telemetry.logging:
+            # the last step every exchange of which has finished by now
+            last = step - 1 - self.config.delay
+            self.telemetry.write(last, self.memory, self.warmup.compressing(last))
+        traffic = Traffic()
+        for c in lane.comms():
+            c.traffic = traffic
+        x = buf if buf.dtype == torch.float32 else buf.float()
+        if scale is not None:  # memory holds unscaled values: the loss scale may change
+            x = x / scale
+        t0, c0 = time.perf_counter(), time.thread_time()
+        ctx, run = self.split(lane, ex)
+        adam = self._adam()
+        if ex.plain is not None:
+            out = run(x, ex.plain)
+        elif self.compressor.stateless:
+            out = run(x, self.compressor.reduce)
+        else:
+            out = self.method(ctx, lane, x, run, adam)
+        ctx.finish(True)  # unguarded paths' memory_next buffers (the guard finished its own)
+        if scale is not None:
+            out = out * scale
+        if out is not buf:
+            buf.copy_(out)
+        if (ex.plain is None and adam is not None and not self.compressor.stateless
+                and not self.warmup.dense(step) and not self.rounds.active):
+            adam.record(step, buf, ex.slices, scale)  # for the clip (hooks/optimizer/adam.py)
+        traffic.total_s += time.perf_counter() - t0
+        traffic.total_cpu_s += time.thread_time() - c0
+        self.telemetry.add(step, traffic, buf.numel() * buf.element_size(),
+                           keep=step - self.config.delay - 4)
+        return buf
+
+    def split(self, lane, ex):
+        """(the bucket's context, ``run(y, method)``): the method over the whole bucket on
+        the lane's comm (flat), or under a hierarchical topology on this rank's shard of the
+        node's reduce-scatter, allgathered after."""
+        params, tensors = ex.slices, ex.params
+        if lane.inter is None:
+            ctx = BucketCtx(self, lane.comm, ex.bucket, params, tensors, ex.buf.device,
+                            ex.step, ex.live)
+            ctx.grad_dtype = ex.buf.dtype
+            return ctx, lambda y, method: method(y, ctx)
+        shards = self.hierarchy.shards(params, lane.intra.rank, ex.buf.device)
+        ctx = BucketCtx(self, lane.inter, ex.bucket, shards.mine, shards.pieces(tensors),
+                        ex.buf.device, ex.step, shards.live(ex.live))
         ctx.grad_dtype = ex.buf.dtype
-        return ctx, lambda y, method: method(y, ctx)
-    shards = state.hierarchy.shards(params, lane.intra.rank, ex.buf.device)
-    ctx = BucketCtx(state, lane.inter, ex.bucket, shards.mine, shards.pieces(tensors),
-                    ex.buf.device, ex.step, shards.live(ex.live))
-    ctx.grad_dtype = ex.buf.dtype
-    L, real = lane.intra.world_size, shards.real
+        L, real = lane.intra.world_size, shards.real
 
-    def run(y, method):
-        node = lane.intra.reduce_scatter(shards.gather(y)).div_(L)
-        if real:  # the method sees this rank's pieces, not the shard's padding; ranks of one
-            # local index hold the same pieces, so they agree on skipping
-            node[:real] = method(node[:real], ctx)
-        node[real:] = 0
-        return shards.scatter(lane.intra.allgather(node).reshape(-1))
-    return ctx, run
+        def run(y, method):
+            node = lane.intra.reduce_scatter(shards.gather(y)).div_(L)
+            if real:  # the method sees this rank's pieces, not the shard's padding; ranks of
+                # one local index hold the same pieces, so they agree on skipping
+                node[:real] = method(node[:real], ctx)
+            node[real:] = 0
+            return shards.scatter(lane.intra.allgather(node).reshape(-1))
+        return ctx, run
 
-
-def method(state, ctx, lane, x, run):
-    """A stateful method's exchange of x: dense in the warm-up (DGC's dense step still moves
-    its velocity: guarded too; bf16, int8 or int4 on the wire with ``dense_wire``), else
-    compressed, in Adam's terms where Adam is bound; inside the inf/NaN guard."""
-    step, params = ctx.step, ctx.params
-    dense = state.warmup.dense(step)
-    # the residual diagnostic: compressed steps, flat topology (not measured per shard)
-    slot = (state.compressor.residual_slot if ctx.details and state.config.error_feedback
-            and not dense and lane.inter is None else None)
-    if slot:
-        names = [p.name for p in params]
-        owed = sq_norm(x, params, state.memory.peek(slot, names))
-    ctx.dense_wire = optimizer_binding.dense_wire(state) if dense else None
-    fn = state.compressor.dense if dense else state.compressor.reduce
-    x, back = (x, None) if dense or state.adam is None else _adam_in(state.adam, params, x)
-    # a step's (or an outer round's) exchanges all over before the next one begins: its
-    # flags read then
-    out = state.guard.run(x, ctx, lane.comm, lambda y: run(y, fn), late=not state.config.delay)
-    if back is not None:
-        out = back(out)
-    if slot and state.guard.skipped != step:
-        kept = sq_norm(None, params, state.memory.peek(slot, names))
-        state.telemetry.log_ratio(step, "residual_energy", kept, owed)
-    return out
+    def method(self, ctx, lane, x, run, adam):
+        """A stateful method's exchange of x: dense in the warm-up (DGC's dense step still
+        moves its velocity: guarded too; bf16, int8 or int4 on the wire with
+        ``dense_wire``), else compressed, in Adam's terms where Adam is bound (``adam``);
+        inside the inf/NaN guard."""
+        step, params, comp = ctx.step, ctx.params, self.compressor
+        dense = self.warmup.dense(step)
+        # the residual diagnostic: compressed steps, flat topology (not measured per shard)
+        slot = (comp.residual_slot if ctx.details and self.config.error_feedback
+                and not dense and lane.inter is None else None)
+        if slot:
+            names = [p.name for p in params]
+            owed = sq_norm(x, params, self.memory.peek(slot, names))
+        ctx.dense_wire = dense_wire(self.config, adam is not None) if dense else None
+        fn = comp.dense if dense else comp.reduce
+        x, back = (x, None) if dense or adam is None else _adam_in(adam, params, x)
+        # a step's (or an outer round's) exchanges all over before the next one begins: its
+        # flags read then
+        out = self.guard.run(x, ctx, lane.comm, lambda y: run(y, fn), late=not self.config.delay)
+        if back is not None:
+            out = back(out)
+        if slot and self.guard.skipped != step:
+            kept = sq_norm(None, params, self.memory.peek(slot, names))
+            self.telemetry.log_ratio(step, "residual_energy", kept, owed)
+        return out
 
 
 def _adam_in(adam, params, x):

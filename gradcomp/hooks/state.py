@@ -14,10 +14,11 @@ another's private attributes, tests/test_design.py checks):
                                 global order in which every collective is issued
 
 ``checkpoint.py`` assembles the checkpoint from the components' own ``state_dict()``.
-This module ties them together: ``submit`` (DDP's thread: the step counter, then one of
-hooks/submit.py's three ways onto a lane) and ``stages.exchange`` (a lane: the stages of
-hooks/stages.py on one bucket). The hook returns a future at once: backward never waits on
-the network.
+This module ties them together, building two parts with the components each uses:
+``entries`` (hooks/submit.py's :class:`Entries`, on DDP's thread: the step counter, then one
+of three ways onto a lane) and ``stages`` (hooks/stages.py's :class:`Stages`, on a lane: the
+stages of one bucket's exchange). The hook returns a future at once: backward never waits
+on the network.
 """
 from __future__ import annotations
 
@@ -31,15 +32,15 @@ from ..comm import Comm
 from ..compressors.base import build
 from ..config import MethodConfig
 from ..memory import ParamMemory
-from . import stages
 from . import optimizer as optimizer_binding
-from . import submit as submitting
 from .agree import destroy_groups
 from .delayed import Delayed
 from .engine import Engine
 from .guard import Guard
 from .local_steps import LocalSteps
 from .plan import Plan, Sharding, from_model
+from .stages import Stages
+from .submit import Entries
 from .telemetry import Telemetry
 from .topology import Hierarchy
 from .warmup import Warmup, window_sum
@@ -88,7 +89,6 @@ class HookState:
         # more process groups: more buckets in flight
         self._lane_groups = [*plan.lane_groups, *lane_groups]
         self._step = -1                 # index of the step in flight
-        self.way = submitting.choose(config)(self)  # how a DDP bucket reaches a lane
         # the components
         self.memory = ParamMemory()
         self.guard = Guard(self.memory)
@@ -117,16 +117,26 @@ class HookState:
         # under HSDP the first lane's inf/NaN flag goes round the whole mesh (a shard's
         # replicas alone would leave the other shards waiting)
         flags = self.plan.stats_group if self.plan.sharding == Sharding.HSDP else None
-        self.engine = Engine(partial(stages.exchange, self), self.method, [self.group, *self._lane_groups],
+        self.stages = Stages(config=self.config, compressor=self.compressor, memory=self.memory,
+                             telemetry=self.telemetry, warmup=self.warmup, guard=self.guard,
+                             rounds=self.rounds, hierarchy=self.hierarchy,
+                             adam=lambda: self.adam)
+        self.engine = Engine(self.stages.exchange, self.method, [self.group, *self._lane_groups],
                              flags, on_start=lambda: _LIVE.add(self))
+        self.entries = Entries(
+            config=self.config, compressor=self.compressor, warmup=self.warmup,
+            telemetry=self.telemetry, rounds=self.rounds, delay=self.delay,
+            hierarchy=self.hierarchy, engine=self.engine, stages=self.stages,
+            names=self.param_names, begin=self.begin, step=lambda: self.step,
+            scaler=lambda: self.scaler, adam=lambda: self.adam, drain=self.drain)
 
     def __getstate__(self):
         """Pickled without its runtime (process groups, threads, the model's tensors, the
         optimizer's hooks): the exchanges in flight are waited for first."""
         self.drain()
         d = self.__dict__.copy()
-        for k in ("group", "_lane_groups", "engine", "param_names", "adam", "_detach",
-                  "way"):
+        for k in ("group", "_lane_groups", "engine", "stages", "entries", "param_names", "adam",
+                  "_detach"):
             d.pop(k, None)
         d["plan"] = self.plan.portable()
         return d
@@ -135,7 +145,6 @@ class HookState:
         self.__dict__.update(d)
         self.group, self.param_names = None, {}
         self._lane_groups, self._detach, self.adam = [], [], None
-        self.way = submitting.choose(self.config)(self)
         self._setup_runtime()  # (the hierarchy unpickles flat: hooks/topology.py)
 
     @property
@@ -174,7 +183,7 @@ class HookState:
     @property
     def layouts(self) -> dict[int, tuple]:
         """DDP's buckets as the state last saw them: bucket index -> its parameters' names."""
-        return self.way.layouts
+        return self.entries.way.layouts
 
     @property
     def step(self) -> int:
@@ -204,28 +213,11 @@ class HookState:
                               self.telemetry.log_scalar)
         return max(self._step, 0)
 
-    def reduce(self, x, params, bucket: int = 0, param_tensors=None, plain=None):
-        """One flat bucket's exchange on the caller's thread (hooks/submit.py)."""
-        return submitting.reduce(self, x, params, bucket, param_tensors, plain)
-
-    def submit_slices(self, bucket: int, buf, slices, tensors=None):
-        """A bucket laid out by ``slices`` queued on the first lane (hooks/submit.py)."""
-        return submitting.submit_slices(self, bucket, buf, slices, tensors)
-
-    def send_outer(self, bucket, x, slices, tensors, first, last, plain):
-        """Local steps' outer exchange of one bucket (hooks/submit.py)."""
-        return submitting.outer(self, bucket, x, slices, tensors, first, last, plain)
-
     def set_topology(self, local_size: int, groups) -> None:
         """Hierarchical: ``local_size`` ranks per node; ``groups``: per lane, (the node's
         group, the group of this local index across nodes). Before the first exchange."""
         self.hierarchy.local_size = local_size
         self.engine.set_topology(groups)
-
-    # ------------------------------------------------------------------ DDP side
-    def submit(self, bucket: int, buf, params, last: bool = True):
-        """A DDP bucket onto a lane; its future completes with the average (hooks/submit.py)."""
-        return submitting.submit(self, bucket, buf, params, last)
 
     def drain(self, before: int | None = None) -> None:
         """Wait until every queued exchange (of the steps before ``before``) has finished."""

@@ -192,7 +192,7 @@ def time_exchanges(make_states, params, group, device=None) -> list[float]:
     for make in make_states:
         st = make()
         try:
-            st.reduce(x.clone(), params)
+            st.entries.reduce(x.clone(), params)
             spans = []
             for _ in range(PROBE_REPEATS):
                 y = x.clone()
@@ -200,7 +200,7 @@ def time_exchanges(make_states, params, group, device=None) -> list[float]:
                     torch.cuda.synchronize(device)
                 comm.barrier(group)
                 t0 = time.perf_counter()
-                st.reduce(y, params)
+                st.entries.reduce(y, params)
                 if cuda:
                     torch.cuda.synchronize(device)
                 spans.append(time.perf_counter() - t0)

@@ -196,7 +196,7 @@ def bind(state, optimizer, *, module=None, bucket_bytes=None, pieces=None, warn:
         if pieces is None:  # every trainable parameter of ``module`` in module order
             names = state.param_names
             pieces = [(names[id(p)], p) for p in module.parameters() if id(p) in names]
-        state.rounds.bind(pieces, module.named_buffers(), bucket_bytes, state.send_outer,
+        state.rounds.bind(pieces, module.named_buffers(), bucket_bytes, state.entries.outer,
                           outer_optimizer)
         _check_first_round(state, optimizer)  # (a pre-hook that runs before the rounds')
         # the steps that run (not a wrapper's skips)
@@ -344,10 +344,10 @@ def loss_scale(scaler):
     return scaler._scale.detach().clone()
 
 
-def dense_wire(state) -> str:
+def dense_wire(config, adam_bound: bool) -> str:
     """What the warm-up's dense steps put on the wire (``dense_wire``; "auto": bfloat16
     with Adam/AdamW bound, else float32)."""
-    w = state.config.dense_wire
+    w = config.dense_wire
     if w == "auto":
-        return "bfloat16" if state.adam is not None else "float32"
+        return "bfloat16" if adam_bound else "float32"
     return w
