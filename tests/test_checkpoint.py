@@ -153,6 +153,18 @@ def test_a_checkpoint_is_compared_by_the_warm_up_that_runs():
         loc.load_state_dict(sd)
 
 
+def test_a_checkpoint_written_before_growing_rounds_loads_as_the_run_it_was():
+    # a checkpoint without grow_every (written before the option) ran its rounds at one
+    # length: refused beside sparseloco's growing defaults, naming it; loads with grow_every=0
+    st = gradcomp.State(*gradcomp.build_config("sparseloco", min_numel=0))
+    sd = st.state_dict()
+    for k in ("grow_every", "max_local_steps"):
+        sd["config"].pop(k)
+    with pytest.raises(ValueError, match="grow_every: saved 0, this state 500"):
+        st.load_state_dict(sd)
+    gradcomp.State(*gradcomp.build_config("sparseloco:grow_every=0", min_numel=0)).load_state_dict(sd)
+
+
 ROLLBACK = ["onebit:chunk=64,delay=1,warmup=none", "dgc:ratio=0.05,delay=1,warmup=none",
             "topk:ratio=0.05,delay=2,warmup=none", "powersgd:rank=1,warmup=none",
             "topk:ratio=0.05,local_steps=3,local_delay=1",

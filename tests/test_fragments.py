@@ -95,14 +95,16 @@ def _trajectory(rank, world, spec, log):
     """Each step's parameters and the elements its collectives carried (``log``: every
     collective of the process, conftest.record_collectives)."""
     net, model, opt, state = _job(spec)
-    params, elements = [], []
+    params, elements, edges = [], [], []
     for step in range(STEPS):
         start = len(log)
         _step(model, opt, rank, step)
         state._state.drain()
         params.append(_params(net))
         elements.append(sum(n for _, _, n in log[start:] if n > 1))  # (not the guard's flag)
+        edges.append(state.stats()["at_round_edge"])
     stats = state.stats()
+    stats["edges"] = edges
     state.close()
     return params, elements, stats
 
@@ -122,6 +124,8 @@ def test_the_ranks_agree_on_a_fragment_right_after_its_exchange(runs, spec):
         synced = _syncs(F, s + 1)
         same = [torch.equal(a, b) for a, b in zip(p0[s], p1[s])]
         assert same == [g in synced for g in where], (spec, s + 1, same)
+        # stats() says every rank holds the same model only where it does
+        assert stats["edges"][s] == all(same), (spec, s + 1)
     if not spec.startswith("allreduce"):  # it compressed
         assert stats["compressing"] and stats["run_ratio"] > 2, (spec, stats["run_ratio"])
 

@@ -23,7 +23,7 @@ The outer step (``outer_lr``, hooks/local_steps.py) applies the average.
 Bytes per row and rank: 12k/8 (indices, at chunk 4096) + k/8 (signs) + 4 * levels (group
 means): with the defaults, 224 bytes for 4096 fp32 elements (16 KiB), 73x fewer bytes per round
 than a dense fp32 exchange of the round, times H against a per-step allreduce (H: 4, 8 from
-step 500, 16 from step 1000).
+step 500, 16 from step 1004).
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ class SparseLoCoConfig(MethodConfig):
     ``outer_lr`` 1.5 (about the square root of the replicas: each rank's Adam takes shorter
     steps in noisy coordinates than DDP's), no ``outer_momentum``, and rounds that grow
     (``grow_every`` 500, ``max_local_steps`` 16: 8 steps from step 500 of rounds, 16 from
-    step 1000, the outer lr scaled by the square root of the length). Longer rounds want a
+    step 1004, the outer lr scaled by the square root of the length). Longer rounds want a
     larger outer step and lose on short runs (8 steps a round from the start lost 0.09 nats
     on the tests' 300-step GPT-tiny), so they come once a run is long
     (docs/delay-and-local-steps.md)."""

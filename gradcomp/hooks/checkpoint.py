@@ -358,13 +358,19 @@ def restore(state, sd: dict) -> None:
     state.warmup.load_state_dict(sd.get("warmup"))
 
 
+# options a checkpoint may lack (written before they existed) whose default is not what the
+# run that wrote it did: its rounds never grew
+ABSENT = {"grow_every": 0}
+
+
 def _check_compatible(state, sd: dict) -> None:
     """Method, options, world size, topology and model: those of this state."""
-    # options added since a checkpoint was written take their defaults; the topology is
+    # options added since a checkpoint was written take their defaults, but those whose
+    # default changes what a run does (ABSENT) the value that run had; the topology is
     # compared as resolved (ranks per node), below, and the warm-up as the rule that runs
     # (a checkpoint's "adaptive" is today's "auto" at local_steps=1)
     config = state.config
-    saved = {**type(config)().to_dict(), **sd.get("config", {})}
+    saved = {**type(config)().to_dict(), **ABSENT, **sd.get("config", {})}
     mine = config.to_dict()
     for k in ("topology", "local_size", "adam"):  # adam: as it runs, in _check_adam
         saved.pop(k), mine.pop(k)

@@ -139,7 +139,7 @@ def round_lengths(config) -> list[tuple[int, int]]:
     p, L = 0, H0
     while N and H0 > 1 and L < cap:
         p += -(-((p // N + 1) * N - p) // L) * L  # the first round start at the next growth
-        grown = min(H0 << min(p // N, 20), cap)
+        grown = min(H0 << min(p // N, MAX_LOCAL_STEPS.bit_length()), cap)
         if grown > L:
             pieces.append((p, grown))
             L = grown
@@ -276,16 +276,16 @@ class LocalSteps:
             r -= (end - p) // L
 
     def edge(self) -> tuple[int, bool]:
-        """(the length of the round in progress, or of the next one at an edge; whether the
-        steps taken so far end at a round's edge: during ``sync_steps`` and where the last
-        fragment's round just ended, where with local_delay=0 every rank holds the same
-        model)."""
+        """(the length of the round in progress, or of the next one at an edge; whether every
+        rank now holds the same model with local_delay=0: during ``sync_steps``, and at a
+        round's end without fragments; with fragments > 1 never after the first round, as
+        each fragment ends its rounds at its own step)."""
         n = self._inner - self.config.sync_steps
         if n <= 0:
             return self.round_at(0)[1], True
         p, H = self.round_at(n - 1)
         at = (n - p) % H == 0
-        return (self.round_at(n)[1] if at else H), at
+        return (self.round_at(n)[1] if at else H), at and self.config.fragments == 1
 
     def round_at(self, n: int) -> tuple[int, int]:
         """(where its piece of :func:`round_lengths` starts, its length) of the round that
@@ -705,7 +705,7 @@ def check_local_state(loc, config, numels: dict, param_names: dict) -> None:
                                            "buffers_sent")
         check_int("local round step", rnd["step"])
         if rnd.get("length") is not None:
-            check_int("local round length", rnd["length"])
+            check_int("local round length", rnd["length"], 1, MAX_LOCAL_STEPS)
         named("local round averages", rnd["averages"], whole=F == 1)
         for key in ("buffers_average", "buffers_sent"):
             if rnd[key] is not None:
