@@ -19,7 +19,7 @@ import torch.distributed as dist
 from .. import comm
 from ..config import MAX_STEPS, Adam, quote
 from .agree import agree
-from .local_steps import SAVE_EACH_MODEL, check_local_state, same_model
+from .local_steps import ABSENT, SAVE_EACH_MODEL, check_local_state, same_model
 from .optimizer import FROZEN_SLOT
 from .schema import bad, check_int, check_names, check_plain, check_tensor
 from .topology import SEP, base_name
@@ -358,17 +358,12 @@ def restore(state, sd: dict) -> None:
     state.warmup.load_state_dict(sd.get("warmup"))
 
 
-# options a checkpoint may lack (written before they existed) whose default is not what the
-# run that wrote it did: its rounds never grew
-ABSENT = {"grow_every": 0}
-
-
 def _check_compatible(state, sd: dict) -> None:
     """Method, options, world size, topology and model: those of this state."""
     # options added since a checkpoint was written take their defaults, but those whose
-    # default changes what a run does (ABSENT) the value that run had; the topology is
-    # compared as resolved (ranks per node), below, and the warm-up as the rule that runs
-    # (a checkpoint's "adaptive" is today's "auto" at local_steps=1)
+    # default changes what a run does (local_steps.ABSENT) the value that run had; the
+    # topology is compared as resolved (ranks per node), below, and the warm-up as the rule
+    # that runs (a checkpoint's "adaptive" is today's "auto" at local_steps=1)
     config = state.config
     saved = {**type(config)().to_dict(), **ABSENT, **sd.get("config", {})}
     mine = config.to_dict()

@@ -643,6 +643,10 @@ def _rounds_of(sd: dict) -> dict:
     return {} if sd.get("round") is None else {0: sd["round"]}
 
 
+# options a checkpoint may lack (written before they existed) whose default is not what the
+# run that wrote it did: its rounds never grew (hooks/checkpoint.py compares with these)
+ABSENT = {"grow_every": 0}
+
 SAVE_EACH_MODEL = ("under local_steps the ranks' models differ inside a round (each took "
                    "its own inner steps), so each rank saves and loads its own model beside "
                    "its own state_dict(), model first; or save at a round's end with "
