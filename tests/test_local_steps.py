@@ -189,7 +189,8 @@ def test_growing_rounds_double_where_they_start_with_the_outer_lr_scaled(runs):
 
 def test_round_lengths_follow_the_documented_rule():
     from gradcomp.hooks.local_steps import round_lengths
-    for opts in ({"grow_every": 500, "max_local_steps": 16}, {"grow_every": 3, "max_local_steps": 64},
+    for opts in ({"grow_every": 500, "max_local_steps": 16},
+                 {"grow_every": 3, "max_local_steps": 64},
                  {"local_steps": 6, "grow_every": 100, "max_local_steps": 16},
                  {"grow_every": 7}, {"grow_every": 0, "max_local_steps": 16},
                  {"local_steps": 32, "grow_every": 10, "max_local_steps": 16}):

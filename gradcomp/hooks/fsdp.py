@@ -272,7 +272,8 @@ class _Adapter:
         """One of the first ``sync_steps`` of local steps: this rank's rows of the node's
         average averaged over their replicas, dense (``dense_wire``), on the caller's
         thread."""
-        b, wire = self.bucket(), optimizer_binding.dense_wire(self.state.config, self.state.adam is not None)
+        st = self.state
+        b, wire = self.bucket(), optimizer_binding.dense_wire(st.config, st.adam is not None)
         self._rows(lay, out, _post_factor(group, out), lambda x: self.state.entries.reduce(
             x, lay.piece, b, plain=synchronous(wire)))
 

@@ -1,7 +1,7 @@
 """One bucket's exchange, in stages (:meth:`Stages.exchange` runs them on a lane): the
-topology's split (:meth:`Stages.split`), then the method's stage (:meth:`Stages.method`): the warm-up's
-choice between the dense and the compressed exchange, Adam's transforms in and out, the
-inf/NaN guard around the exchange, and the residual diagnostic."""
+topology's split (:meth:`Stages.split`), then the method's stage (:meth:`Stages.method`):
+the warm-up's choice between the dense and the compressed exchange, Adam's transforms in and
+out, the inf/NaN guard around the exchange, and the residual diagnostic."""
 from __future__ import annotations
 
 import time

@@ -66,7 +66,7 @@ def warn_measured(state, optimizer, stacklevel: int = 3) -> None:
     Adam/AdamW, run at those defaults with Adam/AdamW (``stacklevel``: the user's call)."""
     method, config = state.method, state.config
     local = config.in_rounds  # Adam's own inner steps, the pseudo-gradient sent
-    mode = LOCAL if local else adam_mode(config, state.compressor, state.sharded)
+    mode = LOCAL if local else state.adam_mode
     own = METHODS[method].compressor.adam_defaults.get("adam")  # (off: the method's choice)
     if method in _warned or not is_adam(optimizer) or (config.adam == Adam.OFF and own != "off"):
         return
