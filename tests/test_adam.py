@@ -610,7 +610,8 @@ def _adamw_warning(method, options, sharded, monkeypatch):
                                    plan=Plan(sharding=Sharding(sharded)))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        binding.warn_measured(state._state, opt)
+        st = state._state
+        binding.warn_measured(st.method, st.config, st.adam_mode, opt)
     state.close()
     return [str(w.message) for w in seen if "gradcomp:" in str(w.message)]
 

@@ -435,12 +435,11 @@ def test_only_the_local_steps_component_reads_the_rounds_options():
     assert not found, found
 
 
-# the modules whose functions still take the whole hook state as a parameter: the session's
-# own (public.py, state.py), DDP's hook (torch passes the state), the checkpoint's assembly
-# and the optimizer binding's registration (the entries into the pipeline, the stages of an
-# exchange and Adam's binding are built with their collaborators)
-WHOLE_STATE_TAKERS = {"hooks/public.py", "hooks/state.py", "hooks/ddp.py", "hooks/checkpoint.py",
-                      "hooks/optimizer/__init__.py"}
+# the modules whose functions take the whole hook state as a parameter: the session's own
+# (public.py, state.py) and DDP's hook (torch passes it the registered state); every other
+# part (the entries into the pipeline, the stages of an exchange, the checkpoint's format,
+# checks and load, the optimizer's bindings) is given its collaborators
+WHOLE_STATE_TAKERS = {"hooks/public.py", "hooks/state.py", "hooks/ddp.py"}
 
 
 def test_no_other_module_takes_the_whole_state():

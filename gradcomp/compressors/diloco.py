@@ -34,9 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from ..config import MethodConfig, RESIDUAL, check
-from ..kernels.chunks import chunk_plan
 from .base import Compressor, dense_values, positions, register_method, zero_dense
-from .rows import BITS, LEVEL_BITS, ROWS, dequantize, gathered, quantize, two_phase
+from .rows import BITS, LEVEL_BITS, ROWS, dequantize, gathered, param_rows, quantize, two_phase
 
 @dataclass(frozen=True)
 class DiLoCoConfig(MethodConfig):
@@ -88,8 +87,7 @@ class DiLoCo(Compressor):
     def exchange(self, x, ctx, big, dense):
         cfg, comm = self.config, ctx.comm
         y = self.add_residual(x, ctx)
-        big = sorted(big, key=lambda p: p.offset)
-        plan = chunk_plan(tuple((p.offset, p.numel) for p in big), x.numel(), cfg.chunk, x.device)
+        plan = param_rows(big, x, cfg.chunk)
         rows, W = plan.rows, comm.world_size
         share = -(-rows // W)  # the two-phase exchange's rows per rank
         m = plan.rows_of(y)

@@ -198,6 +198,14 @@ def two_phase(comm, codes, scale, bits: int, share: int) -> torch.Tensor:
     return rows_of(every, share, nb, bits).reshape(W * share, -1)
 
 
+def param_rows(params, x: torch.Tensor, chunk: int):
+    """The rows of ``chunk`` elements that each of ``params`` (a bucket's parameters, any
+    order) is cut into from its own first element, in bucket order (kernels/chunks.py's
+    cached ``ChunkPlan``): what each parameter sends depends on it alone."""
+    params = sorted(params, key=lambda p: p.offset)
+    return chunk_plan(tuple((p.offset, p.numel) for p in params), x.numel(), chunk, x.device)
+
+
 # the int8 warm-up's rows: 256 elements (an fp32 scale costs 1/8 bit per value; a parameter's
 # last row pads at most 255 bytes)
 DENSE_CHUNK = 256
@@ -212,8 +220,7 @@ def dense_rows(x: torch.Tensor, params, comm, bits: int = 8,
     average rounded again). About (1 + 4 / chunk) bytes per value at 8 bits against an fp32
     allreduce's 4; each parameter's result depends on it alone (the layout rule of
     compressors/base.py). Elements of x outside ``params`` come back 0."""
-    params = sorted(params, key=lambda p: p.offset)
-    plan = chunk_plan(tuple((p.offset, p.numel) for p in params), x.numel(), chunk, x.device)
+    plan = param_rows(params, x, chunk)
     W = comm.world_size
     share = -(-plan.rows // W)
     m = plan.rows_of(x)

@@ -33,9 +33,8 @@ import torch
 
 from .. import kernels
 from ..config import MethodConfig, RESIDUAL, check
-from ..kernels.chunks import chunk_plan
 from .base import Compressor, dense_values, put_dense, register_method, zero_dense
-from .rows import pack_signs, pack_uint, unpack_signs, unpack_uint
+from .rows import pack_signs, pack_uint, param_rows, unpack_signs, unpack_uint
 from .wire import DENSE, Field, Message
 
 MAX_CHUNK = 32768  # a row's places fit in 15 bits
@@ -118,8 +117,7 @@ class SparseLoCo(Compressor):
     def exchange(self, x, ctx, big, dense):
         cfg, W = self.config, ctx.comm.world_size
         y = self.add_residual(x, ctx, decay=cfg.decay)
-        big = sorted(big, key=lambda p: p.offset)
-        plan = chunk_plan(tuple((p.offset, p.numel) for p in big), x.numel(), cfg.chunk, x.device)
+        plan = param_rows(big, x, cfg.chunk)
         rows, c, k, L = plan.rows, cfg.chunk, cfg.k, cfg.levels
         m = plan.rows_of(y)
         mag = m.abs().masked_fill_(~plan.valid, -1.0)  # padding only where a row runs short

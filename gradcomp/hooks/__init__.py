@@ -3,8 +3,8 @@ comm hook, the one module touching GradBucket; ``fsdp.py``: FSDP2's reduce hooks
 touching FSDP's internals; ``register.py`` dispatches to them), the user's state (``public.py``:
 what a user holds), the hook state behind it (``state.py``) and its components (warm-up
 schedule, delay, local steps, guard, telemetry, topology: one module each), the engine that orders every collective (``engine.py``), the
-checkpoint's assembly (``checkpoint.py``) and the one binding to the user's optimizer
-(``optimizer/``). docs/design.md maps them."""
+checkpoint's format, checks and collective load (``checkpoint.py``) and what is done to the
+user's optimizer (``optimizer/``). docs/design.md maps them."""
 from .ddp import hook
 from .options import build_config, methods, parse_spec
 from .public import State

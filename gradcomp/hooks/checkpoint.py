@@ -2,22 +2,30 @@
 parameter name, the step counter, exchanges still owed); ``load_state_dict()`` refuses a
 checkpoint of another method, options, world size or model with a message naming it.
 
+The hook state (hooks/state.py) gathers its components' parts and its :class:`Identity`;
+this module does the rest, one job each: the format (:func:`assemble`, :func:`tensor_digest`),
+the checks of a checkpoint against an identity (:func:`check_checkpoint`), the collective
+load (:func:`load`) and the adapters for frameworks' checkpoints
+(:class:`DistributedCheckpoint`, :class:`AllRanksCheckpoint`).
+
 A load is collective, as registration is (hooks/agree.py): every rank checks the checkpoint
 it was given, all of it, before anything changes; then the ranks compare their verdicts and
 the steps they load, and every rank loads or every rank raises, at the load itself."""
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import io
 import math
 import re
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from .. import comm
-from ..config import MAX_STEPS, Adam, quote
+from ..config import MAX_STEPS, Adam, MethodConfig, quote
 from .agree import agree
 from .local_steps import ABSENT, SAVE_EACH_MODEL, check_local_state, same_model
 from .optimizer import FROZEN_SLOT
@@ -44,6 +52,62 @@ LOAD = ("gradcomp's load_state_dict",
 EXCHANGES = ("gradient", "momentum", "precondition")
 
 
+@dataclasses.dataclass(frozen=True)
+class Identity:
+    """What a checkpoint records of the state that writes it, and what a load compares with
+    the state it loads into (hooks/state.py builds it): the method and its options, the
+    world size, this rank (the job's: :func:`job_rank`), the ranks per node of a
+    hierarchical topology (0: flat), the model's parameter names and their (or this rank's
+    HSDP shards') sizes, the memory slots kept as one value per parameter, what the
+    residuals are made of (:func:`exchanged`) and the Adam mode that runs; ``auto``:
+    ``method="auto"`` chose the method. ``memory`` and ``rounds``: the components whose
+    own tensors a load compares (their shapes, this rank's model)."""
+    method: str
+    config: MethodConfig
+    world_size: int
+    rank: int
+    local_size: int
+    names: tuple
+    numels: dict
+    scalar_slots: frozenset
+    exchanges: str
+    adam_running: str
+    auto: bool
+    memory: object
+    rounds: object
+
+
+def exchanged(mode: Adam) -> str:
+    """What a method's residuals are made of, with Adam running ``mode`` (OFF: not bound):
+    "gradient", Adam's first moment ("momentum") or the preconditioned gradient
+    ("precondition")."""
+    return mode.value if mode in (Adam.MOMENTUM, Adam.PRECONDITION) else "gradient"
+
+
+def job_rank(rank: int) -> int:
+    """The rank a checkpoint belongs to: the job's rank (under HSDP a state's group holds
+    one shard's replicas, whose group ranks repeat across shards); ``rank`` without a job."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return rank
+
+
+def assemble(me: Identity, step: int, parts: dict) -> dict:
+    """The checkpoint of the state ``me`` at ``step``, from its components' own
+    ``state_dict()`` (``parts``: memory, pending, local, warmup). ``format`` names this
+    layout; ``rank`` the rank that wrote it (each rank's memory is its own: a checkpoint
+    loads into the rank that wrote it); with local steps ``model_digest`` this rank's model
+    (it differs from the others' in a round); ``digest`` a SHA-256 of every tensor, checked
+    on load."""
+    sd = {"format": FORMAT, "method": me.method, "config": me.config.to_dict(),
+          "world_size": me.world_size, "rank": me.rank, "ranks_per_node": me.local_size,
+          "step": step, **parts, "exchanges": me.exchanges}
+    if me.rounds.active:
+        sd["model_digest"] = me.rounds.digest()
+    sd["digest"] = tensor_digest(sd)
+    return sd
+
+
 def tensor_digest(sd: dict) -> str:
     """SHA-256 over every tensor of a checkpoint (key path, dtype, shape, bytes), in key
     order: flipped bytes in a saved file do not load silently."""
@@ -65,7 +129,7 @@ def tensor_digest(sd: dict) -> str:
     return h.hexdigest()
 
 
-def check_checkpoint(sd, state) -> None:
+def check_checkpoint(sd, me: Identity) -> None:
     """Every check of a load, before anything is changed: raises naming the first problem.
     Everything a load hands to the state's components is checked here (types, sizes,
     shapes, ranges), so that a checkpoint that passes loads whole."""
@@ -101,7 +165,7 @@ def check_checkpoint(sd, state) -> None:
     for key in ("world_size", "rank", "ranks_per_node"):
         if key in sd:
             check_int(key, sd[key], 0, 2**31)
-    rank = _rank(state)
+    rank = me.rank
     if "rank" in sd and sd["rank"] != rank:
         raise ValueError(f"gradcomp checkpoint was written by rank {sd['rank']!r}; this is rank "
                          f"{rank} (torch.distributed.checkpoint takes state.stateful()): each "
@@ -110,19 +174,17 @@ def check_checkpoint(sd, state) -> None:
     if sd.get("exchanges") is not None and sd["exchanges"] not in EXCHANGES:
         raise bad("exchanges", sd["exchanges"], f"None or one of {', '.join(EXCHANGES)}")
     check_int("step", sd["step"])
-    known = set(state.param_names.values())
-    _check_memory(sd["memory"], state)
-    _check_pending(sd, state, known)
+    _check_memory(sd["memory"], me)
+    _check_pending(sd, me)
     _check_warmup(sd.get("warmup"))
-    if state.rounds.active:
-        check_local_state(sd.get("local"), state.config, state.param_numels,
-                          state.param_names)
-    _check_compatible(state, sd)
-    if state.rounds.active:
-        _check_own_model(sd.get("model_digest"), state)
+    if me.rounds.active:
+        check_local_state(sd.get("local"), me.config, me.numels, me.names)
+    _check_compatible(me, sd)
+    if me.rounds.active:
+        _check_own_model(sd.get("model_digest"), me)
 
 
-def _check_memory(mem, state) -> None:
+def _check_memory(mem, me: Identity) -> None:
     """A checkpoint's per-parameter memory: its slots, names, tensors, and the shapes of what
     the state holds already."""
     if not isinstance(mem, dict) or not isinstance(mem.get("flat"), dict) \
@@ -141,7 +203,7 @@ def _check_memory(mem, state) -> None:
                               f"one integer in [1, {MAX_STEPS}] (the Adam step v froze at)")
     for slot, d in mem["tensors"].items():
         for name, t in d.items():  # what the state holds already: the same shape and dtype
-            mine = state.memory.find(slot, name)
+            mine = me.memory.find(slot, name)
             if mine is not None and (mine.shape != t.shape or mine.dtype != t.dtype):
                 raise ValueError(f"checkpoint slot {slot!r} holds a {t.dtype} tensor of shape "
                                  f"{tuple(t.shape)} for parameter {name!r}; this state's is "
@@ -149,12 +211,12 @@ def _check_memory(mem, state) -> None:
                                  f"another model (other shapes) or options")
 
 
-def _check_pending(sd, state, known) -> None:
+def _check_pending(sd, me: Identity) -> None:
     """Delayed exchanges still owed: those of the ``delay`` steps before the checkpoint's."""
     pending = sd.get("pending", [])
     if not isinstance(pending, list):
         raise bad("pending", type(pending).__name__, "a list")
-    step, D = sd["step"], state.config.delay
+    step, D, known = sd["step"], me.config.delay, set(me.names)
     for i, p in enumerate(pending):
         if not isinstance(p, dict) or not isinstance(p.get("corrections"), dict):
             raise bad(f"pending[{i}]", p, "a dict with 'step' and 'corrections'")
@@ -164,7 +226,7 @@ def _check_pending(sd, state, known) -> None:
             if known and base_name(name) not in known:
                 raise ValueError(f"gradcomp checkpoint: pending[{i}] holds a correction for "
                                  f"parameter {name!r}, which this model lacks")
-            want = state.param_numels.get(name) if not state.local_size else None
+            want = me.numels.get(name) if not me.local_size else None
             check_tensor(f"pending[{i}] correction of {name!r}", c, want)
 
 
@@ -196,7 +258,7 @@ def _check_warmup(wu) -> None:
                                            "1-D float tensor, one per name)")
 
 
-def _check_own_model(saved, state) -> None:
+def _check_own_model(saved, me: Identity) -> None:
     """Local steps: the model this rank holds at the load is the one its state was saved
     with (each rank's differs inside a round: rank 0's model loaded on every rank would
     resume every other rank from the wrong point)."""
@@ -205,73 +267,43 @@ def _check_own_model(saved, state) -> None:
     if not (isinstance(saved, list) and all(isinstance(x, (list, tuple)) and len(x) == 2
                                             for x in saved)):
         raise bad("model_digest", saved, "a list of (sum, sum of squares) per parameter")
-    mine = state.rounds.digest()
+    mine = me.rounds.digest()
     if mine is not None and not same_model(saved, mine):
         raise ValueError(f"gradcomp checkpoint: the model this rank holds is not the one its "
-                         f"gradcomp state was saved with (rank {_rank(state)}'s): "
+                         f"gradcomp state was saved with (rank {me.rank}'s): "
                          f"{SAVE_EACH_MODEL}")
 
 
-def state_dict(state) -> dict:
-    """Everything needed to resume ``state`` exactly, assembled from its components' own
-    ``state_dict()``: memory by parameter name (memory.py), the step counter, the delayed
-    exchanges still to be applied (delayed.py, waited for first), with local_steps the
-    rounds' state (local_steps.py) and the adaptive warm-up's (warmup.py). ``format`` names
-    this layout; ``rank`` the rank that wrote it (each rank's memory is its own: a
-    checkpoint loads into the rank that wrote it); ``digest`` a SHA-256 of every tensor,
-    checked on load. For ``torch.distributed.checkpoint``, ``state.stateful()`` (DCP keeps
-    one rank's copy of equal keys: this dict given to it whole does not load back)."""
-    state.drain()  # the exchanges in flight write the memory: first let them finish
-    state.guard.settle()  # ... and a skipped step's leave no trace in it
-    sd = {"format": FORMAT, "method": state.method, "config": state.config.to_dict(),
-          "world_size": state.world_size, "rank": _rank(state),
-          "ranks_per_node": state.local_size,
-          "step": state.step, "memory": state.memory.state_dict(),
-          "pending": state.delay.state_dict(),
-          "local": state.rounds.state_dict(), "warmup": state.warmup.state_dict(),
-          "exchanges": exchanged(state)}
-    if state.rounds.active:  # this rank's model, which differs from the others' in a round
-        sd["model_digest"] = state.rounds.digest()
-    sd["digest"] = tensor_digest(sd)
-    return sd
-
-
-def load_state_dict(state, sd: dict) -> None:
-    """Load a checkpoint of :func:`state_dict` (either form) on every rank: all of it, or
-    (ValueError/TypeError naming what is wrong) nothing: every part is checked before the
-    state is touched. Collective: every rank of the state's group calls it (:func:`load`)."""
-    load(state, lambda: sd)
-
-
-def load(state, read) -> None:
-    """The one load: every rank reads its checkpoint (``read()``: the dict, or raises naming
-    why there is none) and checks all of it against its state; the ranks then compare their
-    verdicts and steps over the state's load group (hooks/agree.py) and every rank loads, or
-    every rank raises (a rank refused: its error; the others: a ValueError quoting it). The
-    exchanges still in flight are waited for first, so loading into a state that has run
-    steps is a fresh-process resume. A rank alone in a load (the others train on) raises
-    after ``LOAD_TIMEOUT_S``, its state unchanged."""
+def load(read: Callable[[], dict], *, group, settle: Callable, identity: Callable[[], Identity],
+         restore: Callable[[dict], None]) -> None:
+    """The one load: every rank waits for its exchanges in flight (``settle()``, returning
+    the error one of them raised, or None), reads its checkpoint (``read()``: the dict, or
+    raises naming why there is none) and checks all of it against its state's
+    ``identity()``; the ranks then compare their verdicts and steps over ``group`` (the
+    loads' own: :func:`load_group`; hooks/agree.py) and every rank hands its checkpoint to
+    ``restore``, or every rank raises (a rank refused: its error; the others: a ValueError
+    quoting it). Loading into a state that has run steps is thus a fresh-process resume. A
+    rank alone in a load (the others train on) raises after ``LOAD_TIMEOUT_S``, its state
+    unchanged."""
     def build():
-        state.drain()
-        state.guard.settle()  # the copies it holds are of the memory being replaced
-        if state.failed is not None:
+        failed = settle()
+        if failed is not None:
             raise RuntimeError(f"gradcomp: an exchange of this state failed "
-                               f"({quote(str(state.failed), 300)}): its ranks may have stopped "
+                               f"({quote(str(failed), 300)}): its ranks may have stopped "
                                f"at different points of it; close() the state, register anew "
                                f"and load into the new state")
-        sd = _own(read(), state)
-        check_checkpoint(sd, state)
+        me = identity()
+        sd = _own(read(), me.rank)
+        check_checkpoint(sd, me)
         return sd, {"step": sd["step"]}
 
-    group = state.load_group if state.load_group is not None else (
-        state.stats_group if state.stats_group is not None else state.group)
     if group is None or not dist.is_initialized():
         sd = build()[0]
     else:
         ranks = dist.get_process_group_ranks(group)
         _arrive(group, ranks)
         sd = agree(group, ranks, build, lambda _: None, what=LOAD)[0]
-    restore(state, sd)
+    restore(sd)
 
 
 def load_group(members: list, made: list):
@@ -327,13 +359,13 @@ def _arrive(group, ranks) -> None:
 _RANK_KEY = re.compile(r"rank\d+")
 
 
-def _own(sd, state):
+def _own(sd, rank: int):
     """This rank's dict of a checkpoint: ``sd`` itself, or from ``stateful()``'s form (each
     rank's ``state_dict()`` as bytes under ``rankN``) the bytes of this rank's, read."""
     if not (isinstance(sd, dict) and sd and "memory" not in sd
             and all(isinstance(k, str) and _RANK_KEY.fullmatch(k) for k in sd)):
         return sd
-    key = f"rank{_rank(state)}"
+    key = f"rank{rank}"
     blob = sd.get(key)
     if not isinstance(blob, (bytes, bytearray)):
         raise ValueError(f"gradcomp: the distributed checkpoint holds no gradcomp state for "
@@ -347,69 +379,58 @@ def _own(sd, state):
                          f"file was damaged") from None
 
 
-def restore(state, sd: dict) -> None:
-    """Hand each component its part of a checked checkpoint."""
-    state.memory.load_state_dict(sd["memory"])
-    if state.adam is not None:
-        state.adam.reset()
-    state.resume_at(sd["step"])
-    state.delay.load_state_dict(sd.get("pending", []))
-    state.rounds.load_state_dict(sd.get("local"))
-    state.warmup.load_state_dict(sd.get("warmup"))
-
-
-def _check_compatible(state, sd: dict) -> None:
+def _check_compatible(me: Identity, sd: dict) -> None:
     """Method, options, world size, topology and model: those of this state."""
     # options added since a checkpoint was written take their defaults, but those whose
     # default changes what a run does (local_steps.ABSENT) the value that run had; the
     # topology is compared as resolved (ranks per node), below, and the warm-up as the rule
     # that runs (a checkpoint's "adaptive" is today's "auto" at local_steps=1)
-    config = state.config
+    config = me.config
     saved = {**type(config)().to_dict(), **ABSENT, **sd.get("config", {})}
     mine = config.to_dict()
     for k in ("topology", "local_size", "adam"):  # adam: as it runs, in _check_adam
         saved.pop(k), mine.pop(k)
     saved["warmup"] = type(config).warmup_rule_of(saved)
     mine["warmup"] = config.warmup_rule
-    if sd.get("method") != state.method or saved != mine:
+    if sd.get("method") != me.method or saved != mine:
         auto = ""
-        if state.method_probe is not None and sd.get("method") != state.method:
-            auto = (f"; method='auto' chose {state.method!r} in this job: to resume, register "
+        if me.auto and sd.get("method") != me.method:
+            auto = (f"; method='auto' chose {me.method!r} in this job: to resume, register "
                     f"the method the checkpoint's job ran, {quote(sd.get('method'))}")
-        if sd.get("method") != state.method:
+        if sd.get("method") != me.method:
             raise ValueError(f"checkpoint is for method {quote(sd.get('method'))}; this "
-                             f"state runs {state.method!r}{auto}: register the method it was "
+                             f"state runs {me.method!r}{auto}: register the method it was "
                              f"saved with to resume it")
         differ = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
         shown = "; ".join(f"{k}: saved {quote(saved.get(k), 60)}, this state "
                           f"{quote(mine.get(k), 60)}" for k in differ[:8])
         more = f" and {len(differ) - 8} more" if len(differ) > 8 else ""
-        raise ValueError(f"checkpoint of {state.method!r} was saved with other options than "
+        raise ValueError(f"checkpoint of {me.method!r} was saved with other options than "
                          f"this state's: {shown}{more}; register with the options it was "
                          f"saved with to resume it")
-    _check_adam(state, sd)
-    if sd.get("world_size") != state.world_size:
+    _check_adam(me, sd)
+    if sd.get("world_size") != me.world_size:
         raise ValueError(f"checkpoint was saved with world size {sd.get('world_size')}; "
-                         f"this job has {state.world_size}: residuals do not transfer")
+                         f"this job has {me.world_size}: residuals do not transfer")
     saved_local = sd.get("ranks_per_node", 0)
-    if saved_local != state.local_size:
+    if saved_local != me.local_size:
         def topo(n):
             return f"hierarchical with {n} ranks per node" if n else "flat"
         raise ValueError(f"checkpoint was saved with topology {topo(saved_local)}; this job "
-                         f"runs {topo(state.local_size)}: its memory is kept per shard of "
+                         f"runs {topo(me.local_size)}: its memory is kept per shard of "
                          f"that topology; set topology=/local_size= as when it was saved")
-    _check_model_names(state, sd)
+    _check_model_names(me, sd)
 
 
-def _check_model_names(state, sd: dict) -> None:
+def _check_model_names(me: Identity, sd: dict) -> None:
     """The checkpoint's memory names this model's parameters (or this rank's HSDP shards of
     them), kept as this state keeps them, with their sizes."""
-    known = set(state.param_names.values())
+    known = set(me.names)
     unknown = memory_names(sd) - known if known else set()
-    pieces = {n for n in state.param_numels if SEP in n}  # HSDP: this rank's shards
+    pieces = {n for n in me.numels if SEP in n}  # HSDP: this rank's shards
     saved_pieces = any(SEP in n for part in sd["memory"].values() for d in part.values()
                        for n in d)
-    if saved_pieces and not (pieces or state.local_size) or (pieces and sd["memory"]["flat"]
+    if saved_pieces and not (pieces or me.local_size) or (pieces and sd["memory"]["flat"]
                                                               and not saved_pieces):
         def kind(p):
             return "per shard (HSDP)" if p else "per whole parameter (DDP or 1-D FSDP)"
@@ -423,23 +444,16 @@ def _check_model_names(state, sd: dict) -> None:
         raise ValueError(f"checkpoint holds state for parameters this model lacks: "
                          f"{', '.join(sorted(unknown)[:5])}")
     for slot, d in sd["memory"]["flat"].items():
-        scalar = slot in state.compressor.scalar_slots  # one value per parameter
+        scalar = slot in me.scalar_slots  # one value per parameter
         for name, v in d.items():
-            want = state.param_numels.get(name)  # (a shard's piece: checked above)
+            want = me.numels.get(name)  # (a shard's piece: checked above)
             want = 1 if scalar and want is not None else want
             if want is not None and v.numel() != want:
                 raise ValueError(f"checkpoint slot {slot!r} holds {v.numel()} elements for "
                                  f"parameter {name!r}; this model's has {want}")
 
 
-def exchanged(state) -> str:
-    """What the method's residuals are made of: "gradient", or with Adam bound Adam's first
-    moment ("momentum") or the preconditioned gradient ("precondition")."""
-    mode = state.adam_mode if state.adam is not None else Adam.OFF
-    return mode.value if mode in (Adam.MOMENTUM, Adam.PRECONDITION) else "gradient"
-
-
-def _check_adam(state, sd: dict) -> None:
+def _check_adam(me: Identity, sd: dict) -> None:
     """A checkpoint with residuals loads only into a state that exchanges the same kind of
     values (:func:`exchanged`). Checkpoints written before the key existed ran adam="auto"
     as "freeze": the gradient."""
@@ -449,14 +463,14 @@ def _check_adam(state, sd: dict) -> None:
     if saved is None:
         adam = sd.get("config", {}).get("adam", "auto")
         saved = "precondition" if adam == "precondition" else "gradient"
-    mine = exchanged(state)
+    mine = me.exchanges
     if saved != mine:
         how = {"gradient": "'freeze' (or without Adam: any)", "momentum": "'momentum'",
                "precondition": "'precondition'"}
         raise ValueError(f"checkpoint's residuals are of the {saved} (its job exchanged "
                          f"that); this job exchanges the {mine} (adam="
-                         f"{str(state.config.adam)!r}, running "
-                         f"{state.adam_mode.value!r}): register with adam={how[saved]} "
+                         f"{str(me.config.adam)!r}, running "
+                         f"{me.adam_running!r}): register with adam={how[saved]} "
                          f"to resume it")
 
 
@@ -465,26 +479,20 @@ def memory_names(sd: dict) -> set:
     return {base_name(n) for part in sd["memory"].values() for d in part.values() for n in d}
 
 
-def _rank(state) -> int:
-    """The rank a checkpoint belongs to: the job's rank (under HSDP a state's group holds
-    one shard's replicas, whose group ranks repeat across shards)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return state.rank
-
-
 class DistributedCheckpoint:
-    """A gradcomp.State as a ``torch.distributed.checkpoint`` Stateful (see ``stateful()``)."""
+    """A gradcomp.State as a ``torch.distributed.checkpoint`` Stateful (see ``stateful()``):
+    ``save()`` is the state's ``state_dict()``, ``load(read)`` its collective load,
+    ``rank()`` the job's rank (asked at each call)."""
 
-    def __init__(self, state):
-        self.state = state
+    def __init__(self, save: Callable[[], dict], load: Callable, rank: Callable[[], int]):
+        self._save, self._load, self._rank = save, load, rank
 
     def _key(self) -> str:
-        return f"rank{_rank(self.state)}"
+        return f"rank{self._rank()}"
 
     def state_dict(self) -> dict:
         buf = io.BytesIO()
-        torch.save(state_dict(self.state), buf)
+        torch.save(self._save(), buf)
         return {self._key(): buf.getvalue()}
 
     def load_state_dict(self, sd: dict) -> None:
@@ -495,7 +503,7 @@ class DistributedCheckpoint:
                                  f"{quote(sorted(sd)[:4] if isinstance(sd, dict) else sd)}): "
                                  f"save and load with state.stateful() and the same ranks")
             return sd
-        load(self.state, read)
+        self._load(read)
 
 
 ALL_RANKS_FORMAT = "gradcomp-all-ranks-1"
@@ -505,14 +513,15 @@ class AllRanksCheckpoint:
     """A gradcomp.State as one object for a checkpoint written by rank 0 (see ``all_ranks()``):
     ``{"format", "world_size", "ranks": [state_dict() of rank 0, 1, ...]}`` with CPU tensors
     (loads with ``torch.load(weights_only=True)``). Ranks other than 0 return their own entry
-    only (the others None): frameworks write rank 0's."""
+    only (the others None): frameworks write rank 0's. ``save``, ``load``: as
+    :class:`DistributedCheckpoint`'s."""
 
-    def __init__(self, state):
-        self.state = state
+    def __init__(self, save: Callable[[], dict], load: Callable):
+        self._save, self._load = save, load
 
     def state_dict(self) -> dict:
         buf = io.BytesIO()
-        torch.save(state_dict(self.state), buf)
+        torch.save(self._save(), buf)
         world, rank = dist.get_world_size(), dist.get_rank()
         gathered = comm.gather_object(buf.getvalue())  # the default group: the caller's
         if rank != 0:
@@ -542,4 +551,4 @@ class AllRanksCheckpoint:
                                  f"was written by rank {writer} alone; load the file that "
                                  f"global rank 0 wrote")
             return ranks[rank]
-        load(self.state, read)
+        self._load(read)

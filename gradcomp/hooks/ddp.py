@@ -107,9 +107,9 @@ def register_ddp(model: DistributedDataParallel, method: str, *, optimizer=None,
         state = HookState(name, config, group=group, plan=plan, **_named(model.module))
     model.register_comm_hook(state, hook)
     # only once every rank agreed: nothing attached on a refusal
-    optimizer_binding.bind(state, optimizer, module=model.module,
-                           bucket_bytes=getattr(model, "bucket_bytes_cap", None),
-                           warn=dist.get_rank(group) == 0, outer_optimizer=outer_optimizer)
+    state.bind_optimizer(optimizer, module=model.module,
+                         bucket_bytes=getattr(model, "bucket_bytes_cap", None),
+                         warn=dist.get_rank(group) == 0, outer_optimizer=outer_optimizer)
     if log_dir is not None and writes:
         from torch.utils.tensorboard import SummaryWriter
         State(state).attach(SummaryWriter(log_dir), details=log_details)

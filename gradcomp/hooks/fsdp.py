@@ -378,9 +378,9 @@ def register_fsdp(model, method: str, *, optimizer=None, scaler=None, log_dir=No
         state = HookState(name, config, group=group, param_names=names, param_numels=numels,
                               plan=dataclasses.replace(plan, owned_groups=tuple(groups.made)))
     _install(model, state, units, layouts, alone)
-    optimizer_binding.bind(state, optimizer, module=model, bucket_bytes=_ONE_OUTER_BUCKET,
-                           pieces=pieces, warn=dist.get_rank(world) == 0, stacklevel=5,
-                           outer_optimizer=outer_optimizer)
+    state.bind_optimizer(optimizer, module=model, bucket_bytes=_ONE_OUTER_BUCKET,
+                         pieces=pieces, warn=dist.get_rank(world) == 0, stacklevel=5,
+                         outer_optimizer=outer_optimizer)
     if log_dir is not None and writes:
         from torch.utils.tensorboard import SummaryWriter
         State(state).attach(SummaryWriter(log_dir), details=log_details)

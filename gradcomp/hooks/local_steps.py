@@ -662,7 +662,7 @@ def same_model(a, b) -> bool:
     return len(a) == len(b) and all(close(x, y) for x, y in zip(a, b))
 
 
-def check_local_state(loc, config, numels: dict, param_names: dict) -> None:
+def check_local_state(loc, config, numels: dict, param_names: tuple) -> None:
     """A checkpoint's local-steps part (what :meth:`LocalSteps.state_dict` writes), checked
     before anything is loaded: per parameter, the round's start, anchor
     and the outer optimizer's state ("momentum" in format 2), and per fragment the outer
@@ -673,7 +673,7 @@ def check_local_state(loc, config, numels: dict, param_names: dict) -> None:
         raise bad("local", type(loc).__name__, "a dict (local_steps' rounds)")
     check_int("local inner_steps", loc.get("inner_steps"))
     # what the rounds lay out: every trainable parameter, under HSDP this rank's rows of each
-    names = [n for n in numels if SEP in n] or list(param_names.values())
+    names = [n for n in numels if SEP in n] or list(param_names)
 
     def named(what, d, whole=True):  # (a fragment's exchange: its own parameters)
         if d is None:

@@ -94,12 +94,12 @@ class State:
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """This rank's checkpoint (docs/checkpoints.md)."""
-        return checkpoint.state_dict(self._state)
+        return self._state.state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a checkpoint written by ``state_dict()`` (collective: on every rank): all
         of it, or nothing and an error naming what is wrong."""
-        checkpoint.load_state_dict(self._state, state_dict)
+        self._state.load(lambda: state_dict)
 
     def stateful(self) -> checkpoint.DistributedCheckpoint:
         """This state for ``torch.distributed.checkpoint`` (a ``Stateful``)::
@@ -110,7 +110,9 @@ class State:
         a key of its rank, as one opaque entry (the bytes of ``state_dict()``): DCP would
         otherwise keep one rank's copy of equal keys, and could not load memory a fresh
         state has not created yet."""
-        return checkpoint.DistributedCheckpoint(self._state)
+        st = self._state
+        return checkpoint.DistributedCheckpoint(st.state_dict, st.load,
+                                                lambda: checkpoint.job_rank(st.rank))
 
     def all_ranks(self) -> checkpoint.AllRanksCheckpoint:
         """This state for a framework's checkpoint that one rank writes and every rank
@@ -121,7 +123,7 @@ class State:
         Its ``state_dict()`` is collective (every rank calls it, as those frameworks do):
         each rank's state is gathered onto global rank 0, whose copy holds all of them;
         ``load_state_dict()`` on every rank takes its own rank's from that copy."""
-        return checkpoint.AllRanksCheckpoint(self._state)
+        return checkpoint.AllRanksCheckpoint(self._state.state_dict, self._state.load)
 
     # ------------------------------------------------------------------ the exchanges
     def flush(self) -> dict:

@@ -74,7 +74,7 @@ def register(model, method: str, *args, optimizer=None, scaler=None,
     state = fsdp.register_fsdp(model, method, **common) if sharded else ddp.register_ddp(
         model, method, process_group=process_group, lanes=lanes or ddp.LANES, **common)
     if optimizer is None:
-        optimizer_binding.refuse_unseen_adam(state)
+        state.refuse_unseen_adam()
     return State(state)
 
 

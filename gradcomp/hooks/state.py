@@ -13,7 +13,8 @@ another's private attributes, tests/test_design.py checks):
   engine       engine.py        lanes (threads, process groups, CUDA streams) and the one
                                 global order in which every collective is issued
 
-``checkpoint.py`` assembles the checkpoint from the components' own ``state_dict()``.
+A checkpoint is assembled from the components' own ``state_dict()`` and this state's
+``identity()`` (checkpoint.py lays it out, checks a loaded one and runs the collective load).
 This module ties them together, building two parts with the components each uses:
 ``entries`` (hooks/submit.py's :class:`Entries`, on DDP's thread: the step counter, then one
 of three ways onto a lane) and ``stages`` (hooks/stages.py's :class:`Stages`, on a lane: the
@@ -30,8 +31,9 @@ from typing import Sequence
 
 from ..comm import Comm
 from ..compressors.base import build
-from ..config import MethodConfig
+from ..config import Adam, MethodConfig
 from ..memory import ParamMemory
+from . import checkpoint
 from . import optimizer as optimizer_binding
 from .agree import destroy_groups
 from .delayed import Delayed
@@ -230,6 +232,57 @@ class HookState:
         while none has."""
         return self.engine.error
 
+    # ------------------------------------------------------------------ checkpoints
+    def identity(self) -> checkpoint.Identity:
+        """What this state's checkpoint records of it and a load compares (checkpoint.py)."""
+        return checkpoint.Identity(
+            method=self.method, config=self.config, world_size=self.world_size,
+            rank=checkpoint.job_rank(self.rank), local_size=self.local_size,
+            names=tuple(self.param_names.values()), numels=self.param_numels,
+            scalar_slots=frozenset(self.compressor.scalar_slots),
+            exchanges=checkpoint.exchanged(self.adam_mode if self.adam is not None
+                                           else Adam.OFF),
+            adam_running=self.adam_mode.value, auto=self.method_probe is not None,
+            memory=self.memory, rounds=self.rounds)
+
+    def state_dict(self) -> dict:
+        """Everything needed to resume this state exactly (docs/checkpoints.md), from its
+        components' own ``state_dict()``: memory by parameter name (memory.py), the step
+        counter, the delayed exchanges still to be applied (delayed.py), with local_steps
+        the rounds' state (local_steps.py) and the adaptive warm-up's (warmup.py); laid out
+        by checkpoint.py's ``assemble``. The exchanges in flight are waited for first (they
+        write the memory), and a skipped step's leave no trace in it."""
+        self.drain()
+        self.guard.settle()
+        return checkpoint.assemble(self.identity(), self.step, {
+            "memory": self.memory.state_dict(), "pending": self.delay.state_dict(),
+            "local": self.rounds.state_dict(), "warmup": self.warmup.state_dict()})
+
+    def load(self, read) -> None:
+        """Load the checkpoint ``read()`` returns, on every rank (checkpoint.py's ``load``:
+        all of it or nothing, over the loads' own group)."""
+        group = self.load_group if self.load_group is not None else (
+            self.stats_group if self.stats_group is not None else self.group)
+        checkpoint.load(read, group=group, settle=self._settle, identity=self.identity,
+                        restore=self._restore)
+
+    def _settle(self) -> BaseException | None:
+        """Before a load: the exchanges in flight finished, the copies the guard holds (of
+        the memory being replaced) dropped; the error an exchange raised, if one did."""
+        self.drain()
+        self.guard.settle()
+        return self.failed
+
+    def _restore(self, sd: dict) -> None:
+        """Hand each component its part of a checked checkpoint."""
+        self.memory.load_state_dict(sd["memory"])
+        if self.adam is not None:
+            self.adam.reset()
+        self.resume_at(sd["step"])
+        self.delay.load_state_dict(sd.get("pending", []))
+        self.rounds.load_state_dict(sd.get("local"))
+        self.warmup.load_state_dict(sd.get("warmup"))
+
     # ------------------------------------------------------------------ Adam
     @property
     def adam_mode(self):
@@ -245,6 +298,47 @@ class HookState:
             compressing=lambda: not self.warmup.dense(max(self.step - 1, 0)))
         if adam is not None:
             self.adam = adam
+
+    def bind_optimizer(self, optimizer, *, module=None, bucket_bytes=None, pieces=None,
+                       warn: bool = False, stacklevel: int = 4, outer_optimizer=None) -> None:
+        """Attach to the user's optimizer all that the settings need, once every rank agreed
+        (the adapters call this last; hooks/optimizer/ holds each piece): with
+        ``local_steps`` the rounds' step hooks (hooks/local_steps.py); else the SGD momentum
+        a method applies itself (DGC), the Adam binding and, with ``warn``, the
+        measured-accuracy warning. ``pieces``: what the rounds average under HSDP: (name,
+        tensor) pairs of this rank's rows; ``outer_optimizer``: the rounds' outer step."""
+        if optimizer is None:
+            return
+        if self.rounds.active:  # inner steps are the optimizer's own; rounds end in its hooks
+            if pieces is None:  # every trainable parameter of ``module`` in module order
+                names = self.param_names
+                pieces = [(names[id(p)], p) for p in module.parameters() if id(p) in names]
+            self.rounds.bind(pieces, module.named_buffers(), bucket_bytes, self.entries.outer,
+                             outer_optimizer)
+            # (a pre-hook that runs before the rounds')
+            self.on_close(optimizer_binding.check_first_round(
+                self.rounds, optimizer, self.load_group, self.param_numels))
+            # the steps that run (not a wrapper's skips)
+            self.rounds.hook(optimizer_binding.step_hooks(
+                optimizer, "local", self.rounds.inner_pre, self.rounds.inner_post))
+            self.bind_adam(optimizer)  # with sync_steps: the second moment they learned
+            return
+        optimizer_binding.bind_momentum(self.compressor, optimizer, self.param_names,
+                                        self.method)
+        self.bind_adam(optimizer)
+        if warn:
+            optimizer_binding.warn_measured(self.method, self.config, self.adam_mode,
+                                            optimizer, stacklevel=stacklevel)
+
+    def refuse_unseen_adam(self) -> None:
+        """Registered without ``optimizer=``: Adam/AdamW stepping the model's parameters
+        raises at its first step (hooks/optimizer/'s ``refuse_unseen_adam``)."""
+        ref = weakref.ref(self)  # (the global hook holds no state alive)
+        remove = optimizer_binding.refuse_unseen_adam(
+            self.method, self.compressor, self.config,
+            lambda: getattr(ref(), "param_names", None))
+        if remove is not None:
+            self.on_close(remove)
 
     def close(self) -> None:
         """Stop the communication threads (after the exchanges queued so far). Called at

@@ -1,9 +1,10 @@
-"""What gradcomp does to a user's optimizer, in one place: :func:`bind` (called by the DDP
-and FSDP adapters once every rank agreed), the step hooks every binding registers through
+"""What gradcomp does to a user's optimizer, in one place (the hook state's
+``bind_optimizer``, called by the DDP and FSDP adapters once every rank agreed, puts these
+together): the step hooks every binding registers through
 (:func:`step_hooks`: one pair per binding, run after a ``step(closure)``'s backward where
 it matters, :func:`after_closure`), DGC's momentum read from SGD's param groups
 (:class:`SGDMomentum`) and the checks of DGC's options against it (:func:`momentum_options`),
-local steps' rounds (their step hooks, installed by :func:`bind`), what every rank's
+local steps' first-round check (:func:`check_first_round`), what every rank's
 optimizer must agree on (:func:`settings`) and the Adam binding. No module outside
 this package reads an optimizer's groups or hooks its steps (tests/test_design.py).
 
@@ -61,12 +62,12 @@ def held(mode: str | None = None) -> list[str]:
     return [m for gap, m in sorted(g for g in gaps if g[0] is not None) if gap <= HOLDS_PCT]
 
 
-def warn_measured(state, optimizer, stacklevel: int = 3) -> None:
+def warn_measured(method: str, config, adam: Adam, optimizer, stacklevel: int = 3) -> None:
     """Once per method and process: a method whose measured defaults did not hold with
-    Adam/AdamW, run at those defaults with Adam/AdamW (``stacklevel``: the user's call)."""
-    method, config = state.method, state.config
+    Adam/AdamW, run at those defaults with Adam/AdamW (``adam``: the Adam mode it runs;
+    ``stacklevel``: the user's call)."""
     local = config.in_rounds  # Adam's own inner steps, the pseudo-gradient sent
-    mode = LOCAL if local else state.adam_mode
+    mode = LOCAL if local else adam
     own = METHODS[method].compressor.adam_defaults.get("adam")  # (off: the method's choice)
     if method in _warned or not is_adam(optimizer) or (config.adam == Adam.OFF and own != "off"):
         return
@@ -182,88 +183,61 @@ def momentum_options(options: dict, optimizer, name: str) -> dict:
     return options
 
 
-def bind(state, optimizer, *, module=None, bucket_bytes=None, pieces=None, warn: bool = False,
-         stacklevel: int = 4, outer_optimizer=None) -> None:
-    """Attach to the user's optimizer all that the state's settings need, once every rank
-    agreed (the adapters call this last): with ``local_steps`` the rounds' step hooks
-    (hooks/local_steps.py); else the SGD momentum a method applies itself (DGC), the Adam binding
-    (:class:`FrozenVariance`) and, with ``warn``, the measured-accuracy warning. ``pieces``:
-    what the rounds average under HSDP: (name, tensor) pairs of this rank's rows;
-    ``outer_optimizer``: the rounds' outer step (hooks/local_steps.py)."""
-    if optimizer is None:
-        return
-    if state.rounds.active:  # inner steps are the optimizer's own; the rounds end in its hooks
-        if pieces is None:  # every trainable parameter of ``module`` in module order
-            names = state.param_names
-            pieces = [(names[id(p)], p) for p in module.parameters() if id(p) in names]
-        state.rounds.bind(pieces, module.named_buffers(), bucket_bytes, state.entries.outer,
-                          outer_optimizer)
-        _check_first_round(state, optimizer)  # (a pre-hook that runs before the rounds')
-        # the steps that run (not a wrapper's skips)
-        state.rounds.hook(step_hooks(optimizer, "local", state.rounds.inner_pre,
-                                     state.rounds.inner_post))
-        state.bind_adam(optimizer)  # with sync_steps: the second moment they learned
-        return
+def bind_momentum(compressor, optimizer, names: dict, method: str) -> None:
+    """A method that applies SGD's momentum itself (DGC's momentum correction) reads it from
+    ``optimizer``'s param groups at every step (:class:`SGDMomentum`); else nothing."""
     inner = unwrap(optimizer)
-    if state.compressor.reads_momentum and isinstance(inner, torch.optim.SGD):
-        state.compressor.attach_momentum(
-            SGDMomentum(inner, state.param_names, state.compressor.config.fixed(),
-                        state.method))
-    state.bind_adam(optimizer)
-    if warn:
-        warn_measured(state, optimizer, stacklevel=stacklevel)
+    if compressor.reads_momentum and isinstance(inner, torch.optim.SGD):
+        compressor.attach_momentum(SGDMomentum(inner, names, compressor.config.fixed(), method))
 
 
-def refuse_unseen_adam(state) -> None:
+def refuse_unseen_adam(method: str, compressor, config, names):
     """``register()`` without ``optimizer=``: gradcomp cannot see the optimizer, and with
     Adam/AdamW it must bind it (the second moment frozen once compression starts, the
     method's Adam defaults), or the compressed gradients reach Adam's second moment
     (``adam="off"``: measured to lose accuracy, docs/adam.md). So the first
-    ``step()`` of an optimizer holding the model's parameters is looked at, once, through
-    torch's global step pre-hook: Adam/AdamW raises there (on every rank: each takes the
-    same step) naming the fix; any other optimizer goes on (the hook a no-op until
-    close()). Binding it then would be too late: the method's Adam defaults shape the
-    config, and every rank's optimizer is compared at registration."""
-    if state.compressor.stateless or state.config.adam == Adam.OFF:
-        return
-    import weakref
-
+    ``step()`` of an optimizer holding the model's parameters (``names()``: id -> name, None
+    once the state is gone) is looked at, once, through torch's global step pre-hook: Adam/AdamW raises there (on every
+    rank: each takes the same step) naming the fix; any other optimizer goes on. Binding it
+    then would be too late: the method's Adam defaults shape the config, and every rank's
+    optimizer is compared at registration. Returns the hook's ``remove`` (the hook stays, a
+    no-op, until then: torch iterates the hooks' dict while it runs them), or None."""
+    if compressor.stateless or config.adam == Adam.OFF:
+        return None
     from torch.optim.optimizer import register_optimizer_step_pre_hook
-    ref, done = weakref.ref(state), []  # (the hook stays, a no-op, until close(): torch
-    # iterates the hooks' dict while it runs them)
+    done = []
 
     def pre(opt, args, kwargs):
-        st = ref()
-        if st is None or done:
-            return
-        names = st.param_names
-        if not any(id(p) in names for g in opt.param_groups for p in g["params"]):
-            return  # another model's optimizer
+        mine = names()
+        if done or not mine or not any(id(p) in mine for g in opt.param_groups
+                                       for p in g["params"]):
+            return  # looked at already, the state gone, or another model's optimizer
         done.append(True)
         if is_adam(opt):
             name = type(unwrap(opt)).__name__
             raise ValueError(
-                f"gradcomp: {st.method!r} was registered without optimizer=, and {name} "
+                f"gradcomp: {method!r} was registered without optimizer=, and {name} "
                 f"steps the model's parameters: with Adam/AdamW gradcomp binds the optimizer "
                 f"(Adam's second moment frozen once compression starts, the method's Adam "
                 f"defaults; docs/adam.md), else the compressed gradients reach Adam's second "
                 f"moment and lose accuracy. Register with gradcomp.register(model, "
-                f"{st.method!r}, optimizer=opt), or with adam='off' to run without the "
+                f"{method!r}, optimizer=opt), or with adam='off' to run without the "
                 f"binding")
-    state.on_close(register_optimizer_step_pre_hook(pre).remove)
+    return register_optimizer_step_pre_hook(pre).remove
 
 
-def _check_first_round(state, optimizer) -> None:
+def check_first_round(rounds, optimizer, group, numels: dict):
     """Local steps: at the first step, before the rounds take their global point from this
     rank's model, every rank's model must be the same unless a checkpoint set the point
-    (hooks/local_steps.py's ``LocalSteps.check_same_start``); the hook goes after that step."""
-    done = []  # (the hook stays, a no-op, until close(): torch iterates its hooks' dict)
+    (hooks/local_steps.py's ``LocalSteps.check_same_start``, over ``group``). Returns the
+    hook's ``remove`` (the hook stays, a no-op, until then: torch iterates its hooks' dict)."""
+    done = []
 
     def pre(opt, args, kwargs):
         if not done:
             done.append(True)
-            state.rounds.check_same_start(state.load_group, state.param_numels)
-    state.on_close(unwrap(optimizer).register_step_pre_hook(pre).remove)
+            rounds.check_same_start(group, numels)
+    return unwrap(optimizer).register_step_pre_hook(pre).remove
 
 
 class SGDMomentum:
