@@ -615,6 +615,25 @@ def test_finite_copy_everywhere_bad_and_a_flag_already_up(guards, monkeypatch):
     assert tk.finite_copy(torch.ones(5, device=DEV), flag).sum() == 5 and flag.item() == 1.0
 
 
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_finite_copy_in_place_equals_the_copy(impl, monkeypatch):
+    """``out=x`` (the guard's late path): x itself holds what the copy holds, bit for bit,
+    across blocks, and the flag is raised alike."""
+    monkeypatch.setattr(tk.common, "BLOCK", SMALL_BLOCK)
+    fn = tk.finite_copy if impl == "triton" else ref.finite_copy
+    x = torch.randn(3 * SMALL_BLOCK + 5, generator=torch.Generator().manual_seed(0)).to(DEV)
+    x[[1, SMALL_BLOCK + 2, -1]] = torch.tensor([float("nan"), float("inf"), -float("inf")],
+                                               device=DEV)
+    x[4] = -0.0
+    f_copy, f_in = torch.zeros(1, device=DEV), torch.zeros(1, device=DEV)
+    want = fn(x, f_copy)
+    got = fn(x, f_in, out=x)
+    assert got is x and torch.equal(x.view(torch.int32), want.view(torch.int32))
+    assert f_in.item() == f_copy.item() == 1.0
+    with pytest.raises(ValueError, match="out must be x's size and dtype"):
+        fn(x, f_in, out=torch.zeros(5, device=DEV))
+
+
 def test_finite_copy_rejects_bad_input():
     with pytest.raises(ValueError, match="flat contiguous"):
         tk.finite_copy(torch.zeros(4, 4, device=DEV), torch.zeros(1, device=DEV))

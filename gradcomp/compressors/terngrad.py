@@ -193,30 +193,30 @@ MESSAGE = Message(
     Field("dense", torch.float32, "n_dense", "the values of the parameters sent "
           "uncompressed (below `min_numel`, or named in `exact`), as they are (fp32)"))
 
-def _shifts(device) -> torch.Tensor:
-    """A 2-bit code's place in the kernels' bytes, first value lowest: 0, 2, 4, 6 (made on
-    ``device``: no copy from the host in the step)."""
-    return torch.arange(0, 8, 2, dtype=torch.uint8, device=device)
+def base3_digits(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a 2-bit code's place in the kernels' bytes: 0, 2, 4, 6; a code's weight in a base-3
+    byte: 1, 3, 9, 27, 81), first value lowest, made on ``device`` (a layout keeps them:
+    nothing made in a step)."""
+    return (torch.arange(0, 8, 2, dtype=torch.uint8, device=device),
+            3 ** torch.arange(5, dtype=torch.uint8, device=device))
 
 
-def _powers(device) -> torch.Tensor:
-    """A code's weight in a base-3 byte, first value lowest: 1, 3, 9, 27, 81."""
-    return 3 ** torch.arange(5, dtype=torch.uint8, device=device)
-
-
-def to_base3(packed: torch.Tensor, n: int) -> torch.Tensor:
+def to_base3(packed: torch.Tensor, n: int, digits: tuple) -> torch.Tensor:
     """The kernels' codes, four 2-bit codes a byte (``n`` codes, a multiple of 4) -> five a
-    byte in base 3 (the message's ``codes``): 1.6 bits a value instead of 2. Lossless."""
-    c = (packed.unsqueeze(-1) >> _shifts(packed.device)) & 3
+    byte in base 3 (the message's ``codes``): 1.6 bits a value instead of 2. Lossless.
+    ``digits``: :func:`base3_digits` on packed's device."""
+    shifts, powers = digits
+    c = (packed.unsqueeze(-1) >> shifts) & 3
     c = torch.nn.functional.pad(c.view(-1), (0, -n % 5)).view(-1, 5)
-    return (c * _powers(packed.device)).sum(1, dtype=torch.uint8)
+    return (c * powers).sum(1, dtype=torch.uint8)
 
 
-def from_base3(b: torch.Tensor, n: int) -> torch.Tensor:
+def from_base3(b: torch.Tensor, n: int, digits: tuple) -> torch.Tensor:
     """:func:`to_base3`'s inverse, per rank: (W, bytes) -> (W, n / 4), four codes a byte."""
-    c = (b.unsqueeze(-1) // _powers(b.device)) % 3
+    shifts, powers = digits
+    c = (b.unsqueeze(-1) // powers) % 3
     c = c.view(b.shape[0], -1)[:, :n].reshape(b.shape[0], -1, 4)
-    return (c << _shifts(b.device)).sum(2, dtype=torch.uint8)
+    return (c << shifts).sum(2, dtype=torch.uint8)
 
 
 @register_method
@@ -270,10 +270,10 @@ class TernGrad(Compressor):
         sent = scale[:0] if cfg.share_scalers else scale  # shared: every rank has them
         msg = MESSAGE.bind(npad=lay.npad, n_scales=sent.numel(), n_dense=d.numel())
         got = msg.unpack(ctx.comm.allgather(msg.pack(
-            codes=to_base3(packed, lay.npad), scales=sent, dense=d)))  # every rank's, in order
+            codes=to_base3(packed, lay.npad, lay.digits), scales=sent, dense=d)))  # every rank's, in order
         scales = (scale.expand(W, len(big)).contiguous() if cfg.share_scalers
                   else got["scales"].contiguous())
-        codes = from_base3(got["codes"].reshape(W, -1), lay.npad)
+        codes = from_base3(got["codes"].reshape(W, -1), lay.npad, lay.digits)
         full = scratch("terngrad.full", lay.npad, torch.float32, x.device)
         kernels.ternary_decompress(codes, scales, lay.seg, full, 1.0 / W, accumulate=False)
         out = x  # x is not read again (its dense values are in the message): no fresh buffer
@@ -307,7 +307,8 @@ class _TernaryLayout:
 
     npad: padded length; lengths, starts: (S,) int64 padded length and first element of
     each layer; seg: (npad,) int32 layer of each element; dense: int64 positions of the
-    dense parameters in x; to_padded, to_x: the moves between x's layout and the padded one, as
+    dense parameters in x; digits: the base-3 packing's constants (:func:`base3_digits`);
+    to_padded, to_x: the moves between x's layout and the padded one, as
     runs (one ``torch.cat`` of views each, on every device: on an H100 0.63 ms for GPT-2
     small's 163M elements against 0.82 for a gather by an int32 position per element, which
     also cost 12 bytes per element of tables; bench/RESULTS.md, "Kernels on a GPU"). Cached per layout."""
@@ -328,6 +329,7 @@ class _TernaryLayout:
                                            torch.tensor(lengths)).to(device)
         self.dense = (torch.cat([torch.arange(p.offset, p.offset + p.numel, **kw) for p in dense])
                       if dense else None)
+        self.digits = base3_digits(device)
         # one run per layer
         self.to_padded = Runs([(p.offset, a, p.numel) for p, a in zip(params, starts)], n, at)
         self.to_x = Runs([(a, p.offset, p.numel) for p, a in zip(params, starts)], at, n)

@@ -98,8 +98,8 @@ class Guard:
         parameters is put back as it was, not poisoned for the rest of training, and every
         rank gets inf/NaN (``late`` below says where).
 
-        Host reads: none before the exchange (the local check stays on the device, the
-        compressor gets a finite copy, the original is kept for the fallback); the flag's,
+        Host reads: none before the exchange (the check stays on the device; the compressor
+        gets x with inf/NaN put to 0: with ``late`` x itself, else a copy for the fallback); the flag's,
         after the exchange's last collective, or with ``late`` a step later. The CPU takes
         the same path, so the host reads counted there are the GPU's
         (tests/test_host_reads.py).
@@ -126,11 +126,12 @@ class Guard:
         # write (ctx.memory); a slot it rewrites whole (ctx.memory_next) is not copied at all:
         # its new buffer is committed or dropped below
         snap = ctx.snapshot = self.memory.snapshot(names, ctx.bucket, slots=())
-        orig = x  # the compressor runs on every rank alike (the same collectives), on a copy
+        orig = x  # the compressor runs on every rank alike (the same collectives)
         # the step check rides with the flag; the copy without inf/NaN sets bad[0] (one
-        # kernel on a GPU)
+        # kernel on a GPU). ``late``: in place, as nothing falls back to x (the bucket's
+        # result replaces it, and the compressor's result is often x itself: no copy back)
         bad = clear_flag(ctx.step, x.device)
-        x = kernels.finite_copy(x, bad)
+        x = kernels.finite_copy(x, bad, out=x if late else None)
         flat.flag(bad)
         if late:
             return self._run_late(x, ctx, flat, run, bad, snap, names)

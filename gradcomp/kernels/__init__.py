@@ -72,9 +72,10 @@ def implementation(name: str, t: torch.Tensor, which: str | None = None, referen
     return getattr(module, name)
 
 
-def finite_copy(x, flag):
-    """x with NaN and +-inf put to 0 (a new tensor); flag[0] = 1 where x held any."""
-    return implementation("finite_copy", x)(x, flag)
+def finite_copy(x, flag, out=None):
+    """x with NaN and +-inf put to 0 (a new tensor, or into ``out``: x itself for in
+    place); flag[0] = 1 where x held any."""
+    return implementation("finite_copy", x)(x, flag, out)
 
 
 def flag_fill(out, flag):

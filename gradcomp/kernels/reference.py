@@ -397,17 +397,26 @@ def threshold_decode(got: torch.Tensor, K: int, P: int, owner: torch.Tensor,
 
 
 # --------------------------------------------------------------------------- inf/NaN guard
-def finite_copy(x: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
-    """x with every NaN, +inf and -inf put to 0 (a new tensor, x's dtype), and flag[0] = 1
+def finite_copy(x: torch.Tensor, flag: torch.Tensor, out: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """x with every NaN, +inf and -inf put to 0 (a new tensor, x's dtype, or written into
+    ``out``: a flat tensor of x's size and dtype, x itself for in place), and flag[0] = 1
     where x held any of them (left as it is otherwise). x: flat contiguous, fp32/fp16/bf16;
     flag: fp32, at least one element. Reads n, writes n (+ one flag)."""
     check_flat(x)
+    if out is not None:
+        check_flat(out, "out")
+        if out.dtype != x.dtype or out.numel() != x.numel():
+            raise ValueError(f"out must be x's size and dtype ({x.numel()} {x.dtype}), got "
+                             f"{out.numel()} {out.dtype}")
     if flag.dtype != torch.float32 or flag.numel() < 1:
         raise ValueError(f"flag must be fp32 with at least one element, got {flag.dtype} with "
                          f"{flag.numel()}")
     bad = torch.isfinite(x).all().logical_not()
     flag[:1].masked_fill_(bad.reshape(1), 1.0)
-    return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+    if out is None:
+        return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+    return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0, out=out)
 
 
 def flag_fill(out: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,8 @@ Passes over memory (n elements, fp32 x):
     parameter walking its slots, or (a parameter wider than SERIAL_BLOCKS blocks) a count
     per block, a cumsum, a count before each parameter and a placement over all slots.
   * finite_copy (the inf/NaN guard, guard.py): one kernel, one read of x and one write of
-    its copy with NaN and +-inf put to 0, the flag set where any was seen; flag_fill: one
+    it with NaN and +-inf put to 0 (into a copy, or in place), the flag set where any was
+    seen; flag_fill: one
     kernel that writes NaN over a bucket whose flag is up (nothing read of it).
   * threshold_tau / threshold_encode / threshold_decode: threshold quantization's
     per-parameter tau, its codes and residual, and the decode of the W messages (atomic

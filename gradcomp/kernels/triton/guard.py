@@ -28,15 +28,22 @@ def _finite_copy_kernel(
     tl.store(flag_ptr, 1.0, mask=nbad > 0)  # every writer writes the same value
 
 
-def finite_copy(x: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
-    """See :func:`gradcomp.kernels.reference.finite_copy`. Reads n, writes n."""
+def finite_copy(x: torch.Tensor, flag: torch.Tensor, out: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """See :func:`gradcomp.kernels.reference.finite_copy`. Reads n, writes n (each element
+    in its own lane: ``out`` may be x)."""
     c.check_flat(x)
+    if out is not None:
+        c.check_flat(out, "out")
+        if out.dtype != x.dtype or out.numel() != x.numel():
+            raise ValueError(f"out must be x's size and dtype ({x.numel()} {x.dtype}), got "
+                             f"{out.numel()} {out.dtype}")
     if flag.dtype != torch.float32 or flag.numel() < 1:
         raise ValueError(f"flag must be fp32 with at least one element, got {flag.dtype} with "
                          f"{flag.numel()}")
     c.check_contiguous(flag, "flag")
     n = x.numel()
-    out = c.alloc((n,), x.dtype, x.device)
+    out = c.alloc((n,), x.dtype, x.device) if out is None else out
     if n:
         _finite_copy_kernel[(triton.cdiv(n, c.BLOCK),)](x, out, flag, n, BLOCK=c.BLOCK,
                                                         num_warps=c.NUM_WARPS)
