@@ -397,13 +397,11 @@ def threshold_decode(got: torch.Tensor, K: int, P: int, owner: torch.Tensor,
 
 
 # --------------------------------------------------------------------------- inf/NaN guard
-def finite_copy(x: torch.Tensor, flag: torch.Tensor, out: torch.Tensor | None = None
-                ) -> torch.Tensor:
-    """x with every NaN, +inf and -inf put to 0 (a new tensor, x's dtype, or written into
-    ``out``: a flat tensor of x's size and dtype, x itself for in place), and flag[0] = 1
-    where x held any of them (left as it is otherwise). x: flat contiguous, fp32/fp16/bf16;
-    flag: fp32, at least one element. Reads n, writes n (+ one flag)."""
-    check_flat(x)
+def check_guard(x: torch.Tensor, flag: torch.Tensor, out: torch.Tensor | None = None,
+                x_name: str = "x") -> None:
+    """The guard's kernels' inputs (every backend checks them so): ``x`` flat and contiguous,
+    ``flag`` fp32 with at least one element, ``out`` (if given) flat, of x's size and dtype."""
+    check_flat(x, x_name)
     if out is not None:
         check_flat(out, "out")
         if out.dtype != x.dtype or out.numel() != x.numel():
@@ -412,6 +410,15 @@ def finite_copy(x: torch.Tensor, flag: torch.Tensor, out: torch.Tensor | None = 
     if flag.dtype != torch.float32 or flag.numel() < 1:
         raise ValueError(f"flag must be fp32 with at least one element, got {flag.dtype} with "
                          f"{flag.numel()}")
+
+
+def finite_copy(x: torch.Tensor, flag: torch.Tensor, out: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """x with every NaN, +inf and -inf put to 0 (a new tensor, x's dtype, or written into
+    ``out``: a flat tensor of x's size and dtype, x itself for in place), and flag[0] = 1
+    where x held any of them (left as it is otherwise). x: flat contiguous, fp32/fp16/bf16;
+    flag: fp32, at least one element. Reads n, writes n (+ one flag)."""
+    check_guard(x, flag, out)
     bad = torch.isfinite(x).all().logical_not()
     flag[:1].masked_fill_(bad.reshape(1), 1.0)
     if out is None:
@@ -422,8 +429,5 @@ def finite_copy(x: torch.Tensor, flag: torch.Tensor, out: torch.Tensor | None = 
 def flag_fill(out: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
     """out filled with NaN, in place, where flag[0] > 0 (left as it is otherwise): the
     guard's verdict on a bucket, decided on the device. Reads 1 (+ n where set), writes n."""
-    check_flat(out, "out")
-    if flag.dtype != torch.float32 or flag.numel() < 1:
-        raise ValueError(f"flag must be fp32 with at least one element, got {flag.dtype} with "
-                         f"{flag.numel()}")
+    check_guard(out, flag, x_name="out")
     return out.masked_fill_(flag[:1] > 0, float("nan"))

@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..reference import check_guard
 from . import common as c
 
 
@@ -32,15 +33,7 @@ def finite_copy(x: torch.Tensor, flag: torch.Tensor, out: torch.Tensor | None = 
                 ) -> torch.Tensor:
     """See :func:`gradcomp.kernels.reference.finite_copy`. Reads n, writes n (each element
     in its own lane: ``out`` may be x)."""
-    c.check_flat(x)
-    if out is not None:
-        c.check_flat(out, "out")
-        if out.dtype != x.dtype or out.numel() != x.numel():
-            raise ValueError(f"out must be x's size and dtype ({x.numel()} {x.dtype}), got "
-                             f"{out.numel()} {out.dtype}")
-    if flag.dtype != torch.float32 or flag.numel() < 1:
-        raise ValueError(f"flag must be fp32 with at least one element, got {flag.dtype} with "
-                         f"{flag.numel()}")
+    check_guard(x, flag, out)
     c.check_contiguous(flag, "flag")
     n = x.numel()
     out = c.alloc((n,), x.dtype, x.device) if out is None else out
@@ -66,10 +59,7 @@ def _flag_fill_kernel(
 def flag_fill(out: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
     """See :func:`gradcomp.kernels.reference.flag_fill`. One launch in place of two (the
     comparison and the masked fill); reads nothing of out."""
-    c.check_flat(out, "out")
-    if flag.dtype != torch.float32 or flag.numel() < 1:
-        raise ValueError(f"flag must be fp32 with at least one element, got {flag.dtype} with "
-                         f"{flag.numel()}")
+    check_guard(out, flag, x_name="out")
     n = out.numel()
     if n:
         _flag_fill_kernel[(triton.cdiv(n, c.BLOCK),)](out, flag, n, BLOCK=c.BLOCK,
