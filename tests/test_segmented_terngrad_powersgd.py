@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gradcomp_bench import bench_ops
-from gradcomp.compressors.base import METHODS
+from gradcomp.compressors.base import METHODS, ParamSlice
 from gradcomp.compressors.powersgd import _init_q, bmm, orthonormalize
 from gradcomp.compressors.terngrad import layer_stats
 from gradcomp.hooks import build_config
@@ -457,6 +457,138 @@ def test_powersgd_table_path_matches_the_batched_path(spec, W, monkeypatch):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
     for name, q in got["cpu"][1].items():
         torch.testing.assert_close(got["triton"][1][name], q, rtol=1e-4, atol=1e-4)
+
+
+class SwapCtx(Ctx):
+    """A Ctx whose memory_next is the memory's: a second buffer, committed by finish()."""
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.next = {}
+
+    def memory_next(self, slot):
+        names, numels = [p.name for p in self.params], [p.numel for p in self.params]
+        hit = self.next[slot] = self.mem.next_flat(slot, self.bucket, names, numels, self.device)
+        return hit
+
+    def finish(self):
+        for slot, (_, nxt) in self.next.items():
+            self.mem.commit(slot, self.bucket, nxt)
+
+
+def _table_steps(method, x, ctx):
+    """The table path as separate steps, as it ran before the residual's update, the dense
+    tensors' gather and average and the Q's went into its kernels (the same kernels for the
+    matrices): x += e, Q's gathered, P's, dense tensors gathered, orthonormal P's, Q's,
+    copied back, the average into a copy of x, the dense average (a product by 1 / W: CUDA's
+    div_ by a number), E = M - out, 0 at the dense tensors."""
+    cfg, W = method.config, ctx.comm.world_size
+    lay = method._layout(ctx.params, x.device)
+    table = lowrank.matrix_table(lay.table(x.device, x.numel()).rows, x.device)  # matrices only
+    if cfg.error_feedback:
+        e_now, e = ctx.memory_next("residual")
+        x.add_(e_now)
+    qs = [ctx.tensor("q", p.name, lambda p=p, g=g: _init_q(cfg.seed, p.name, g.m, g.r, x.device))
+          for g in lay.groups for p in g.params]
+    q = torch.cat([v.view(-1) for v in qs])
+    buf = x.new_empty(lay.p_total + lay.dense_numel)
+    lowrank.project(x, q, buf, table)
+    if lay.dense_idx is not None:
+        torch.index_select(x, 0, lay.dense_idx, out=buf[lay.p_total :])
+    ctx.comm.allreduce(buf)
+    lowrank.orthonormalize(buf, table)
+    lowrank.back(x, buf, q, table)
+    ctx.comm.allreduce(q)
+    torch._foreach_copy_([v.view(-1) for v in qs], q.split(lay.q_sizes))
+    out = x.clone() if cfg.error_feedback else x
+    lowrank.expand(buf, q, out, table, W)
+    if lay.dense_idx is not None:
+        out.index_copy_(0, lay.dense_idx, buf[lay.p_total :] * ref.reciprocal(W))
+    if cfg.error_feedback:
+        torch.sub(x, out, out=e)
+        lay.zero_dense(e)
+    return out
+
+
+@pytest.mark.parametrize("spec, W", [("powersgd", 3), ("powersgd:rank=2,min_compression_rate=0", 2),
+                                     ("powersgd:rank=1,error_feedback=false", 3)])
+def test_powersgd_table_path_equals_its_steps_run_apart_bit_for_bit(spec, W, monkeypatch):
+    """The table path's four launches (the residual, the dense tensors and the Q's inside
+    the kernels) give the bits of its steps run one by one: the average, the residual and
+    the Q's, over steps with a zero matrix, a relayout (the Q's gathered anew) and, without
+    error feedback, elements of no parameter left alone."""
+    monkeypatch.setenv("GRADCOMP_KERNELS", "triton")
+    shapes = [("T" + n, s) for n, s in TABLE_SHAPES] + PSGD_SHAPES[:12]
+    layouts = [lay_out(shapes), lay_out(shapes[::-1])]
+    if "error_feedback=false" in spec:  # 3 elements of no parameter before each
+        layouts.append([ParamSlice(p.name, p.shape, p.offset + 3 * (i + 1), p.numel)
+                        for i, p in enumerate(layouts[0])])
+    g = torch.Generator().manual_seed(W)
+    got = {}
+    for fused in (True, False):
+        method, mem, outs = compressor(spec, min_numel=10), ParamMemory(), []
+        g.manual_seed(W)
+        for step in range(2 * len(layouts)):
+            params = layouts[step // 2]
+            x = torch.randn(params[-1].offset + params[-1].numel + 2, generator=g)
+            if "error_feedback=false" not in spec:
+                x = x[: sum(p.numel for p in params)]
+            if step == 1:
+                x[params[2].offset : params[2].offset + params[2].numel] = 0  # a zero matrix
+            ctx = SwapCtx(params, step, mem, W)
+            outs.append((method.reduce if fused else lambda x, ctx: _table_steps(
+                method, x, ctx))(x.clone(), ctx).clone())
+            ctx.finish()
+        sd = mem.state_dict()
+        got[fused] = outs, sd["flat"].get("residual", {}), sd["tensors"]["q"]
+    assert len(got[True][2]) >= 6 and len(got[True][1]) == (0 if "=false" in spec else 23)
+    for a, b in zip(got[True][0], got[False][0]):
+        assert torch.equal(a, b)
+    for mine, theirs in zip(got[True][1:], got[False][1:]):
+        assert mine.keys() == theirs.keys()
+        for name, v in theirs.items():
+            assert torch.equal(mine[name], v), name
+
+
+@pytest.mark.parametrize("W", [1, 3])
+def test_powersgd_table_elements_match_the_reference_bit_for_bit(W, monkeypatch):
+    """The elements outside the matrices (dense ones, ones of no parameter), the residual
+    and its update: the kernels and the reference agree exactly there (sums and products
+    of one rounding), and to float tolerance on the matrices."""
+    shapes = [s for _, s in TABLE_SHAPES if len(s) == 2]
+    table, nx, npp, nq = _table(shapes)
+    rows = table.rows
+    dense = [(0, 3), (rows[2][0] - 3, 2)]  # runs of the gaps sent whole, the rest in none
+    rest = [(rows[2][0] - 1, 1)] + [(x_off - 3, 3) for x_off, *_ in rows[3:]] + [(nx, 5)]
+    table = lowrank.matrix_table(rows, "cpu", dense, rest)
+    D = table.dense
+    g = torch.Generator().manual_seed(W)
+    x, e = torch.randn(nx + 5, generator=g), torch.randn(nx + 5, generator=g)
+    q, p = torch.randn(nq, generator=g), torch.randn(npp + D, generator=g)
+    out = {}
+    for mode in ("reference", "triton"):
+        monkeypatch.setenv("GRADCOMP_KERNELS", mode)
+        pm, om, en = torch.zeros(npp + D), x.clone(), torch.full_like(x, 7.0)
+        lowrank.project(x, q, pm, table, e)
+        lowrank.expand(p, q, om, table, W, e, en)
+        out[mode] = pm, om, en
+    mats = torch.zeros(nx + 5, dtype=torch.bool)
+    for x_off, n, m, *_ in rows:
+        mats[x_off : x_off + n * m] = True
+    for a, b in zip(out["reference"], out["triton"]):
+        exact = ~mats if len(a) == nx + 5 else torch.arange(len(a)) >= npp
+        assert torch.equal(a[exact], b[exact])
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    pm, om, en = out["triton"]
+    idx = table.elems
+    assert torch.equal(pm[npp:], x[idx[:D]] + e[idx[:D]])
+    assert torch.equal(om[idx[:D]], p[npp:] * ref.reciprocal(W))
+    assert torch.equal(om[idx[D:]], x[idx[D:]] + e[idx[D:]])
+    assert (en[idx] == 0).all() and (en[~mats] == 0).sum() == len(idx)
+    alone = ~mats  # the gap before the second matrix is in no list: left alone
+    alone[idx] = False
+    assert alone.sum() == 3 and torch.equal(om[alone], x[alone]) and (en[alone] == 7).all()
+    torch.testing.assert_close(om[mats] + en[mats], x[mats] + e[mats])
 
 
 def _distinct(count):

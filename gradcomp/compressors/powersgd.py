@@ -23,8 +23,11 @@ Per-parameter semantics, per-bucket execution, two paths with the same messages:
     dozen).
   * GPU (Triton; ``GRADCOMP_KERNELS=triton`` runs it anywhere): one table of every matrix's
     place per bucket layout, and each of the four matrix steps is ONE launch over all of
-    them, whatever their shapes (:mod:`gradcomp.kernels.lowrank`): 21-25 launches per bucket
-    exchange. It agrees with the CPU path to float tolerance, not bit for bit.
+    them, whatever their shapes (:mod:`gradcomp.kernels.lowrank`), the residual's update and
+    the dense tensors' gather and average inside the first and the last, the Q's written
+    where the memory holds them: four launches per bucket exchange (ten with the inf/NaN
+    guard's and the hook's, tests/test_launches.py). It agrees with the CPU path to float
+    tolerance, not bit for bit.
 
 Bit-exactness. A matrix's result must not depend on the other matrices of its batch (DDP
 rebuilds its buckets, and a resumed job sees other buckets at its first step). Batched
@@ -124,22 +127,29 @@ class PowerSGD(Compressor):
         lay = self._layout(ctx.params, x.device)
         if not lay.groups:
             return self.dense(x, ctx)
-        if cfg.error_feedback:  # the residual is rewritten whole (E = M - M'), into e
-            e_now, e = ctx.memory_next(RESIDUAL)
-            x.add_(e_now)
+        # the residual is rewritten whole (E = M - M'), into e
+        e_now, e = ctx.memory_next(RESIDUAL) if cfg.error_feedback else (None, None)
         qs = [[ctx.tensor("q", p.name, lambda p=p, g=g: _init_q(cfg.seed, p.name, g.m, g.r, x.device))
                for p in g.params] for g in lay.groups]
-        # the matrices M, for the details below (without error feedback out is x, rewritten)
-        m_src = x.clone() if ctx.details and not cfg.error_feedback else x
-        # by runs on the CPU, the result written into x (not with the details: they read M)
-        moves = None if ctx.details or x.is_cuda else lay.moves(x.numel())
         if backend("powersgd_project", x) == "triton":
-            out, buf = self._reduce_table(x, ctx, lay, qs)
-        elif moves is not None:
-            return self._reduce_runs(x, ctx, lay, qs, moves, e if cfg.error_feedback else None)
+            # M = x + e inside the kernels, the result written into x: the matrices M kept
+            # for the details below
+            m_src = (x.clone() if e_now is None else x + e_now) if ctx.details else None
+            out, buf = self._reduce_table(x, ctx, lay, qs, e_now, e)
         else:
+            if e_now is not None:
+                x.add_(e_now)
+            # the matrices M, for the details below (without error feedback out is x, rewritten)
+            m_src = x.clone() if ctx.details and e_now is None else x
+            # by runs on the CPU, the result written into x (not with the details: they read M)
+            moves = None if ctx.details or x.is_cuda else lay.moves(x.numel())
+            if moves is not None:
+                return self._reduce_runs(x, ctx, lay, qs, moves, e)
             out, buf = self._reduce_batched(x, ctx, lay, qs)
-        lay.put_dense(out, buf, W)
+            lay.put_dense(out, buf, W)
+            if e is not None:
+                torch.sub(x, out, out=e)
+                lay.zero_dense(e)  # sent exactly: no error
         if ctx.details:  # how much of this rank's matrix the shared rank-r basis P misses
             err = []
             for g, (a, b) in zip(lay.groups, lay.p_spans):
@@ -148,9 +158,6 @@ class PowerSGD(Compressor):
                                                     dim=(1, 2))
                            / (torch.linalg.vector_norm(M, dim=(1, 2)) + 1e-30))
             ctx.log("approx_error", torch.cat(err).mean())
-        if cfg.error_feedback:
-            torch.sub(x, out, out=e)
-            lay.zero_dense(e)  # sent exactly: no error
         return out
 
     def _reduce_batched(self, x, ctx, lay, qs):
@@ -197,23 +204,23 @@ class PowerSGD(Compressor):
             scatter(xg, e)
         return scatter(rg, x)
 
-    def _reduce_table(self, x, ctx, lay, qs):
+    def _reduce_table(self, x, ctx, lay, qs, e_now, e):
         """The GPU path: every matrix of the bucket in one launch per step, whatever its
-        shape (:mod:`gradcomp.kernels.lowrank`); the same messages as the batched path."""
-        W, table = ctx.comm.world_size, lay.table(x.device)
-        qs = [q for group in qs for q in group]
-        q = torch.cat([v.view(-1) for v in qs])
+        shape (:mod:`gradcomp.kernels.lowrank`); the same messages as the batched path. The
+        matrices are M = x + e_now (e_now None: x), the result is written into x and the
+        next residual into e; the Q's are the memory's tensors, written where they lie.
+        Four launches: the residual's update, the dense tensors' gather and their average
+        ride in the first and the last."""
+        W, table = ctx.comm.world_size, lay.table(x.device, x.numel())
+        q = _one_buffer([v for group in qs for v in group], lay.q_sizes)
         buf = x.new_empty(lay.p_total + lay.dense_numel)
-        lowrank.project(x, q, buf, table)
-        lay.take_dense_into(x, buf[lay.p_total :])
+        lowrank.project(x, q, buf, table, e_now)  # every P, then the dense tensors' M
         ctx.comm.allreduce(buf)  # 1st collective: every P and every uncompressed tensor
         lowrank.orthonormalize(buf, table)
-        lowrank.back(x, buf, q, table)  # the Q's, end to end (q is not read again)
+        lowrank.back(x, buf, q, table, e_now)  # the new Q's over the old ones (read by project)
         ctx.comm.allreduce(q)  # 2nd collective: every Q
-        torch._foreach_copy_([v.view(-1) for v in qs], q.split(lay.q_sizes))
-        out = x.clone() if self.config.error_feedback else x
-        lowrank.expand(buf, q, out, table, W)
-        return out, buf
+        lowrank.expand(buf, q, x, table, W, e_now, e)
+        return x, buf
 
     def _layout(self, params, device):
         key = (tuple((p.name, p.offset, p.numel, p.size) for p in params), str(device))
@@ -291,7 +298,7 @@ class _LowRankLayout:
         spans = sorted((p.offset, p.offset + p.numel) for p in [m[0] for m in mats] + dense)
         self.covered = (spans[-1][1] if spans and all(
             a == b for (a, _), b in zip(spans, [0] + [e for _, e in spans])) else None)
-        self._table = None
+        self._tables = {}
 
     def moves(self, n: int):
         """(gather, scatter) by runs between a bucket of n elements and its gathered order,
@@ -312,24 +319,30 @@ class _LowRankLayout:
         of x."""
         return torch.empty_like(x) if self.covered == x.numel() else x.clone()
 
-    def table(self, device) -> lowrank.MatrixTable:
-        """Every matrix's place in x, in the P message and in the Q message (for the GPU
-        path; built on first use)."""
-        if self._table is None:
+    def table(self, device, n: int) -> lowrank.MatrixTable:
+        """Every matrix's place in a bucket of n elements, in the P message and in the Q
+        message; the dense parameters' places and those of no parameter (for the GPU path;
+        built on first use)."""
+        hit = self._tables.get(n)
+        if hit is None:
             rows = []
             for g, (pa, _), (qa, _) in zip(self.groups, self.p_spans, self.q_spans):
                 for b, p in enumerate(g.params):
                     rows.append((p.offset, g.n, g.m, g.r, pa + b * g.n * g.r, qa + b * g.m * g.r))
-            self._table = lowrank.matrix_table(rows, device)
-        return self._table
+            rest, at = [], 0
+            for a, b in sorted((p.offset, p.offset + p.numel) for p in self._gathered):
+                if a > at:
+                    rest.append((at, a - at))
+                at = max(at, b)
+            if n > at:
+                rest.append((at, n - at))
+            dense = [(p.offset, p.numel) for p in self._gathered[len(rows):]]
+            hit = self._tables[n] = lowrank.matrix_table(rows, device, dense, rest)
+        return hit
 
     def take_dense(self, x: torch.Tensor) -> list[torch.Tensor]:
         """The dense parameters' values end to end (to ride behind the P's), as a list."""
         return [] if self.dense_idx is None else [x.index_select(0, self.dense_idx)]
-
-    def take_dense_into(self, x: torch.Tensor, dst: torch.Tensor) -> None:
-        if self.dense_idx is not None:
-            torch.index_select(x, 0, self.dense_idx, out=dst)
 
     def put_dense(self, out: torch.Tensor, buf: torch.Tensor, W: int) -> None:
         """out[dense parameters] = their sum over ranks (behind the P's in buf) / W."""
@@ -339,6 +352,26 @@ class _LowRankLayout:
     def zero_dense(self, t: torch.Tensor) -> None:
         if self.dense_idx is not None:
             t.index_fill_(0, self.dense_idx, 0.0)
+
+
+def _one_buffer(qs: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
+    """The Q's ``qs`` (the memory's tensors, of ``sizes`` elements) as one flat buffer of
+    which they are views, end to end: the storage they lie in where they lie so (every step
+    after a bucket's first, no copy), else a new buffer they are moved into (``set_``: the
+    same tensor objects, so the memory, the guard's restore and the checkpoint see them)."""
+    first, at = qs[0], qs[0].storage_offset()
+    ptr = first.untyped_storage().data_ptr()
+    for v, k in zip(qs, sizes):
+        if (v.untyped_storage().data_ptr() != ptr or v.storage_offset() != at
+                or not v.is_contiguous()):
+            break
+        at += k
+    else:
+        return first.as_strided((at - first.storage_offset(),), (1,))
+    q = torch.cat([v.view(-1) for v in qs])
+    for v, part in zip(qs, q.split(sizes)):
+        v.set_(q.untyped_storage(), part.storage_offset(), v.shape)
+    return q
 
 
 def _power_step(Ms, qs, dense, lay, ctx):

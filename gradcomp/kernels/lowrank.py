@@ -10,13 +10,21 @@ of them, whatever their shapes: a program finds its matrix and its tile in the t
 A table row is (x_off, n, m, r, p_off, q_off): matrix k is ``x[x_off : x_off + n m]`` viewed
 n x m (row-major, the parameter's first dimension by the rest), its P is
 ``p[p_off : p_off + n r]`` viewed n x r and its Q is ``q[q_off : q_off + m r]`` viewed m x r.
+The table also lists the bucket's other elements (``elems``): first the ``dense`` ones, sent
+whole behind the P's (the j-th at ``p[dense_at + j]``), then those of no parameter.
 
-  * :func:`project`: P = M Q (one program per tile of ``TILE_ROWS`` rows of one matrix)
+With an error-feedback residual ``e`` (laid out as x) the matrices are M = x + e, added where
+they are read (x is not written before :func:`expand`): the whole exchange is the four
+launches below, the residual's update and the dense tensors' gather and average among them.
+
+  * :func:`project`: P = M Q (one program per tile of ``TILE_ROWS`` rows of one matrix),
+    the dense elements gathered behind the P's
   * :func:`orthonormalize`: each P's columns orthonormal, in place (one program per matrix):
     classical Gram-Schmidt, each projection taken ``GS_PASSES`` (3) times, as in the
     compressor's CPU path
   * :func:`back`: Q = M^T P (one program per tile of ``TILE_COLS`` columns of one matrix)
-  * :func:`expand`: out[matrix] = P Q^T / W (one program per row tile)
+  * :func:`expand`: out[matrix] = P Q^T / W (one program per row tile), out[dense] = their
+    sum times 1 / W, and the next residual M - out (0 at the dense elements)
 
 The functions below dispatch to the Triton kernels (CUDA tensors, or any tensor under
 ``GRADCOMP_KERNELS=triton``) and otherwise run the reference: the same arithmetic matrix by
@@ -33,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from . import implementation
+from .reference import reciprocal
 
 # How many times each Gram-Schmidt column's projection on the columns before it is
 # subtracted, on every path (the CPU batch, this reference, the Triton kernel). Two passes
@@ -88,10 +97,15 @@ class MatrixTable:
     rank: int                 # the largest r, rounded up to a power of two (>= 1)
     tile_rows: int            # rows of a row tile (the kernels read the table's own)
     tile_cols: int            # columns of a column tile
+    elems: torch.Tensor       # (E,) int64: places in x of the elements outside the matrices:
+    dense: int                # the first ``dense`` of them sent whole, the j-th at
+    dense_at: int             # p[dense_at + j] (behind every P); the rest in no parameter
 
 
-def matrix_table(rows, device) -> MatrixTable:
-    """The table of matrices ``rows`` ((x_off, n, m, r, p_off, q_off), ...)."""
+def matrix_table(rows, device, dense=(), rest=()) -> MatrixTable:
+    """The table of matrices ``rows`` ((x_off, n, m, r, p_off, q_off), ...); ``dense`` and
+    ``rest``: runs (offset, numel) of x sent whole, in their order behind the P's, and of
+    elements in no parameter."""
     rows = tuple(tuple(int(v) for v in row) for row in rows)
     for row in rows:
         if len(row) != 6 or min(row[1:4]) < 1 or min(row) < 0:
@@ -104,45 +118,81 @@ def matrix_table(rows, device) -> MatrixTable:
     def t(v, width):
         return torch.tensor(v, dtype=torch.int64, device=device).view(-1, width)
 
+    runs = [(int(a), int(k)) for a, k in list(dense) + list(rest) if k]
+    elems = (torch.cat([torch.arange(a, a + k, device=device) for a, k in runs]) if runs
+             else torch.zeros(0, dtype=torch.int64, device=device))
     return MatrixTable(rows, t(rows, 6), t(row_tiles, 2), t(col_tiles, 2),
-                       1 << (r_max - 1).bit_length(), TILE_ROWS, TILE_COLS)
+                       1 << (r_max - 1).bit_length(), TILE_ROWS, TILE_COLS, elems,
+                       sum(int(k) for _, k in dense),
+                       max((p_off + n * r for _, n, _m, r, p_off, _q in rows), default=0))
 
 
-def project(x: torch.Tensor, q: torch.Tensor, p: torch.Tensor, table: MatrixTable) -> torch.Tensor:
-    """p[matrix k] = M_k Q_k for every matrix of the table; returns p."""
-    return implementation("powersgd_project", x, reference_fn=_project)(x, q, p, table)
+def project(x: torch.Tensor, q: torch.Tensor, p: torch.Tensor, table: MatrixTable,
+            e: torch.Tensor | None = None) -> torch.Tensor:
+    """p[matrix k] = M_k Q_k for every matrix of the table, and behind the P's the dense
+    elements' M (M = x, or x + e with a residual e laid out as x); returns p."""
+    return implementation("powersgd_project", x, reference_fn=_project)(x, q, p, table, e)
 
 
-def _project(x, q, p, table):
+def _matrices(x, e, x_off, n, m):
+    M = x[x_off : x_off + n * m]
+    if e is not None:
+        M = M + e[x_off : x_off + n * m]
+    return M.view(n, m).float()
+
+
+def _project(x, q, p, table, e=None):
     for x_off, n, m, r, p_off, q_off in table.rows:
-        M = x[x_off : x_off + n * m].view(n, m).float()
-        torch.mm(M, q[q_off : q_off + m * r].view(m, r), out=p[p_off : p_off + n * r].view(n, r))
+        torch.mm(_matrices(x, e, x_off, n, m), q[q_off : q_off + m * r].view(m, r),
+                 out=p[p_off : p_off + n * r].view(n, r))
+    if table.dense:
+        idx = table.elems[: table.dense]
+        v = x[idx] if e is None else x[idx] + e[idx]
+        p[table.dense_at : table.dense_at + table.dense] = v
     return p
 
 
-def back(x: torch.Tensor, p: torch.Tensor, q: torch.Tensor, table: MatrixTable) -> torch.Tensor:
-    """q[matrix k] = M_k^T P_k for every matrix of the table; returns q."""
-    return implementation("powersgd_back", x, reference_fn=_back)(x, p, q, table)
+def back(x: torch.Tensor, p: torch.Tensor, q: torch.Tensor, table: MatrixTable,
+         e: torch.Tensor | None = None) -> torch.Tensor:
+    """q[matrix k] = M_k^T P_k for every matrix of the table (M as in :func:`project`);
+    returns q."""
+    return implementation("powersgd_back", x, reference_fn=_back)(x, p, q, table, e)
 
 
-def _back(x, p, q, table):
+def _back(x, p, q, table, e=None):
     for x_off, n, m, r, p_off, q_off in table.rows:
-        M = x[x_off : x_off + n * m].view(n, m).float()
-        torch.mm(M.t(), p[p_off : p_off + n * r].view(n, r), out=q[q_off : q_off + m * r].view(m, r))
+        torch.mm(_matrices(x, e, x_off, n, m).t(), p[p_off : p_off + n * r].view(n, r),
+                 out=q[q_off : q_off + m * r].view(m, r))
     return q
 
 
-def expand(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor, table: MatrixTable,
-           W: int) -> torch.Tensor:
-    """out[matrix k] = P_k Q_k^T / W for every matrix of the table (its other elements are
-    left alone); returns out."""
-    return implementation("powersgd_expand", p, reference_fn=_expand)(p, q, out, table, W)
+def expand(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor, table: MatrixTable, W: int,
+           e: torch.Tensor | None = None, e_next: torch.Tensor | None = None) -> torch.Tensor:
+    """out[matrix k] = P_k Q_k^T / W for every matrix of the table, out[dense] = the dense
+    elements behind the P's times 1 / W (the float32 reciprocal: what CUDA's ``div_`` by a
+    number computes); with a residual e, out holds x before (M = x + e) and
+    e_next = M - out (0 at the dense elements; e_next may be e), and out = M at the elements
+    of no parameter; without, those are left alone. Returns out."""
+    return implementation("powersgd_expand", p, reference_fn=_expand)(p, q, out, table, W,
+                                                                      e, e_next)
 
 
-def _expand(p, q, out, table, W):
+def _expand(p, q, out, table, W, e=None, e_next=None):
     for x_off, n, m, r, p_off, q_off in table.rows:
         P, Q = p[p_off : p_off + n * r].view(n, r), q[q_off : q_off + m * r].view(m, r)
-        out[x_off : x_off + n * m].view(n, m).copy_((P @ Q.t()).div_(W))
+        sl = slice(x_off, x_off + n * m)
+        v = (P @ Q.t()).div_(W).view(-1)
+        if e is not None:
+            e_next[sl] = (out[sl] + e[sl]) - v
+        out[sl] = v
+    idx, d = table.elems, table.dense
+    if d:
+        out[idx[:d]] = p[table.dense_at : table.dense_at + d] * reciprocal(W)
+    if e is not None and len(idx):
+        e_next[idx[:d]] = 0.0
+        m = out[idx[d:]] + e[idx[d:]]
+        out[idx[d:]] = m
+        e_next[idx[d:]] = m - m
     return out
 
 

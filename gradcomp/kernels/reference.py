@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+import numpy
 import torch
 
 def check_flat(x: torch.Tensor, name: str = "x") -> None:
@@ -37,6 +38,12 @@ def _words(t: torch.Tensor, dtype) -> torch.Tensor | None:
     if t.is_contiguous() and t.numel() % size == 0 and (t.storage_offset() * t.element_size()) % size == 0:
         return t.view(torch.uint8).view(dtype)
     return None
+
+
+def reciprocal(W: int) -> float:
+    """1 / W rounded to float32: what CUDA's ``t.div_(W)`` multiplies a float tensor by (a
+    division by a number runs as a product by its reciprocal there, not on the CPU)."""
+    return float(numpy.float32(1.0) / numpy.float32(W))
 
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..reference import reciprocal
 from . import common as c
 
 
@@ -23,38 +24,62 @@ def _psgd_tile(mats_ptr, tiles_ptr):
 
 
 @triton.jit
+def _psgd_matrix(x_ptr, e_ptr, x_off, rows, cols, m, mask, HAS_E: tl.constexpr):
+    """A block of a matrix M: x's, plus the residual's (laid out as x) with HAS_E."""
+    a = tl.load(x_ptr + x_off + rows[:, None] * m + cols[None, :], mask=mask, other=0.0)
+    a = a.to(tl.float32)
+    if HAS_E:
+        a += tl.load(e_ptr + x_off + rows[:, None] * m + cols[None, :], mask=mask, other=0.0)
+    return a
+
+
+@triton.jit
 def _psgd_project_kernel(
-    x_ptr,      # bucket, fp32/fp16/bf16                reads each matrix once
+    x_ptr,      # bucket, fp32/fp16/bf16                reads each matrix once, each dense
+    e_ptr,      # residual, fp32, laid out as x (read with HAS_E)   element once
     q_ptr,      # Q's, fp32                             reads m r per row tile
-    p_ptr,      # P's, fp32                             writes n r
+    p_ptr,      # P's, fp32                             writes n r, then the dense elements
     mats_ptr,   # (K, 6) int64 table
     tiles_ptr,  # (T, 2) int64 (matrix, first row)
-    BN: tl.constexpr, BK: tl.constexpr, R: tl.constexpr,
+    elems_ptr,  # (>= D,) int64: the dense elements' places in x, the j-th to p[dense_at + j]
+    T, D, dense_at,  # programs from T on gather the dense elements, BLOCK each
+    BN: tl.constexpr, BK: tl.constexpr, R: tl.constexpr, HAS_E: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    first, x_off, n, m, r, p_off, q_off = _psgd_tile(mats_ptr, tiles_ptr)
-    rows = first + tl.arange(0, BN)
-    js = tl.arange(0, R)
-    rmask, jmask = rows < n, js < r
-    acc = tl.zeros((BN, R), tl.float32)
-    for c0 in range(0, m, BK):
-        cols = c0 + tl.arange(0, BK)
-        cmask = cols < m
-        a = tl.load(x_ptr + x_off + rows[:, None] * m + cols[None, :],
-                    mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-        b = tl.load(q_ptr + q_off + cols[:, None] * r + js[None, :],
-                    mask=cmask[:, None] & jmask[None, :], other=0.0)
-        acc += tl.sum(a[:, :, None] * b[None, :, :], axis=1)
-    tl.store(p_ptr + p_off + rows[:, None] * r + js[None, :], acc,
-             mask=rmask[:, None] & jmask[None, :])
+    if tl.program_id(0) < T:
+        first, x_off, n, m, r, p_off, q_off = _psgd_tile(mats_ptr, tiles_ptr)
+        rows = first + tl.arange(0, BN)
+        js = tl.arange(0, R)
+        rmask, jmask = rows < n, js < r
+        acc = tl.zeros((BN, R), tl.float32)
+        for c0 in range(0, m, BK):
+            cols = c0 + tl.arange(0, BK)
+            cmask = cols < m
+            a = _psgd_matrix(x_ptr, e_ptr, x_off, rows, cols, m,
+                             rmask[:, None] & cmask[None, :], HAS_E)
+            b = tl.load(q_ptr + q_off + cols[:, None] * r + js[None, :],
+                        mask=cmask[:, None] & jmask[None, :], other=0.0)
+            acc += tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+        tl.store(p_ptr + p_off + rows[:, None] * r + js[None, :], acc,
+                 mask=rmask[:, None] & jmask[None, :])
+    else:
+        j = (tl.program_id(0) - T).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        jm = j < D
+        i = tl.load(elems_ptr + j, mask=jm, other=0)
+        v = tl.load(x_ptr + i, mask=jm, other=0.0).to(tl.float32)
+        if HAS_E:
+            v += tl.load(e_ptr + i, mask=jm, other=0.0)
+        tl.store(p_ptr + dense_at + j, v, mask=jm)
 
 
 @triton.jit
 def _psgd_back_kernel(
     x_ptr,      # bucket                                reads each matrix once
+    e_ptr,      # residual laid out as x (with HAS_E)   reads each matrix once
     p_ptr,      # P's, fp32                             reads n r per column tile
     q_ptr,      # Q's, fp32                             writes m r
     mats_ptr, tiles_ptr,  # (U, 2) int64 (matrix, first column)
-    BN: tl.constexpr, BK: tl.constexpr, R: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, R: tl.constexpr, HAS_E: tl.constexpr,
 ):
     first, x_off, n, m, r, p_off, q_off = _psgd_tile(mats_ptr, tiles_ptr)
     cols = first + tl.arange(0, BK)
@@ -64,8 +89,8 @@ def _psgd_back_kernel(
     for r0 in range(0, n, BN):
         rows = r0 + tl.arange(0, BN)
         rmask = rows < n
-        a = tl.load(x_ptr + x_off + rows[:, None] * m + cols[None, :],
-                    mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        a = _psgd_matrix(x_ptr, e_ptr, x_off, rows, cols, m, rmask[:, None] & cmask[None, :],
+                         HAS_E)
         b = tl.load(p_ptr + p_off + rows[:, None] * r + js[None, :],
                     mask=rmask[:, None] & jmask[None, :], other=0.0)
         acc += tl.sum(a[:, :, None] * b[:, None, :], axis=0)
@@ -75,26 +100,48 @@ def _psgd_back_kernel(
 
 @triton.jit
 def _psgd_expand_kernel(
-    p_ptr, q_ptr,  # P's and Q's, fp32
-    out_ptr,       # bucket: each matrix written once (in out's dtype)
+    p_ptr, q_ptr,  # P's and Q's, fp32; behind the P's the dense elements' sums
+    out_ptr,       # bucket: each matrix and dense element written once (in out's dtype);
+                   # with HAS_E it holds x before, read once where written
+    e_ptr,         # residual (M = x + e), fp32, laid out as x: read with HAS_E
+    en_ptr,        # next residual, fp32 (may be e): M - out, written with HAS_E
     mats_ptr, tiles_ptr,  # row tiles, as project
-    W,
-    BN: tl.constexpr, BK: tl.constexpr, R: tl.constexpr,
+    elems_ptr,     # (E,) int64: the dense elements' places, then those of no parameter
+    T, D, E, dense_at,  # programs from T on take E elements (D without HAS_E), BLOCK each
+    W, INV_W,      # the divisor of P Q^T; 1 / W in float32, the dense sums' factor
+    BN: tl.constexpr, BK: tl.constexpr, R: tl.constexpr, HAS_E: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    first, x_off, n, m, r, p_off, q_off = _psgd_tile(mats_ptr, tiles_ptr)
-    rows = first + tl.arange(0, BN)
-    js = tl.arange(0, R)
-    rmask, jmask = rows < n, js < r
-    a = tl.load(p_ptr + p_off + rows[:, None] * r + js[None, :],
-                mask=rmask[:, None] & jmask[None, :], other=0.0)
-    for c0 in range(0, m, BK):
-        cols = c0 + tl.arange(0, BK)
-        cmask = cols < m
-        b = tl.load(q_ptr + q_off + cols[:, None] * r + js[None, :],
-                    mask=cmask[:, None] & jmask[None, :], other=0.0)
-        v = tl.sum(a[:, None, :] * b[None, :, :], axis=2) / W
-        tl.store(out_ptr + x_off + rows[:, None] * m + cols[None, :],
-                 v.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+    if tl.program_id(0) < T:
+        first, x_off, n, m, r, p_off, q_off = _psgd_tile(mats_ptr, tiles_ptr)
+        rows = first + tl.arange(0, BN)
+        js = tl.arange(0, R)
+        rmask, jmask = rows < n, js < r
+        a = tl.load(p_ptr + p_off + rows[:, None] * r + js[None, :],
+                    mask=rmask[:, None] & jmask[None, :], other=0.0)
+        for c0 in range(0, m, BK):
+            cols = c0 + tl.arange(0, BK)
+            cmask = cols < m
+            mask = rmask[:, None] & cmask[None, :]
+            b = tl.load(q_ptr + q_off + cols[:, None] * r + js[None, :],
+                        mask=cmask[:, None] & jmask[None, :], other=0.0)
+            v = (tl.sum(a[:, None, :] * b[None, :, :], axis=2) / W).to(out_ptr.dtype.element_ty)
+            if HAS_E:
+                M = _psgd_matrix(out_ptr, e_ptr, x_off, rows, cols, m, mask, True)
+                tl.store(en_ptr + x_off + rows[:, None] * m + cols[None, :],
+                         M - v.to(tl.float32), mask=mask)
+            tl.store(out_ptr + x_off + rows[:, None] * m + cols[None, :], v, mask=mask)
+    else:
+        j = (tl.program_id(0) - T).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        jm, dense = j < E, j < D
+        i = tl.load(elems_ptr + j, mask=jm, other=0)
+        v = tl.load(p_ptr + dense_at + j, mask=dense, other=0.0) * INV_W
+        if HAS_E:  # elements of no parameter: out = M, and M - M left behind
+            M = (tl.load(out_ptr + i, mask=jm & ~dense, other=0.0).to(tl.float32)
+                 + tl.load(e_ptr + i, mask=jm & ~dense, other=0.0))
+            v = tl.where(dense, v, M)
+            tl.store(en_ptr + i, tl.where(dense, 0.0, M - M), mask=jm)
+        tl.store(out_ptr + i, v.to(out_ptr.dtype.element_ty), mask=jm)
 
 
 @triton.jit
@@ -163,33 +210,53 @@ def _check_table(table, *ts):
                          f"{ts[0].device}")
 
 
-def powersgd_project(x, q, p, table):
+def _element_programs(n):
+    return triton.cdiv(n, c.BLOCK)
+
+
+def _check_residual(x, *es):
+    for e in es:
+        if e is not None:
+            c.check_fp32(e, "residual", x.numel())
+
+
+def powersgd_project(x, q, p, table, e=None):
     """See :func:`gradcomp.kernels.lowrank.project`: one launch."""
     _check_table(table, x, q, p)
-    if table.rows:
-        _psgd_project_kernel[(table.row_tiles.shape[0],)](
-            x, q, p, table.mats, table.row_tiles, BN=table.tile_rows, BK=table.tile_cols, R=table.rank,
-            num_warps=c.NUM_WARPS)
+    _check_residual(x, e)
+    T = table.row_tiles.shape[0]
+    if T + table.dense:
+        _psgd_project_kernel[(T + _element_programs(table.dense),)](
+            x, x if e is None else e, q, p, table.mats, table.row_tiles, table.elems, T,
+            table.dense, table.dense_at, BN=table.tile_rows, BK=table.tile_cols, R=table.rank,
+            HAS_E=e is not None, BLOCK=c.BLOCK, num_warps=c.NUM_WARPS)
     return p
 
 
-def powersgd_back(x, p, q, table):
+def powersgd_back(x, p, q, table, e=None):
     """See :func:`gradcomp.kernels.lowrank.back`: one launch."""
     _check_table(table, x, p, q)
+    _check_residual(x, e)
     if table.rows:
         _psgd_back_kernel[(table.col_tiles.shape[0],)](
-            x, p, q, table.mats, table.col_tiles, BN=table.tile_rows, BK=table.tile_cols, R=table.rank,
-            num_warps=c.NUM_WARPS)
+            x, x if e is None else e, p, q, table.mats, table.col_tiles, BN=table.tile_rows,
+            BK=table.tile_cols, R=table.rank, HAS_E=e is not None, num_warps=c.NUM_WARPS)
     return q
 
 
-def powersgd_expand(p, q, out, table, W):
+def powersgd_expand(p, q, out, table, W, e=None, e_next=None):
     """See :func:`gradcomp.kernels.lowrank.expand`: one launch."""
     _check_table(table, p, q, out)
-    if table.rows:
-        _psgd_expand_kernel[(table.row_tiles.shape[0],)](
-            p, q, out, table.mats, table.row_tiles, float(W), BN=table.tile_rows, BK=table.tile_cols,
-            R=table.rank, num_warps=c.NUM_WARPS)
+    if (e is None) != (e_next is None):
+        raise ValueError("expand takes the residual and the next residual together")
+    _check_residual(out, e, e_next)
+    T, E = table.row_tiles.shape[0], table.elems.numel() if e is not None else table.dense
+    if T + E:
+        _psgd_expand_kernel[(T + _element_programs(E),)](
+            p, q, out, out if e is None else e, out if e_next is None else e_next, table.mats,
+            table.row_tiles, table.elems, T, table.dense, E, table.dense_at, float(W),
+            reciprocal(W), BN=table.tile_rows, BK=table.tile_cols, R=table.rank,
+            HAS_E=e is not None, BLOCK=c.BLOCK, num_warps=c.NUM_WARPS)
     return out
 
 
