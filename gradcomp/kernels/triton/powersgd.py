@@ -24,6 +24,16 @@ def _psgd_tile(mats_ptr, tiles_ptr):
 
 
 @triton.jit
+def _psgd_row_tile(mats_ptr, tiles_ptr, BN: tl.constexpr, R: tl.constexpr):
+    """A row tile's matrix (:func:`_psgd_tile`: its place in x, n, m, r and its P's and Q's
+    places), the tile's BN rows and the R rank columns, with their masks."""
+    first, x_off, n, m, r, p_off, q_off = _psgd_tile(mats_ptr, tiles_ptr)
+    rows = first + tl.arange(0, BN)
+    js = tl.arange(0, R)
+    return x_off, m, r, p_off, q_off, rows, js, rows < n, js < r
+
+
+@triton.jit
 def _psgd_matrix(x_ptr, e_ptr, x_off, rows, cols, m, mask, HAS_E: tl.constexpr):
     """A block of a matrix M: x's, plus the residual's (laid out as x) with HAS_E."""
     a = tl.load(x_ptr + x_off + rows[:, None] * m + cols[None, :], mask=mask, other=0.0)
@@ -47,10 +57,8 @@ def _psgd_project_kernel(
     BLOCK: tl.constexpr,
 ):
     if tl.program_id(0) < T:
-        first, x_off, n, m, r, p_off, q_off = _psgd_tile(mats_ptr, tiles_ptr)
-        rows = first + tl.arange(0, BN)
-        js = tl.arange(0, R)
-        rmask, jmask = rows < n, js < r
+        x_off, m, r, p_off, q_off, rows, js, rmask, jmask = _psgd_row_tile(mats_ptr, tiles_ptr,
+                                                                          BN, R)
         acc = tl.zeros((BN, R), tl.float32)
         for c0 in range(0, m, BK):
             cols = c0 + tl.arange(0, BK)
@@ -113,10 +121,8 @@ def _psgd_expand_kernel(
     BLOCK: tl.constexpr,
 ):
     if tl.program_id(0) < T:
-        first, x_off, n, m, r, p_off, q_off = _psgd_tile(mats_ptr, tiles_ptr)
-        rows = first + tl.arange(0, BN)
-        js = tl.arange(0, R)
-        rmask, jmask = rows < n, js < r
+        x_off, m, r, p_off, q_off, rows, js, rmask, jmask = _psgd_row_tile(mats_ptr, tiles_ptr,
+                                                                          BN, R)
         a = tl.load(p_ptr + p_off + rows[:, None] * r + js[None, :],
                     mask=rmask[:, None] & jmask[None, :], other=0.0)
         for c0 in range(0, m, BK):
