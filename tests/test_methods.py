@@ -343,3 +343,54 @@ def test_topk_start_ratio_counts_compressed_steps_from_the_switch():
         assert sent[step] == 8 * k + 12, step
     assert sent[2] > sent[5] > sent[8] == sent[9]
     assert sent[2] > 7 * sent[9]  # 0.16 against 0.02 of every parameter
+
+
+@pytest.mark.parametrize("spec,kernels", [("powersgd", "cpu"), ("powersgd", "triton"),
+                                          ("onebit", "cpu"), ("topk:ratio=0.1", "cpu")])
+def test_an_exchange_whose_last_collective_raises_leaves_the_memory_as_it_was(spec, kernels,
+                                                                             monkeypatch):
+    """A collective that raises inside a compressed exchange (its last one: PowerSGD's Q
+    allreduce, after its GPU path wrote the Q's) raises to the caller and leaves every
+    memory slot (residuals, PowerSGD's Q's) bit for bit as before the exchange."""
+    from gradcomp.comm import Comm
+    monkeypatch.setenv("GRADCOMP_KERNELS", kernels)
+    st = state_for(spec)
+    params = layout(["fc.weight", "fc.bias", "conv.weight"])
+    n = sum(p.numel for p in params)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        st.reduce(torch.randn(n, generator=g), params)
+    before = st.state_dict()["memory"]
+    assert any(d for d in before["flat"].values()) or any(d for d in before["tensors"].values())
+    calls = []
+    names = ("allreduce", "allgather", "all_to_all", "reduce_scatter")
+    originals = {k: getattr(Comm, k) for k in names}
+
+    def counting(k, fail_at):
+        def f(self, *a, **kw):
+            calls.append(k)
+            if len(calls) == fail_at:
+                raise RuntimeError("the link went down")
+            return originals[k](self, *a, **kw)
+        return f
+    for k in names:
+        monkeypatch.setattr(Comm, k, counting(k, None))
+    x = torch.randn(n, generator=g)
+    st.reduce(x.clone(), params)  # counts this exchange's collectives (memory moves on)
+    last = len(calls)
+    assert last >= 1
+    st2 = state_for(spec)  # the same two steps again, then the failing third
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        st2.reduce(torch.randn(n, generator=g), params)
+    calls.clear()
+    for k in names:
+        monkeypatch.setattr(Comm, k, counting(k, last))
+    with pytest.raises(RuntimeError, match="the link went down"):
+        st2.reduce(x.clone(), params)
+    after = st2.state_dict()["memory"]
+    for part in ("flat", "tensors"):
+        assert before[part].keys() == after[part].keys()
+        for slot, d in before[part].items():
+            for name, t in d.items():
+                assert torch.equal(t, after[part][slot][name]), (part, slot, name)

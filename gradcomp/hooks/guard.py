@@ -139,7 +139,7 @@ class Guard:
             out = run(x)
             flagged = check_steps(flat.flag_result(bad))
         except BaseException:
-            ctx.finish(False)
+            self._undo(snap, names, ctx)
             raise
         finally:
             ctx.snapshot = None
@@ -152,13 +152,23 @@ class Guard:
         self.skipped = ctx.step
         return flat.allreduce(orig).div_(flat.world_size)
 
+    def _undo(self, snap, names, ctx) -> None:
+        """An exchange that raised leaves the memory as it was: what it wrote in place put
+        back, its new buffers dropped (a method may write a slot before its last
+        collective: PowerSGD's Q's)."""
+        try:
+            self.memory.restore(snap, names)
+            self.memory.release(snap)
+        finally:
+            ctx.finish(False)
+
     def _run_late(self, x, ctx, flat, run, bad, snap, names):
         """:meth:`run` with ``late``: the flag goes to the host while the step goes on."""
         try:
             out = run(x)
             flat.flag_done(bad)
         except BaseException:
-            ctx.finish(False)
+            self._undo(snap, names, ctx)
             raise
         finally:
             ctx.snapshot = None
