@@ -370,7 +370,8 @@ def _one_buffer(qs: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
         return first.as_strided((at - first.storage_offset(),), (1,))
     q = torch.cat([v.view(-1) for v in qs])
     for v, part in zip(qs, q.split(sizes)):
-        if v.is_cuda:  # its old storage is not reused while this stream's cat may read it
+        if v.is_cuda and torch.cuda.is_available():  # its old storage is not reused while
+            # this stream's cat may read it
             v.record_stream(torch.cuda.current_stream(v.device))
         v.set_(q.untyped_storage(), part.storage_offset(), v.shape)
     return q
