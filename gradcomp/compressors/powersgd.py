@@ -25,8 +25,8 @@ Per-parameter semantics, per-bucket execution, two paths with the same messages:
     place per bucket layout, and each of the four matrix steps is ONE launch over all of
     them, whatever their shapes (:mod:`gradcomp.kernels.lowrank`), the residual's update and
     the dense tensors' gather and average inside the first and the last, the Q's written
-    where the memory holds them: four launches per bucket exchange (ten with the inf/NaN
-    guard's and the hook's, tests/test_launches.py). It agrees with the CPU path to float
+    where the memory holds them: four launches per bucket exchange (nine with the inf/NaN
+    guard's, tests/test_launches.py). It agrees with the CPU path to float
     tolerance, not bit for bit.
 
 Bit-exactness. A matrix's result must not depend on the other matrices of its batch (DDP

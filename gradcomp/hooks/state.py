@@ -252,8 +252,7 @@ class HookState:
         the rounds' state (local_steps.py) and the adaptive warm-up's (warmup.py); laid out
         by checkpoint.py's ``assemble``. The exchanges in flight are waited for first (they
         write the memory), and a skipped step's leave no trace in it."""
-        self.drain()
-        self.guard.settle()
+        self._settle()
         return checkpoint.assemble(self.identity(), self.step, {
             "memory": self.memory.state_dict(), "pending": self.delay.state_dict(),
             "local": self.rounds.state_dict(), "warmup": self.warmup.state_dict()})
@@ -267,8 +266,9 @@ class HookState:
                         restore=self._restore)
 
     def _settle(self) -> BaseException | None:
-        """Before a load: the exchanges in flight finished, the copies the guard holds (of
-        the memory being replaced) dropped; the error an exchange raised, if one did."""
+        """Before a save or a load: the exchanges in flight finished, the copies the guard
+        holds (of the memory being saved or replaced) dropped; the error an exchange raised,
+        if one did."""
         self.drain()
         self.guard.settle()
         return self.failed
