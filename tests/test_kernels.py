@@ -642,6 +642,35 @@ def test_finite_copy_in_place_equals_the_copy(impl, monkeypatch):
         fn(x, f_in, out=torch.zeros(5, device=DEV))
 
 
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_finite_copy_writes_the_step_and_flag_fill_clears_the_next_flag(impl, monkeypatch):
+    """The guard's flags made on the device: finite_copy with ``step`` writes (.., s, -s)
+    over whatever flag[1:3] held (an empty x too) and only ever raises flag[0]; flag_fill
+    with ``clear`` zeroes clear[0] alone, whether or not it fills, and refuses the flag
+    itself as ``clear``."""
+    monkeypatch.setattr(tk.common, "BLOCK", SMALL_BLOCK)
+    copy, fill = (tk.finite_copy, tk.flag_fill) if impl == "triton" else (ref.finite_copy,
+                                                                          ref.flag_fill)
+    x = torch.randn(3 * SMALL_BLOCK + 5, generator=torch.Generator().manual_seed(1)).to(DEV)
+    for xs, want0 in ((x, 0.0), (x[:0], 0.0), (torch.where(x > 1, float("nan"), x), 1.0)):
+        flag = torch.tensor([0.0, 123.0, float("nan")], device=DEV)
+        copy(xs, flag, step=2.0**24 - 1)
+        assert flag.tolist() == [want0, 2.0**24 - 1, -(2.0**24 - 1)]
+    for up in (0.0, 1.0):
+        for n in (0, 5, 3 * SMALL_BLOCK + 1):
+            out = torch.ones(n, device=DEV)
+            flag = torch.tensor([up, 4.0, -4.0], device=DEV)
+            clear = torch.tensor([1.0, 9.0, -9.0], device=DEV)
+            fill(out, flag, clear=clear)
+            assert clear.tolist() == [0.0, 9.0, -9.0]
+            assert flag.tolist() == [up, 4.0, -4.0]
+            assert bool(out.isnan().all()) == bool(up) or n == 0
+    with pytest.raises(ValueError, match="clear must be another tensor than flag"):
+        fill(torch.ones(3, device=DEV), flag, clear=flag)
+    with pytest.raises(ValueError, match="flag must be fp32 with at least 3 elements"):
+        copy(x, torch.zeros(1, device=DEV), step=3.0)
+
+
 def test_finite_copy_rejects_bad_input():
     with pytest.raises(ValueError, match="flat contiguous"):
         tk.finite_copy(torch.zeros(4, 4, device=DEV), torch.zeros(1, device=DEV))

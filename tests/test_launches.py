@@ -32,7 +32,6 @@ OVER = {
     "topk": {"resnet18": 46, "gpt2-small": 46, "160 tensors": 38},
     "dgc": {"resnet18": 42, "gpt2-small": 42, "160 tensors": 38},
     "threshold": {"resnet18": 50, "gpt2-small": 50, "160 tensors": 42},
-    "powersgd": {"resnet18": 9, "gpt2-small": 9, "160 tensors": 9},
 }
 METHODS = ("allreduce", "onebit", "terngrad", "topk", "dgc", "threshold", "powersgd")
 

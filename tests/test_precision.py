@@ -42,6 +42,15 @@ def test_a_non_finite_step_propagates_and_leaves_memory_alone(spec, bad):
     assert hit.step == clean.step
 
 
+@pytest.mark.parametrize("spec", ["onebit:chunk=64", "powersgd:rank=1"])
+def test_a_non_finite_step_on_the_gpu_kernels_leaves_later_steps_alone(spec, monkeypatch):
+    """The same on the Triton kernels (the GPU's path), whose guard flags live on the
+    device, two per bucket, each zeroed by the other's exchange: a step after the skipped
+    one, and the one after that, is not taken for a skipped step."""
+    monkeypatch.setenv("GRADCOMP_KERNELS", "triton")
+    test_a_non_finite_step_propagates_and_leaves_memory_alone(spec, float("nan"))
+
+
 def test_memory_restore_after_whole_bucket_and_relayout_snapshots():
     """The guard's snapshot copies a bucket's flat buffer whole; restore puts every
     parameter back, also when the bucket's layout changed in between, and zeroes a slot

@@ -60,16 +60,33 @@ class Guard:
         # flag's host copy to read then, or None where it was read already)
         self._held: list = []
         self._lock = threading.Lock()
+        # ``late``: each bucket's two flags on its device, [the next exchange's, the other]:
+        # an exchange's finite_copy writes its flag whole but for [0], which the previous
+        # exchange's flag_fill zeroed (the flags are the device's own: no copy from the host)
+        self._flags: dict = {}
 
     def __getstate__(self):
         self.settle()
         d = self.__dict__.copy()
         d.pop("_lock")
+        d["_flags"] = {}
         return d
 
     def __setstate__(self, d):
         self.__dict__.update(d)
         self._lock = threading.Lock()
+
+    def _late_flags(self, bucket: int, device) -> list:
+        """Bucket ``bucket``'s pair of flags (made zero on its first exchange). A bucket's
+        exchanges run in order on one lane (one stream): the flag zeroed by one exchange's
+        flag_fill is written by the next one's finite_copy, after the other's host copy."""
+        key = (bucket, torch.device(device))
+        with self._lock:
+            pair = self._flags.get(key)
+            if pair is None:
+                pair = self._flags[key] = [torch.zeros(3, device=device),
+                                           torch.zeros(3, device=device)]
+        return pair
 
     def settle(self) -> None:
         """The step's exchanges are over (the next step begins, a checkpoint is taken, the
@@ -130,8 +147,12 @@ class Guard:
         # the step check rides with the flag; the copy without inf/NaN sets bad[0] (one
         # kernel on a GPU). ``late``: in place, as nothing falls back to x (the bucket's
         # result replaces it, and the compressor's result is often x itself: no copy back)
-        bad = clear_flag(ctx.step, x.device)
-        x = kernels.finite_copy(x, bad, out=x if late else None)
+        if late:
+            bad = self._late_flags(ctx.bucket, x.device)[0]
+            x = kernels.finite_copy(x, bad, out=x, step=float(ctx.step % STEP_MOD))
+        else:
+            bad = clear_flag(ctx.step, x.device)
+            x = kernels.finite_copy(x, bad)
         flat.flag(bad)
         if late:
             return self._run_late(x, ctx, flat, run, bad, snap, names)
@@ -168,6 +189,8 @@ class Guard:
             out = run(x)
             flat.flag_done(bad)
         except BaseException:
+            with self._lock:  # its flag stays as it is: the bucket's next pair starts at 0
+                self._flags.pop((ctx.bucket, bad.device), None)
             self._undo(snap, names, ctx)
             raise
         finally:
@@ -176,4 +199,6 @@ class Guard:
         ctx.finish(True)
         with self._lock:
             self._held.append((ctx.step, snap, names, swaps, to_host_later(bad)))
-        return kernels.flag_fill(out, bad)
+            pair = self._flags[(ctx.bucket, bad.device)]
+            pair.reverse()  # the other is the next exchange's: this flag_fill zeroes it
+        return kernels.flag_fill(out, bad, clear=pair[0])

@@ -72,15 +72,15 @@ def implementation(name: str, t: torch.Tensor, which: str | None = None, referen
     return getattr(module, name)
 
 
-def finite_copy(x, flag, out=None):
+def finite_copy(x, flag, out=None, step=None):
     """x with NaN and +-inf put to 0 (a new tensor, or into ``out``: x itself for in
-    place); flag[0] = 1 where x held any."""
-    return implementation("finite_copy", x)(x, flag, out)
+    place); flag[0] = 1 where x held any; with ``step``, flag[1:3] = (step, -step)."""
+    return implementation("finite_copy", x)(x, flag, out, step)
 
 
-def flag_fill(out, flag):
-    """out = NaN, in place, where flag[0] > 0."""
-    return implementation("flag_fill", out)(out, flag)
+def flag_fill(out, flag, clear=None):
+    """out = NaN, in place, where flag[0] > 0; with ``clear``, clear[0] = 0."""
+    return implementation("flag_fill", out)(out, flag, clear)
 
 
 def onebit_compress(x, residual, chunk):

@@ -405,36 +405,60 @@ def threshold_decode(got: torch.Tensor, K: int, P: int, owner: torch.Tensor,
 
 # --------------------------------------------------------------------------- inf/NaN guard
 def check_guard(x: torch.Tensor, flag: torch.Tensor, out: torch.Tensor | None = None,
-                x_name: str = "x") -> None:
+                x_name: str = "x", flag_len: int = 1) -> None:
     """The guard's kernels' inputs (every backend checks them so): ``x`` flat and contiguous,
-    ``flag`` fp32 with at least one element, ``out`` (if given) flat, of x's size and dtype."""
+    ``flag`` fp32 with at least ``flag_len`` elements, ``out`` (if given) flat, of x's size
+    and dtype."""
     check_flat(x, x_name)
     if out is not None:
         check_flat(out, "out")
         if out.dtype != x.dtype or out.numel() != x.numel():
             raise ValueError(f"out must be x's size and dtype ({x.numel()} {x.dtype}), got "
                              f"{out.numel()} {out.dtype}")
-    if flag.dtype != torch.float32 or flag.numel() < 1:
-        raise ValueError(f"flag must be fp32 with at least one element, got {flag.dtype} with "
-                         f"{flag.numel()}")
+    if flag.dtype != torch.float32 or flag.numel() < flag_len:
+        raise ValueError(f"flag must be fp32 with at least {flag_len} element"
+                         f"{'s' if flag_len > 1 else ''}, got {flag.dtype} with {flag.numel()}")
 
 
-def finite_copy(x: torch.Tensor, flag: torch.Tensor, out: torch.Tensor | None = None
-                ) -> torch.Tensor:
+def check_clear(flag: torch.Tensor, clear: torch.Tensor) -> None:
+    """flag_fill's ``clear``: fp32, at least one element, not flag's memory (its [0] is read
+    by every lane while clear's is zeroed)."""
+    if clear.dtype != torch.float32 or clear.numel() < 1:
+        raise ValueError(f"clear must be fp32 with at least one element, got {clear.dtype} "
+                         f"with {clear.numel()}")
+    if clear.data_ptr() == flag.data_ptr():
+        raise ValueError("clear must be another tensor than flag (flag[0] is read while "
+                         "clear[0] is zeroed)")
+
+
+def finite_copy(x: torch.Tensor, flag: torch.Tensor, out: torch.Tensor | None = None,
+                step: float | None = None) -> torch.Tensor:
     """x with every NaN, +inf and -inf put to 0 (a new tensor, x's dtype, or written into
     ``out``: a flat tensor of x's size and dtype, x itself for in place), and flag[0] = 1
-    where x held any of them (left as it is otherwise). x: flat contiguous, fp32/fp16/bf16;
-    flag: fp32, at least one element. Reads n, writes n (+ one flag)."""
-    check_guard(x, flag, out)
+    where x held any of them (left as it is otherwise). With ``step`` (a float, exact in
+    fp32), flag[1] = step and flag[2] = -step as well: the guard's whole flag written by the
+    one kernel, no copy from the host. x: flat contiguous, fp32/fp16/bf16; flag: fp32, at
+    least one element (three with ``step``). Reads n, writes n (+ the flag)."""
+    check_guard(x, flag, out, flag_len=1 if step is None else 3)
     bad = torch.isfinite(x).all().logical_not()
     flag[:1].masked_fill_(bad.reshape(1), 1.0)
+    if step is not None:
+        flag[1:3] = torch.tensor([step, -step], dtype=torch.float32)
     if out is None:
         return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
     return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0, out=out)
 
 
-def flag_fill(out: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
+def flag_fill(out: torch.Tensor, flag: torch.Tensor, clear: torch.Tensor | None = None
+              ) -> torch.Tensor:
     """out filled with NaN, in place, where flag[0] > 0 (left as it is otherwise): the
-    guard's verdict on a bucket, decided on the device. Reads 1 (+ n where set), writes n."""
+    guard's verdict on a bucket, decided on the device. With ``clear`` (fp32, another
+    tensor than flag), clear[0] = 0 as well: the guard's next flag made ready by the same
+    kernel. Reads 1 (+ n where set), writes n (+ 1)."""
     check_guard(out, flag, x_name="out")
-    return out.masked_fill_(flag[:1] > 0, float("nan"))
+    if clear is not None:
+        check_clear(flag, clear)
+    out.masked_fill_(flag[:1] > 0, float("nan"))
+    if clear is not None:
+        clear[:1] = 0.0
+    return out
