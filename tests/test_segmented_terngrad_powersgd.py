@@ -61,6 +61,9 @@ class Ctx:
     def seed(self, stream, name):
         return seed_of(self.step, name)
 
+    def verdict(self, out):  # no guard here
+        return None
+
 
 def seed_of(step, name):
     return (step * 1_000_003 + zlib.crc32(name.encode()) * 7919) % 2**63
@@ -589,6 +592,48 @@ def test_powersgd_table_elements_match_the_reference_bit_for_bit(W, monkeypatch)
     alone[idx] = False
     assert alone.sum() == 3 and torch.equal(om[alone], x[alone]) and (en[alone] == 7).all()
     torch.testing.assert_close(om[mats] + en[mats], x[mats] + e[mats])
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_powersgd_expand_writes_the_guards_verdict_as_flag_fill_does(residual, monkeypatch):
+    """expand with the guard's verdict on a table that covers the bucket: flag down, out and
+    the next residual bit for bit those of expand alone; flag up, out NaN throughout; the
+    other flag zeroed either way, on the kernels and the reference alike. A table that
+    leaves elements out is refused (they would escape the NaN)."""
+    shapes = [s for _, s in TABLE_SHAPES if len(s) == 2]
+    table, nx, npp, nq = _table(shapes)
+    rows = table.rows
+    gaps, at = [], 0
+    for x_off, n, m, *_ in rows:
+        if x_off > at:
+            gaps.append((at, x_off - at))
+        at = x_off + n * m
+    gaps.append((at, 5))
+    full = lowrank.matrix_table(rows, "cpu", gaps[:1], gaps[1:])
+    assert full.covered == nx + 5 and table.covered < nx
+    g = torch.Generator().manual_seed(4)
+    x, e = torch.randn(nx + 5, generator=g), torch.randn(nx + 5, generator=g)
+    q, p = torch.randn(nq, generator=g), torch.randn(npp + full.dense, generator=g)
+    res = (e, torch.full_like(x, 7.0)) if residual else (None, None)
+    for mode in ("reference", "triton"):
+        monkeypatch.setenv("GRADCOMP_KERNELS", mode)
+        want = lowrank.expand(p, q, x.clone(), full, 2, res[0],
+                              None if res[1] is None else res[1].clone())
+        for up in (0.0, 1.0):
+            flag, clear = torch.tensor([up, 5.0, -5.0]), torch.tensor([1.0, 2.0, -2.0])
+            en = None if res[1] is None else res[1].clone()
+            got = lowrank.expand(p, q, x.clone(), full, 2, res[0], en, verdict=(flag, clear))
+            assert clear.tolist() == [0.0, 2.0, -2.0] and flag.tolist() == [up, 5.0, -5.0]
+            if up:
+                assert got.isnan().all(), mode
+            else:
+                assert torch.equal(got, want), mode
+            if residual:
+                want_en = res[1].clone()
+                lowrank.expand(p, q, x.clone(), full, 2, e, want_en)
+                assert torch.equal(en, want_en), mode
+        with pytest.raises(ValueError, match="covers out"):
+            lowrank.expand(p, q, x.clone(), table, 2, verdict=(flag, clear))
 
 
 def _distinct(count):

@@ -82,6 +82,12 @@ class BucketContext(Protocol):
         current itself (a context without double buffering): write an element of next only
         after the last read of current's element there."""
 
+    def verdict(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The inf/NaN guard's (flag, clear), for a last kernel that writes every element of
+        the result ``out``: out NaN throughout where flag[0] > 0, clear[0] = 0 (the guard's
+        kernels.flag_fill, then left out). None where the guard offers none. Called after
+        the exchange's last collective."""
+
     def scalars(self, slot: str) -> torch.Tensor:
         """Persistent fp32 buffer of one value per parameter, in ``params`` order, zero at
         first use, kept per parameter (a bucket's per-parameter scalars in one tensor)."""

@@ -210,7 +210,7 @@ class PowerSGD(Compressor):
         matrices are M = x + e_now (e_now None: x), the result is written into x and the
         next residual into e; the Q's are the memory's tensors, written where they lie.
         Four launches: the residual's update, the dense tensors' gather and their average
-        ride in the first and the last."""
+        ride in the first and the last, and the guard's verdict in the last."""
         W, table = ctx.comm.world_size, lay.table(x.device, x.numel())
         q = _one_buffer([v for group in qs for v in group], lay.q_sizes)
         buf = x.new_empty(lay.p_total + lay.dense_numel)
@@ -219,7 +219,7 @@ class PowerSGD(Compressor):
         lowrank.orthonormalize(buf, table)
         lowrank.back(x, buf, q, table, e_now)  # the new Q's over the old ones (read by project)
         ctx.comm.allreduce(q)  # 2nd collective: every Q
-        lowrank.expand(buf, q, x, table, W, e_now, e)
+        lowrank.expand(buf, q, x, table, W, e_now, e, verdict=ctx.verdict(x))
         return x, buf
 
     def _layout(self, params, device):

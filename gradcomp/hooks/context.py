@@ -36,6 +36,10 @@ class BucketCtx:
         self._tensors = param_tensors
         self.snapshot = None  # the inf/NaN guard's, while it runs the exchange
         self._next = {}       # slot -> (current, next) of memory_next, until finish()
+        # the guard's verdict while it may be taken: (the comm its flag rides on, the flag,
+        # the other flag); then the result it was written into (see :meth:`verdict`)
+        self.verdict_offer = None
+        self.verdict_taken = None
 
     @property
     def compressed(self) -> int:
@@ -58,6 +62,19 @@ class BucketCtx:
                 slot, self.bucket, [p.name for p in self.params], [p.numel for p in self.params],
                 self.device)
         return hit
+
+    def verdict(self, out):
+        """(flag, clear) for a last kernel that writes every element of ``out``, the
+        exchange's result: it writes NaN throughout where flag[0] > 0 and zeroes clear[0]
+        (kernels.flag_fill's work, which the guard then leaves out); None where the guard
+        offers none. Call it after the exchange's last collective (the flag has landed)."""
+        offer, self.verdict_offer = self.verdict_offer, None
+        if offer is None:
+            return None
+        comm, flag, clear = offer
+        comm.flag_done(flag)
+        self.verdict_taken = out
+        return flag, clear
 
     def replaced(self) -> list:
         """(slot, its buffer now) for each slot :meth:`memory_next` will replace at

@@ -185,20 +185,25 @@ class Guard:
 
     def _run_late(self, x, ctx, flat, run, bad, snap, names):
         """:meth:`run` with ``late``: the flag goes to the host while the step goes on."""
+        pair = self._flags[(ctx.bucket, bad.device)]
+        # the compressor's last kernel may write the verdict (ctx.verdict): the other flag
+        # is the next exchange's, zeroed by whichever kernel writes it
+        ctx.verdict_offer, ctx.verdict_taken = (flat, bad, pair[1]), None
         try:
             out = run(x)
             flat.flag_done(bad)
         except BaseException:
-            with self._lock:  # its flag stays as it is: the bucket's next pair starts at 0
+            with self._lock:  # its flags stay as they are: the bucket's next pair starts at 0
                 self._flags.pop((ctx.bucket, bad.device), None)
             self._undo(snap, names, ctx)
             raise
         finally:
-            ctx.snapshot = None
+            ctx.snapshot = ctx.verdict_offer = None
         swaps = [(slot, ctx.bucket, before) for slot, before in ctx.replaced()]
         ctx.finish(True)
         with self._lock:
             self._held.append((ctx.step, snap, names, swaps, to_host_later(bad)))
-            pair = self._flags[(ctx.bucket, bad.device)]
-            pair.reverse()  # the other is the next exchange's: this flag_fill zeroes it
+            pair.reverse()
+        if ctx.verdict_taken is out:
+            return out
         return kernels.flag_fill(out, bad, clear=pair[0])

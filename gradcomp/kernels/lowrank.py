@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from . import implementation
+from . import reference
 from .reference import reciprocal
 
 # How many times each Gram-Schmidt column's projection on the columns before it is
@@ -100,6 +101,7 @@ class MatrixTable:
     elems: torch.Tensor       # (E,) int64: places in x of the elements outside the matrices:
     dense: int                # the first ``dense`` of them sent whole, the j-th at
     dense_at: int             # p[dense_at + j] (behind every P); the rest in no parameter
+    covered: int              # elements of x in a matrix or in elems
 
 
 def matrix_table(rows, device, dense=(), rest=()) -> MatrixTable:
@@ -124,7 +126,8 @@ def matrix_table(rows, device, dense=(), rest=()) -> MatrixTable:
     return MatrixTable(rows, t(rows, 6), t(row_tiles, 2), t(col_tiles, 2),
                        1 << (r_max - 1).bit_length(), TILE_ROWS, TILE_COLS, elems,
                        sum(int(k) for _, k in dense),
-                       max((p_off + n * r for _, n, _m, r, p_off, _q in rows), default=0))
+                       max((p_off + n * r for _, n, _m, r, p_off, _q in rows), default=0),
+                       sum(n * m for _, n, m, *_r in rows) + elems.numel())
 
 
 def project(x: torch.Tensor, q: torch.Tensor, p: torch.Tensor, table: MatrixTable,
@@ -167,17 +170,31 @@ def _back(x, p, q, table, e=None):
 
 
 def expand(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor, table: MatrixTable, W: int,
-           e: torch.Tensor | None = None, e_next: torch.Tensor | None = None) -> torch.Tensor:
+           e: torch.Tensor | None = None, e_next: torch.Tensor | None = None,
+           verdict: tuple | None = None) -> torch.Tensor:
     """out[matrix k] = P_k Q_k^T / W for every matrix of the table, out[dense] = the dense
     elements behind the P's times 1 / W (the float32 reciprocal: what CUDA's ``div_`` by a
     number computes); with a residual e, out holds x before (M = x + e) and
     e_next = M - out (0 at the dense elements; e_next may be e), and out = M at the elements
-    of no parameter; without, those are left alone. Returns out."""
+    of no parameter; without, those are left alone. With the guard's ``verdict`` (flag,
+    clear), for a table that covers out (every element in a matrix or in elems): then, as
+    :func:`gradcomp.kernels.reference.flag_fill` (out NaN throughout where flag[0] > 0,
+    clear[0] = 0), in the same launch. Returns out."""
+    if verdict is not None and table.covered != out.numel():
+        raise ValueError(f"expand writes the guard's verdict only where its table covers out "
+                         f"({table.covered} of {out.numel()} elements)")
     return implementation("powersgd_expand", p, reference_fn=_expand)(p, q, out, table, W,
-                                                                      e, e_next)
+                                                                      e, e_next, verdict)
 
 
-def _expand(p, q, out, table, W, e=None, e_next=None):
+def _expand(p, q, out, table, W, e=None, e_next=None, verdict=None):
+    _expand_values(p, q, out, table, W, e, e_next)
+    if verdict is not None:
+        reference.flag_fill(out, *verdict)
+    return out
+
+
+def _expand_values(p, q, out, table, W, e, e_next):
     for x_off, n, m, r, p_off, q_off in table.rows:
         P, Q = p[p_off : p_off + n * r].view(n, r), q[q_off : q_off + m * r].view(m, r)
         sl = slice(x_off, x_off + n * m)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..reference import reciprocal
+from ..reference import check_clear, check_guard, reciprocal
 from . import common as c
 
 
@@ -115,11 +115,18 @@ def _psgd_expand_kernel(
     en_ptr,        # next residual, fp32 (may be e): M - out, written with HAS_E
     mats_ptr, tiles_ptr,  # row tiles, as project
     elems_ptr,     # (E,) int64: the dense elements' places, then those of no parameter
-    T, D, E, dense_at,  # programs from T on take E elements (D without HAS_E), BLOCK each
+    flag_ptr,      # fp32, the guard's flag: out NaN throughout where [0] > 0 (HAS_FLAG)
+    clear_ptr,     # fp32, the guard's other flag: [0] = 0 by program 0 (HAS_FLAG)
+    T, D, E, dense_at,  # programs from T on take E elements (D with neither HAS_E nor
+                        # HAS_FLAG), BLOCK each
     W, INV_W,      # the divisor of P Q^T; 1 / W in float32, the dense sums' factor
     BN: tl.constexpr, BK: tl.constexpr, R: tl.constexpr, HAS_E: tl.constexpr,
-    BLOCK: tl.constexpr,
+    HAS_FLAG: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    if HAS_FLAG:
+        up = tl.load(flag_ptr) > 0
+        if tl.program_id(0) == 0:
+            tl.store(clear_ptr, 0.0)
     if tl.program_id(0) < T:
         x_off, m, r, p_off, q_off, rows, js, rmask, jmask = _psgd_row_tile(mats_ptr, tiles_ptr,
                                                                           BN, R)
@@ -136,6 +143,8 @@ def _psgd_expand_kernel(
                 M = _psgd_matrix(out_ptr, e_ptr, x_off, rows, cols, m, mask, True)
                 tl.store(en_ptr + x_off + rows[:, None] * m + cols[None, :],
                          M - v.to(tl.float32), mask=mask)
+            if HAS_FLAG:
+                v = tl.where(up, float("nan"), v.to(tl.float32)).to(out_ptr.dtype.element_ty)
             tl.store(out_ptr + x_off + rows[:, None] * m + cols[None, :], v, mask=mask)
     else:
         j = (tl.program_id(0) - T).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -147,6 +156,10 @@ def _psgd_expand_kernel(
                  + tl.load(e_ptr + i, mask=jm & ~dense, other=0.0))
             v = tl.where(dense, v, M)
             tl.store(en_ptr + i, tl.where(dense, 0.0, M - M), mask=jm)
+        elif HAS_FLAG:  # elements of no parameter: out as it is (unless flagged)
+            v = tl.where(dense, v, tl.load(out_ptr + i, mask=jm & ~dense, other=0.0).to(tl.float32))
+        if HAS_FLAG:
+            v = tl.where(up, float("nan"), v)
         tl.store(out_ptr + i, v.to(out_ptr.dtype.element_ty), mask=jm)
 
 
@@ -250,19 +263,26 @@ def powersgd_back(x, p, q, table, e=None):
     return q
 
 
-def powersgd_expand(p, q, out, table, W, e=None, e_next=None):
-    """See :func:`gradcomp.kernels.lowrank.expand`: one launch."""
+def powersgd_expand(p, q, out, table, W, e=None, e_next=None, verdict=None):
+    """See :func:`gradcomp.kernels.lowrank.expand`: one launch (the guard's verdict in it:
+    the table covers every element of out)."""
     _check_table(table, p, q, out)
     if (e is None) != (e_next is None):
         raise ValueError("expand takes the residual and the next residual together")
     _check_residual(out, e, e_next)
-    T, E = table.row_tiles.shape[0], table.elems.numel() if e is not None else table.dense
-    if T + E:
-        _psgd_expand_kernel[(T + _element_programs(E),)](
+    flag, clear = (out, out) if verdict is None else verdict
+    if verdict is not None:
+        check_guard(out, flag, x_name="out")
+        check_clear(flag, clear)
+    T = table.row_tiles.shape[0]
+    E = table.elems.numel() if e is not None or verdict is not None else table.dense
+    if T + E or verdict is not None:
+        _psgd_expand_kernel[(max(T + _element_programs(E), 1),)](
             p, q, out, out if e is None else e, out if e_next is None else e_next, table.mats,
-            table.row_tiles, table.elems, T, table.dense, E, table.dense_at, float(W),
-            reciprocal(W), BN=table.tile_rows, BK=table.tile_cols, R=table.rank,
-            HAS_E=e is not None, BLOCK=c.BLOCK, num_warps=c.NUM_WARPS)
+            table.row_tiles, table.elems, flag, clear, T, table.dense, E, table.dense_at,
+            float(W), reciprocal(W), BN=table.tile_rows, BK=table.tile_cols, R=table.rank,
+            HAS_E=e is not None, HAS_FLAG=verdict is not None, BLOCK=c.BLOCK,
+            num_warps=c.NUM_WARPS)
     return out
 
 
