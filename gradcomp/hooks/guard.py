@@ -143,19 +143,14 @@ class Guard:
         # write (ctx.memory); a slot it rewrites whole (ctx.memory_next) is not copied at all:
         # its new buffer is committed or dropped below
         snap = ctx.snapshot = self.memory.snapshot(names, ctx.bucket, slots=())
+        if late:
+            return self._run_late(x, ctx, flat, run, snap, names)
         orig = x  # the compressor runs on every rank alike (the same collectives)
         # the step check rides with the flag; the copy without inf/NaN sets bad[0] (one
-        # kernel on a GPU). ``late``: in place, as nothing falls back to x (the bucket's
-        # result replaces it, and the compressor's result is often x itself: no copy back)
-        if late:
-            bad = self._late_flags(ctx.bucket, x.device)[0]
-            x = kernels.finite_copy(x, bad, out=x, step=float(ctx.step % STEP_MOD))
-        else:
-            bad = clear_flag(ctx.step, x.device)
-            x = kernels.finite_copy(x, bad)
+        # kernel on a GPU)
+        bad = clear_flag(ctx.step, x.device)
+        x = kernels.finite_copy(x, bad)
         flat.flag(bad)
-        if late:
-            return self._run_late(x, ctx, flat, run, bad, snap, names)
         try:
             out = run(x)
             flagged = check_steps(flat.flag_result(bad))
@@ -183,9 +178,15 @@ class Guard:
         finally:
             ctx.finish(False)
 
-    def _run_late(self, x, ctx, flat, run, bad, snap, names):
-        """:meth:`run` with ``late``: the flag goes to the host while the step goes on."""
-        pair = self._flags[(ctx.bucket, bad.device)]
+    def _run_late(self, x, ctx, flat, run, snap, names):
+        """:meth:`run` with ``late``: the flag goes to the host while the step goes on. The
+        copy without inf/NaN is x itself, as nothing falls back to x (the bucket's result
+        replaces it, and the compressor's result is often x itself: no copy back); the same
+        kernel writes the step into the bucket's flag."""
+        pair = self._late_flags(ctx.bucket, x.device)
+        bad = pair[0]
+        x = kernels.finite_copy(x, bad, out=x, step=float(ctx.step % STEP_MOD))
+        flat.flag(bad)
         # the compressor's last kernel may write the verdict (ctx.verdict): the other flag
         # is the next exchange's, zeroed by whichever kernel writes it
         ctx.verdict_offer, ctx.verdict_taken = (flat, bad, pair[1]), None
