@@ -374,6 +374,97 @@ def test_ternary_decompress_matches_reference(guards, block, W, alpha):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+def ternary_bucket(sizes_, seed, gap=3):
+    """Segments of ``sizes_`` elements laid in x ``gap`` apart (the padded layout: each
+    rounded up to a multiple of 4, end to end): x, xoff, numel, lengths, starts, seg."""
+    lens = [-(-m // 4) * 4 for m in sizes_]
+    xoff = [gap * (k + 1) + sum(sizes_[:k]) for k in range(len(sizes_))]
+    x = randn(gap * (len(sizes_) + 1) + sum(sizes_), seed)
+    t = lambda v: torch.tensor(v, dtype=torch.int64, device=DEV)  # noqa: E731
+    seg = torch.repeat_interleave(torch.arange(len(lens), dtype=torch.int32),
+                                  torch.tensor(lens, dtype=torch.int64)).to(DEV)
+    return x, t(xoff), t(sizes_), t(lens), t([sum(lens[:k]) for k in range(len(lens))]), seg
+
+
+TERN_SIZES = [[1], [5, 130, 64, 3, 257], [2049, 7, 4096 + 3]]
+
+
+@pytest.mark.parametrize("clip", [0.0, 2.5])
+def test_ternary_stats_matches_reference(guards, block, clip):
+    for i, sz in enumerate(TERN_SIZES):
+        x, xoff, numel, lens, _, _ = ternary_bucket(sz, 40 + i)
+        want_s, want_b = ref.ternary_stats(x, xoff, numel, lens, clip)
+        got_s, got_b = tk.ternary_stats(x, xoff, numel, lens, clip)
+        if not clip:
+            assert torch.equal(got_s, want_s)  # max |y|: exact
+            continue
+        torch.testing.assert_close(got_b, want_b, rtol=1e-5, atol=0)
+        top = torch.stack([x[a:a + m].abs().max() for a, m in zip(xoff.tolist(), sz)])
+        assert torch.equal(got_s, torch.minimum(top, got_b))
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_ternary_encode_matches_reference(guards, block, clip):
+    for i, sz in enumerate(TERN_SIZES + [[0, 4, 0, 9]]):
+        x, xoff, numel, lens, starts, seg = ternary_bucket(sz, 60 + i)
+        scale = torch.rand(len(sz), device=DEV) * 3
+        bound = torch.rand(len(sz), device=DEV) * 2 if clip else None
+        seeds = torch.tensor([2**40 + 977 * k for k in range(len(sz))], device=DEV)
+        nbytes = (seg.numel() + 4) // 5
+        want = ref.ternary_encode(x, xoff, numel, scale, bound, seg, seeds, starts,
+                                  torch.empty(nbytes, dtype=torch.uint8, device=DEV))
+        got = guards.alloc((nbytes,), torch.uint8, DEV)
+        tk.ternary_encode(poisoned(guards, x), poisoned(guards, xoff), poisoned(guards, numel),
+                          poisoned(guards, scale), poisoned(guards, bound) if clip else None,
+                          poisoned(guards, seg), poisoned(guards, seeds), poisoned(guards, starts),
+                          got)
+        assert torch.equal(got, want)
+        assert int(want.max()) < 243
+
+
+def test_ternary_encode_is_ternary_compress_in_base_3(guards):
+    x, xoff, numel, lens, starts, seg = ternary_bucket([12, 400, 8], 5, gap=0)
+    scale = torch.rand(3, device=DEV) * 3
+    seeds = torch.tensor([1, 2, 3], device=DEV)
+    got = tk.ternary_encode(x, xoff, numel, scale, None, seg, seeds, starts,
+                            torch.empty(84, dtype=torch.uint8, device=DEV))
+    codes = ref.unpack_2bit(tk.ternary_compress(x, None, scale, seg, seeds, starts))
+    assert torch.equal(ref.unpack_base3(got, 420), codes)
+
+
+@pytest.mark.parametrize("W", [1, 3])
+@pytest.mark.parametrize("shared", [False, True])
+def test_ternary_decode_matches_reference(guards, block, W, shared):
+    g = torch.Generator().manual_seed(W)
+    comp, dense = [5, 130, 64, 3, 257, 2049], [3, 70, 1]
+    entries = comp + dense
+    n = sum(entries) + 2 * len(entries) + 1  # a gap of 2 before each entry, one at the end
+    xoff = [2 * (k + 1) + sum(entries[:k]) for k in range(len(entries))]
+    npad = sum(-(-m // 4) * 4 for m in comp)
+    src = [sum(-(-m // 4) * 4 for m in comp[:k]) for k in range(len(comp))]
+    src += [sum(dense[:k]) for k in range(len(dense))]
+    xseg = torch.full((n,), -1, dtype=torch.int32)
+    for k, (a, m) in enumerate(zip(xoff, entries)):
+        xseg[a:a + m] = k
+    row = (npad + 4) // 5 + 3  # rows a message apart: codes, then other fields
+    msgs = torch.randint(0, 243, (W, row + 4 * len(comp) + 4 * sum(dense)), generator=g,
+                         dtype=torch.uint8).to(DEV)
+    codes = msgs[:, :(npad + 4) // 5]
+    vals = torch.randn(W, len(comp) + sum(dense), generator=g).to(DEV)
+    scales = vals[:1, :len(comp)].expand(W, -1) if shared else vals[:, :len(comp)]
+    dv = vals[:, len(comp):]
+    xseg, t = xseg.to(DEV), (lambda v: torch.tensor(v, dtype=torch.int64, device=DEV))
+    want = ref.ternary_decode(codes, scales, dv, xseg, t(xoff), t(src), len(comp),
+                              torch.empty(n, device=DEV), 1.0 / W)
+    got = guards.alloc((n,), torch.float32, DEV)
+    tk.ternary_decode(codes, scales, dv, poisoned(guards, xseg), poisoned(guards, t(xoff)),
+                      poisoned(guards, t(src)), len(comp), got, 1.0 / W)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    if W == 1:  # one message: the dense values as they are, the codes as ternary_decompress's
+        at = [a for a, m in zip(xoff[len(comp):], dense)]
+        assert torch.equal(got[at[1]:at[1] + 70], dv[0, 3:73])
+
+
 # --------------------------------------------------------------------------- top-k select
 def check_select(g, x, threshold, k, capacity):
     want_v, want_i = ref.select_topk(x.float(), threshold, k, capacity)
@@ -491,6 +582,16 @@ specs = [
     (tk.terngrad._ternary_compress_kernel, ["*bf16", P, P, "*i32", "*i64", "*i64", "*u8", "u64", "i32"],
      dict(HAS_RES=False, PER_SEG=True, BYTES=1024)),
     (tk.terngrad._ternary_decompress_kernel, ["*u8", P, "*i64", P, "i32", "i32", "i32", "i32", "fp32"], dict(BYTES=1024)),
+    (tk.terngrad._ternary_stats_kernel, [P, "*i64", "*i64", "*i64", P, P, "fp32"],
+     dict(CLIP=True, BLOCK=2048)),
+    (tk.terngrad._ternary_stats_kernel, ["*bf16", "*i64", "*i64", "*i64", P, P, "fp32"],
+     dict(CLIP=False, BLOCK=2048)),
+    (tk.terngrad._ternary_encode_kernel, [P, "*i64", "*i64", P, P, "*i32", "*i64", "*i64", "*u8", "i64",
+                                          "i32"], dict(CLAMP=True, BYTES=256)),
+    (tk.terngrad._ternary_encode_kernel, ["*bf16", "*i64", "*i64", P, P, "*i32", "*i64", "*i64", "*u8",
+                                          "i32", "i32"], dict(CLAMP=False, BYTES=256)),
+    (tk.terngrad._ternary_decode_kernel, ["*u8", P, P, "*i32", "*i64", "*i64", P, "i32", "i32", "i32",
+                                          "i32", "i32", "i32", "fp32", "fp32"], dict(BLOCK=2048)),
     (tk.topk._count_kernel, [P, P, "*i32", "i32"], dict(BLOCK_=4096)),
     (tk.topk._compact_kernel, ["*fp16", P, "*i64", P, "*i32", "i32", "i32"], dict(BLOCK_=4096)),
     (tk.topk._scatter_add_kernel, [P, "*i64", P, "i32", "i32", "fp32"], dict(BLOCK_=4096)),

@@ -245,6 +245,8 @@ class TernGrad(Compressor):
     def exchange(self, x, ctx, big, dense):
         cfg, W = self.config, ctx.comm.world_size
         lay = self._layout(ctx.params, big, dense, x.device)
+        if not cfg.error_feedback and kernels.backend("ternary_encode", x) == "triton":
+            return self._exchange_fused(x, ctx, lay, big)
         y = lay.spread(x, "terngrad.y")
         # the residual is rewritten whole (gather, then the dense parameters' zeros)
         e_now, e = ctx.memory_next(RESIDUAL) if cfg.error_feedback else (None, None)
@@ -281,6 +283,44 @@ class TernGrad(Compressor):
         put_dense(got["dense"], dense, out)
         return out
 
+    def _exchange_fused(self, x, ctx, lay, big):
+        """:meth:`exchange` without error feedback on the Triton path, read from x and written
+        back into it by the kernels themselves: the statistics (one kernel on a GPU), the
+        seeds' copy to the device, one encoder writing the message's codes, one gather of the
+        dense values into it, one allgather, one decoder writing every element of x (the
+        dense values' average too). The same bits as the other paths, but for the GPU's
+        statistics (:func:`~gradcomp.kernels.reference.ternary_stats`: sums in the kernel's
+        order)."""
+        cfg, W, S = self.config, ctx.comm.world_size, len(big)
+        msg = MESSAGE.bind(npad=lay.npad, n_scales=0 if cfg.share_scalers else S,
+                           n_dense=lay.n_dense)
+        buf = torch.empty(msg.nbytes, dtype=torch.uint8, device=x.device)
+        if x.device.type == "cpu":  # Triton's interpreter: the CPU's statistics, bit for bit
+            src = lay.spread(x, "terngrad.y")
+            scale = layer_stats(src, lay.lengths, cfg.clip, lay.seg, lay.sizes)
+            soff, snum, bound = lay.starts, lay.lengths, None  # src is clipped already
+        else:
+            scale, bound = kernels.implementation("ternary_stats", x)(
+                x, lay.xoff, lay.numel, lay.lengths, cfg.clip)
+            src, soff, snum, bound = x, lay.xoff, lay.numel, bound if cfg.clip else None
+        if cfg.share_scalers:
+            ctx.comm.allreduce(scale, op="max")
+        else:
+            _field(buf, msg, "scales").copy_(scale)
+        seeds = to_device([ctx.seed(0, p.name) for p in big], torch.int64, x.device)
+        a, n_codes, _ = msg.spans["codes"]
+        kernels.implementation("ternary_encode", x)(src, soff, snum, scale, bound, lay.seg,
+                                                    seeds, lay.starts, buf[a : a + n_codes])
+        if lay.n_dense:
+            torch.index_select(x, 0, lay.dense, out=_field(buf, msg, "dense"))
+        got = ctx.comm.allgather(buf)  # every rank's, in order
+        scales = scale.expand(W, S) if cfg.share_scalers else _field(got, msg, "scales")
+        dense = _field(got, msg, "dense") if lay.n_dense else None
+        kernels.implementation("ternary_decode", x)(
+            got[:, a : a + n_codes], scales, dense, lay.xseg, lay.entry_off, lay.entry_src, S,
+            x, 1.0 / W)
+        return x
+
     def dense(self, x, ctx):
         """A bucket of parameters sent uncompressed: in a compressed step as the message's
         ``dense`` field goes (every rank's fp32 values by allgather, summed in rank order,
@@ -299,6 +339,13 @@ class TernGrad(Compressor):
         if hit is None:
             hit = self._layouts[key] = _TernaryLayout(big, dense, sum(p.numel for p in params), device)
         return hit
+
+
+def _field(buf: torch.Tensor, msg, name: str) -> torch.Tensor:
+    """The fp32 field ``name`` of one message (nbytes,) or of every rank's (W, nbytes), as a
+    view (rows a message apart)."""
+    a, n, _ = msg.spans[name]
+    return buf[..., a : a + 4 * n].view(torch.float32)
 
 
 class _TernaryLayout:
@@ -330,6 +377,20 @@ class _TernaryLayout:
         self.dense = (torch.cat([torch.arange(p.offset, p.offset + p.numel, **kw) for p in dense])
                       if dense else None)
         self.digits = base3_digits(device)
+        # the fused path's tables (TernGrad._exchange_fused): each compressed layer's place
+        # and size in x; an entry per layer then per dense parameter (its first element in x
+        # and its first code or dense value in the message), and each element's entry
+        self.xoff = torch.tensor([p.offset for p in params], **kw)
+        self.numel = torch.tensor([p.numel for p in params], **kw)
+        self.n_dense = sum(p.numel for p in dense)
+        dstarts = np.cumsum([0] + [p.numel for p in dense])[:-1].tolist()
+        entries = list(params) + list(dense)
+        self.entry_off = torch.tensor([p.offset for p in entries], **kw)
+        self.entry_src = torch.tensor(starts + dstarts, **kw)
+        xseg = torch.full((n,), -1, dtype=torch.int32)
+        for k, p in enumerate(entries):
+            xseg[p.offset : p.offset + p.numel] = k
+        self.xseg = xseg.to(device)
         # one run per layer
         self.to_padded = Runs([(p.offset, a, p.numel) for p, a in zip(params, starts)], n, at)
         self.to_x = Runs([(a, p.offset, p.numel) for p, a in zip(params, starts)], at, n)

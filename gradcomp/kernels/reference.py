@@ -293,6 +293,108 @@ def ternary_decompress(packed: torch.Tensor, scale: torch.Tensor, seg: torch.Ten
     return out
 
 
+BASE3 = (1, 3, 9, 27, 81)  # a ternary code's weight in a byte, by its place among five
+
+
+def pack_base3(codes: torch.Tensor) -> torch.Tensor:
+    """Codes in {0, 1, 2} (n,) five to a byte in base 3: byte = c0 + 3 c1 + 9 c2 + 27 c3 +
+    81 c4, the first value in c0, the last byte's missing values 0 ((n + 4) // 5 bytes)."""
+    c = torch.nn.functional.pad(codes.to(torch.uint8), (0, -codes.numel() % 5)).view(-1, 5)
+    return (c * torch.tensor(BASE3, dtype=torch.uint8, device=codes.device)).sum(
+        1, dtype=torch.uint8)
+
+
+def unpack_base3(b: torch.Tensor, n: int) -> torch.Tensor:
+    """:func:`pack_base3`'s inverse per row: (..., bytes) -> (..., n) codes."""
+    powers = torch.tensor(BASE3, dtype=torch.uint8, device=b.device)
+    return ((b.unsqueeze(-1) // powers) % 3).reshape(*b.shape[:-1], -1)[..., :n]
+
+
+def ternary_stats(x: torch.Tensor, xoff: torch.Tensor, numel: torch.Tensor,
+                  lengths: torch.Tensor, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """TernGrad's per-segment statistics, read from x where each segment lies.
+
+    Segment k is x[xoff[k] : xoff[k] + numel[k]] followed by lengths[k] - numel[k] zeros
+    (its padding); with its sum, sum of squares and max |y| over those lengths[k] values,
+    bound = clip * sqrt(max(sumsq / L - (sum / L)^2, 0)) (L = lengths[k]) and
+    scale = min(max |y|, bound) (max |y| alone when ``clip`` is 0): the scaler of y clipped
+    to [-bound, bound]. Returns (scale, bound), (S,) fp32 each. The sums are fp32 in an
+    order of the implementation's choosing (here float64, rounded once): implementations
+    agree to within a few roundings on the bound; max |y| is exact. Reads 4n, writes 8S."""
+    S = xoff.numel()
+    scale = torch.zeros(S, dtype=torch.float32, device=x.device)
+    bound = torch.zeros(S, dtype=torch.float32, device=x.device)
+    for k in range(S):
+        a, m, L = int(xoff[k]), int(numel[k]), int(lengths[k])
+        y = x[a : a + m].double()
+        top = y.abs().max() if m else y.new_zeros(())
+        mean = y.sum() / L
+        b = (y.square().sum() / L - mean * mean).clamp_min(0).sqrt() * clip
+        bound[k] = b
+        scale[k] = torch.minimum(top, b) if clip else top
+    return scale, bound
+
+
+def ternary_encode(src: torch.Tensor, soff: torch.Tensor, snum: torch.Tensor,
+                   scale: torch.Tensor, bound: torch.Tensor | None, seg: torch.Tensor,
+                   seeds: torch.Tensor, starts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """:func:`ternary_compress` with per-segment seeds (no residual), read from where each
+    segment lies and written five codes a byte.
+
+    seg: (npad,) the segment of each element of the padded layout (npad % 4 == 0); element
+    i of segment k (j = i - starts[k]) is src[soff[k] + j] where j < snum[k], else 0, and
+    with ``bound`` clamped to [-bound[k], bound[k]]; its code is :func:`ternary_compress`'s
+    (seed seeds[k], counter j). out: ((npad + 4) // 5,) uint8 = :func:`pack_base3` of the
+    codes. Reads 4 npad (+ 4 npad of seg), writes npad / 5."""
+    n = seg.numel()
+    k = seg.long()
+    j = torch.arange(n, dtype=torch.int64, device=seg.device) - starts[k]
+    inside = j < snum[k]
+    y = torch.where(inside, src[torch.where(inside, soff[k] + j, 0)].float(), 0.0)
+    if bound is not None:
+        y = torch.minimum(torch.maximum(y, -bound[k]), bound[k])
+    codes = unpack_2bit(ternary_compress(y, None, scale, seg, seeds, starts))
+    return out.copy_(pack_base3(codes))
+
+
+def ternary_decode(codes: torch.Tensor, scales: torch.Tensor, dense: torch.Tensor | None,
+                   xseg: torch.Tensor, xoff: torch.Tensor, src: torch.Tensor, S: int,
+                   out: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Every rank's TernGrad message decoded into x's layout (``out``, written, not read).
+
+    codes: (W, >= (npad + 4) // 5) uint8 base-3 codes (:func:`ternary_encode`); scales:
+    (W, S) fp32; dense: (W, D) fp32 values sent as they are. xseg: (n,) int32 the entry of
+    each element of out (-1: none); entry k lies at out[xoff[k]:], a compressed segment
+    (k < S) whose codes start at src[k], or a dense one (k >= S) whose values start at
+    dense[:, src[k]]. out[i] of a compressed segment is alpha * sum_w s[w, k] q[w] (the sum
+    from 0 in rank order, as 0 + v: -0.0 comes out +0.0), of a dense one the sum over ranks
+    (from rank 0's value, in rank order) divided by W, of none 0. Reads W npad / 5 (+ 4 n
+    of xseg), writes n."""
+    W, n = codes.shape[0], out.numel()
+    k = xseg.long()
+    i = torch.arange(n, dtype=torch.int64, device=out.device)
+    comp, dn = (k >= 0) & (k < S), k >= S
+    kk = k.clamp_min(0)
+    at = src[kk] + i - xoff[kk]
+    e = torch.where(comp, at, 0)
+    digit = torch.tensor(BASE3, dtype=torch.int32, device=out.device)[e % 5]
+    acc = torch.zeros(n, dtype=torch.float32, device=out.device)
+    for w in range(W):
+        c = (codes[w][e // 5].to(torch.int32) // digit) % 3
+        s = scales[w][kk.clamp_max(max(S - 1, 0))] if S else acc
+        acc += torch.where(c == 1, s, torch.where(c == 2, -s, 0.0))
+    v = acc * alpha
+    v = torch.where(v == 0, 0.0, v)
+    if dense is not None and dense.shape[1]:
+        d = torch.where(dn, at, 0)
+        total = dense[0][d].clone()
+        for w in range(1, W):
+            total += dense[w][d]
+        v = torch.where(dn, total / W, v)
+    out.copy_(torch.where(comp | dn, v, 0.0))
+    return out
+
+
 # --------------------------------------------------------------------------- top-k select
 def sample_threshold(x: torch.Tensor, k: int, sample: torch.Tensor) -> torch.Tensor:
     """Estimate the magnitude of the k-th largest |x| from a random sample (no full sort, and

@@ -65,7 +65,9 @@ from .onebit import onebit_compress, onebit_decompress  # noqa: F401
 from .powersgd import (  # noqa: F401
     powersgd_back, powersgd_expand, powersgd_orthonormalize, powersgd_project,
 )
-from .terngrad import ternary_compress, ternary_decompress  # noqa: F401
+from .terngrad import (  # noqa: F401
+    ternary_compress, ternary_decode, ternary_decompress, ternary_encode, ternary_stats,
+)
 from .threshold import threshold_decode, threshold_encode, threshold_tau  # noqa: F401
 from .topk import (  # noqa: F401
     scatter_add, segment_candidates, segment_kth, segment_sample, segment_take, select_topk,

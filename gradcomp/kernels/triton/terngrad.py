@@ -146,3 +146,205 @@ def ternary_decompress(packed: torch.Tensor, scale: torch.Tensor, seg: torch.Ten
         packed, scale, seg, out, n, row, scale.shape[1], W, float(alpha),
         BYTES=width, ACCUMULATE=bool(accumulate), num_warps=c.NUM_WARPS)
     return out
+
+
+# ------------------------------------------------ TernGrad's bucket path: stats, encode, decode
+@triton.jit
+def _ternary_stats_kernel(
+    x_ptr,      # (n,) x, fp32/fp16/bf16                           reads 4n
+    xoff_ptr,   # (S,) int64 first element of each segment in x
+    numel_ptr,  # (S,) int64 elements of each segment in x
+    len_ptr,    # (S,) int64 padded length of each segment (the divisor of its means)
+    scale_ptr,  # (S,) fp32 out: min(max |y|, bound) (max |y| without CLIP)   writes 4S
+    bound_ptr,  # (S,) fp32 out: clip * sigma                                  writes 4S
+    clip,
+    CLIP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    k = tl.program_id(0)
+    a = tl.load(xoff_ptr + k)
+    m = tl.load(numel_ptr + k)
+    lane = tl.arange(0, BLOCK)
+    top = tl.zeros((BLOCK,), tl.float32)
+    total = tl.zeros((BLOCK,), tl.float32)
+    total_sq = tl.zeros((BLOCK,), tl.float32)
+    for at in range(0, m, BLOCK):
+        i = at + lane
+        y = tl.load(x_ptr + a + i, mask=i < m, other=0.0).to(tl.float32)
+        top = tl.maximum(top, tl.abs(y))
+        total += y
+        total_sq += y * y
+    t = tl.max(top, axis=0)
+    if CLIP:
+        L = tl.load(len_ptr + k).to(tl.float32)
+        mean = tl.div_rn(tl.sum(total, axis=0), L)
+        var = tl.div_rn(tl.sum(total_sq, axis=0), L) - mean * mean
+        b = tl.sqrt_rn(tl.maximum(var, 0.0)) * clip
+        tl.store(bound_ptr + k, b)
+        t = tl.minimum(t, b)
+    tl.store(scale_ptr + k, t)
+
+
+def ternary_stats(x: torch.Tensor, xoff: torch.Tensor, numel: torch.Tensor,
+                  lengths: torch.Tensor, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`gradcomp.kernels.reference.ternary_stats`: one program per segment, its sums
+    in fp32 (a lane per element of a block, then the lanes' tree sum). Reads 4n, writes 8S."""
+    c.check_flat(x)
+    for t, what in ((xoff, "xoff"), (numel, "numel"), (lengths, "lengths")):
+        c.check_flat(t, what)
+        if t.dtype != torch.int64 or t.numel() != xoff.numel():
+            raise ValueError(f"{what} must be int64 with one entry per segment "
+                             f"({xoff.numel()}), got {t.dtype} with {t.numel()}")
+    S = xoff.numel()
+    scale = c.alloc((S,), torch.float32, x.device)
+    bound = c.alloc((S,), torch.float32, x.device)
+    if S:
+        _ternary_stats_kernel[(S,)](x, xoff, numel, lengths, scale, bound, float(clip),
+                                    CLIP=bool(clip), BLOCK=c.BLOCK, num_warps=c.NUM_WARPS)
+    return scale, bound
+
+
+@triton.jit
+def _ternary_encode_kernel(
+    src_ptr,    # the values, fp32/fp16/bf16                        reads 4 npad
+    soff_ptr,   # (S,) int64 where each segment starts in src
+    snum_ptr,   # (S,) int64 values of each segment in src (zeros past them)
+    scale_ptr,  # (S,) fp32 per-segment scaler                     gathered (cached)
+    bound_ptr,  # (S,) fp32 per-segment clip bound (if CLAMP)      gathered (cached)
+    seg_ptr,    # (npad,) int32/int64 segment of each padded element   reads 4 npad (int32)
+    seeds_ptr,  # (S,) int64 per-segment seed
+    starts_ptr, # (S,) int64 first padded element of each segment
+    out_ptr,    # ((npad + 4) // 5,) uint8 codes, five a byte in base 3    writes npad / 5
+    npad, nbytes,
+    CLAMP: tl.constexpr,
+    BYTES: tl.constexpr,  # bytes per program (5 * BYTES elements)
+):
+    byte = tl.program_id(0).to(tl.int64) * BYTES + tl.arange(0, BYTES)
+    sub = tl.arange(0, 8)  # a byte's five places (three lanes unused)
+    e = byte[:, None] * 5 + sub[None, :]
+    emask = (byte[:, None] < nbytes) & (sub[None, :] < 5) & (e < npad)
+    k = tl.load(seg_ptr + e, mask=emask, other=0)
+    j = e - tl.load(starts_ptr + k, mask=emask, other=0)
+    inside = emask & (j < tl.load(snum_ptr + k, mask=emask, other=0))
+    y = tl.load(src_ptr + tl.load(soff_ptr + k, mask=inside, other=0) + j, mask=inside,
+                other=0.0).to(tl.float32)
+    if CLAMP:
+        b = tl.load(bound_ptr + k, mask=emask, other=0.0)
+        y = tl.minimum(tl.maximum(y, -b), b)
+    s = tl.load(scale_ptr + k, mask=emask, other=0.0)
+    sd = tl.load(seeds_ptr + k, mask=emask, other=0)
+    # element j of a segment draws word j % 4 of Philox at counter j // 4 (as ternary_compress)
+    u0, u1, u2, u3 = tl.rand4x(sd, j >> 2)
+    w = j & 3
+    u = tl.where(w == 0, u0, tl.where(w == 1, u1, tl.where(w == 2, u2, u3)))
+    keep = emask & (u * s < tl.abs(y))
+    code = tl.where(keep, tl.where(y >= 0, 1, 2), 0)
+    weight = tl.where(sub == 0, 1, tl.where(sub == 1, 3, tl.where(sub == 2, 9,
+                      tl.where(sub == 3, 27, tl.where(sub == 4, 81, 0)))))
+    packed = tl.sum(code * weight[None, :], axis=1)
+    tl.store(out_ptr + byte, packed.to(tl.uint8), mask=byte < nbytes)
+
+
+def ternary_encode(src: torch.Tensor, soff: torch.Tensor, snum: torch.Tensor,
+                   scale: torch.Tensor, bound: torch.Tensor | None, seg: torch.Tensor,
+                   seeds: torch.Tensor, starts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """See :func:`gradcomp.kernels.reference.ternary_encode` (the same uniforms as
+    :func:`ternary_compress`). One kernel; reads 4 npad + 4 npad (int32 seg), writes npad / 5."""
+    c.check_flat(src, "src")
+    c.check_flat(seg, "seg")
+    c.check_flat(out, "out")
+    npad = seg.numel()
+    if npad % 4:
+        raise ValueError(f"ternary_encode needs npad % 4 == 0, got {npad}")
+    S = scale.numel()
+    for t, what in ((soff, "soff"), (snum, "snum"), (seeds, "seeds"), (starts, "starts")):
+        c.check_flat(t, what)
+        if t.dtype != torch.int64 or t.numel() != S:
+            raise ValueError(f"{what} must be int64 with one entry per segment ({S}), got "
+                             f"{t.dtype} with {t.numel()}")
+    c.check_contiguous(scale, "scale")
+    nbytes = (npad + 4) // 5
+    if out.dtype != torch.uint8 or out.numel() != nbytes:
+        raise ValueError(f"out must be uint8 with {nbytes} bytes, got {out.dtype} with "
+                         f"{out.numel()}")
+    if npad == 0:
+        return out
+    width = c.BLOCK // 8
+    _ternary_encode_kernel[(triton.cdiv(nbytes, width),)](
+        src, soff, snum, scale, bound if bound is not None else scale, seg, seeds, starts, out,
+        npad, nbytes, CLAMP=bound is not None, BYTES=width, num_warps=c.NUM_WARPS)
+    return out
+
+
+@triton.jit
+def _ternary_decode_kernel(
+    codes_ptr,   # (W, row) uint8 base-3 codes, rows ``code_row`` apart    reads W npad / 5
+    scale_ptr,   # (W, S) fp32 scalers, rows ``scale_row`` apart (0: shared)   gathered
+    dense_ptr,   # (W, D) fp32 dense values, rows ``dense_row`` apart        reads 4 W D
+    xseg_ptr,    # (n,) int32 entry of each element of out (-1: none)     reads 4n
+    xoff_ptr,    # (P,) int64 where each entry starts in out
+    src_ptr,     # (P,) int64 its first code (k < S) or dense value (k >= S)
+    out_ptr,     # (n,) written, not read                                 writes 4n
+    n, S, W, code_row, scale_row, dense_row, alpha, ranks,  # ranks: W as fp32
+    BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    k = tl.load(xseg_ptr + i, mask=mask, other=-1)
+    some = mask & (k >= 0)
+    comp = some & (k < S)
+    dn = some & (k >= S)
+    at = tl.load(src_ptr + k, mask=some, other=0) + i - tl.load(xoff_ptr + k, mask=some, other=0)
+    byte = at // 5
+    place = at - byte * 5
+    weight = tl.where(place == 0, 1, tl.where(place == 1, 3, tl.where(place == 2, 9,
+                      tl.where(place == 3, 27, 81))))
+    acc = tl.zeros((BLOCK,), tl.float32)
+    cp = codes_ptr + byte
+    sp = scale_ptr + k
+    for _ in range(W):
+        code = (tl.load(cp, mask=comp, other=0).to(tl.int32) // weight) % 3
+        s = tl.load(sp, mask=comp, other=0.0)
+        acc += tl.where(code == 1, s, tl.where(code == 2, -s, 0.0))
+        cp += code_row
+        sp += scale_row
+    v = alpha * acc
+    v = tl.where(v == 0.0, 0.0, v)
+    dp = dense_ptr + at
+    total = tl.load(dp, mask=dn, other=0.0)
+    for _ in range(1, W):
+        dp += dense_row
+        total += tl.load(dp, mask=dn, other=0.0)
+    v = tl.where(dn, tl.div_rn(total, ranks), v)
+    tl.store(out_ptr + i, tl.where(some, v, 0.0), mask=mask)
+
+
+def ternary_decode(codes: torch.Tensor, scales: torch.Tensor, dense: torch.Tensor | None,
+                   xseg: torch.Tensor, xoff: torch.Tensor, src: torch.Tensor, S: int,
+                   out: torch.Tensor, alpha: float) -> torch.Tensor:
+    """See :func:`gradcomp.kernels.reference.ternary_decode`. One kernel: out written once,
+    each message read once; the rows of ``codes``, ``scales`` and ``dense`` may lie any
+    distance apart (views of the gathered messages; a scales row stride of 0: one set
+    shared by every rank)."""
+    c.check_flat(out, "out")
+    c.check_flat(xseg, "xseg")
+    n = out.numel()
+    if xseg.numel() != n or xseg.dtype != torch.int32:
+        raise ValueError(f"xseg must be int32 with {n} elements, got {xseg.dtype} with "
+                         f"{xseg.numel()}")
+    W = codes.shape[0]
+    for t, what in ((codes, "codes"), (scales, "scales"), (dense, "dense")):
+        if t is not None and (t.dim() != 2 or t.shape[0] != W or (t.shape[1] > 1
+                                                                  and t.stride(1) != 1)):
+            raise ValueError(f"{what} must be (W, m) rows of contiguous values, got shape "
+                             f"{tuple(t.shape)} with strides {t.stride()}")
+    if scales.shape[1] != S:
+        raise ValueError(f"scales must have {S} columns, got {scales.shape[1]}")
+    if n == 0 or W == 0:
+        return out
+    has_dense = dense is not None and dense.shape[1] > 0
+    d = dense if has_dense else scales
+    _ternary_decode_kernel[(triton.cdiv(n, c.BLOCK),)](
+        codes, scales, d, xseg, xoff, src, out, n, S, W, codes.stride(0), scales.stride(0),
+        d.stride(0) if has_dense else 0, float(alpha), float(W), BLOCK=c.BLOCK, num_warps=c.NUM_WARPS)
+    return out
