@@ -28,10 +28,16 @@ allgather means every rank receives (W-1) * n/5 bytes, so the saving shrinks as 
 8 or so.
 
 Per-layer semantics, per-bucket execution: a bucket's layers are described once per layout
-(the moves between x and the padded layout as runs, segment ids and starts, cached), so a
-bucket costs the same number of ops whatever its layer count: one move in (a cat of
-views), one segmented statistics pass, ONE ternary_compress over the whole bucket (a seed
-per layer), one allgather, ONE ternary_decompress, one move out.
+(the moves between x and the padded layout as runs, segment ids and starts, where each layer
+and dense parameter lies in x, cached), so a bucket costs the same number of ops whatever its
+layer count. On the Triton path without error feedback (the default on a GPU) the kernels read
+and write the bucket itself: ONE statistics kernel (every layer's sigma and scaler), the
+seeds' copy to the device, ONE ternary_encode writing the message's base-3 codes, one gather
+of the dense values into the message, one allgather, ONE ternary_decode writing every element
+of the bucket (the dense values' average too): five launches besides the collectives (four
+without dense parameters). Elsewhere, and with error feedback: one move in (a cat of views),
+one segmented statistics pass, ONE ternary_compress over the whole bucket (a seed per layer),
+the base-3 packing, one allgather, its unpacking, ONE ternary_decompress, one move out.
 
 Since the segmented rewrite the random stream is Philox (before: one ``torch.Generator``
 per layer), and since issue 35 each Philox call serves four elements (before: one, its
