@@ -411,14 +411,22 @@ def test_ternary_encode_matches_reference(guards, block, clip):
         bound = torch.rand(len(sz), device=DEV) * 2 if clip else None
         seeds = torch.tensor([2**40 + 977 * k for k in range(len(sz))], device=DEV)
         nbytes = (seg.numel() + 4) // 5
+        D = [0, 1, 70, 200][i % 4]  # dense values gathered from x by the same launch
+        pos = torch.randint(0, x.numel(), (D,), generator=torch.Generator().manual_seed(i))
+        pos = pos.to(DEV)
+        want_d = torch.empty(D, device=DEV)
         want = ref.ternary_encode(x, xoff, numel, scale, bound, seg, seeds, starts,
-                                  torch.empty(nbytes, dtype=torch.uint8, device=DEV))
+                                  torch.empty(nbytes, dtype=torch.uint8, device=DEV), x, pos,
+                                  want_d)
         got = guards.alloc((nbytes,), torch.uint8, DEV)
-        tk.ternary_encode(poisoned(guards, x), poisoned(guards, xoff), poisoned(guards, numel),
+        got_d = guards.alloc((D,), torch.float32, DEV)
+        xp = poisoned(guards, x)
+        tk.ternary_encode(xp, poisoned(guards, xoff), poisoned(guards, numel),
                           poisoned(guards, scale), poisoned(guards, bound) if clip else None,
                           poisoned(guards, seg), poisoned(guards, seeds), poisoned(guards, starts),
-                          got)
+                          got, xp, poisoned(guards, pos), got_d)
         assert torch.equal(got, want)
+        assert torch.equal(got_d, want_d)
         assert int(want.max()) < 243
 
 
@@ -586,10 +594,12 @@ specs = [
      dict(CLIP=True, BLOCK=2048)),
     (tk.terngrad._ternary_stats_kernel, ["*bf16", "*i64", "*i64", "*i64", P, P, "fp32"],
      dict(CLIP=False, BLOCK=2048)),
-    (tk.terngrad._ternary_encode_kernel, [P, "*i64", "*i64", P, P, "*i32", "*i64", "*i64", "*u8", "i64",
-                                          "i32"], dict(CLAMP=True, BYTES=256)),
+    (tk.terngrad._ternary_encode_kernel, [P, "*i64", "*i64", P, P, "*i32", "*i64", "*i64", "*u8", P,
+                                          "*i64", P, "i64", "i32", "i32", "i32"],
+     dict(CLAMP=True, BYTES=256, DENSE=2048)),
     (tk.terngrad._ternary_encode_kernel, ["*bf16", "*i64", "*i64", P, P, "*i32", "*i64", "*i64", "*u8",
-                                          "i32", "i32"], dict(CLAMP=False, BYTES=256)),
+                                          P, "*i64", P, "i32", "i32", "i32", "i32"],
+     dict(CLAMP=False, BYTES=256, DENSE=2048)),
     (tk.terngrad._ternary_decode_kernel, ["*u8", P, P, "*i32", "*i64", "*i64", P, "i32", "i32", "i32",
                                           "i32", "i32", "i32", "fp32", "fp32"], dict(BLOCK=2048)),
     (tk.topk._count_kernel, [P, P, "*i32", "i32"], dict(BLOCK_=4096)),

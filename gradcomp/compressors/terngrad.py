@@ -32,10 +32,9 @@ Per-layer semantics, per-bucket execution: a bucket's layers are described once 
 and dense parameter lies in x, cached), so a bucket costs the same number of ops whatever its
 layer count. On the Triton path without error feedback (the default on a GPU) the kernels read
 and write the bucket itself: ONE statistics kernel (every layer's sigma and scaler), the
-seeds' copy to the device, ONE ternary_encode writing the message's base-3 codes, one gather
-of the dense values into the message, one allgather, ONE ternary_decode writing every element
-of the bucket (the dense values' average too): five launches besides the collectives (four
-without dense parameters). Elsewhere, and with error feedback: one move in (a cat of views),
+seeds' copy to the device, ONE ternary_encode writing the message (the base-3 codes and the
+dense values), one allgather, ONE ternary_decode writing every element of the bucket (the
+dense values' average too): four launches besides the collectives. Elsewhere, and with error feedback: one move in (a cat of views),
 one segmented statistics pass, ONE ternary_compress over the whole bucket (a seed per layer),
 the base-3 packing, one allgather, its unpacking, ONE ternary_decompress, one move out.
 
@@ -292,9 +291,9 @@ class TernGrad(Compressor):
     def _exchange_fused(self, x, ctx, lay, big):
         """:meth:`exchange` without error feedback on the Triton path, read from x and written
         back into it by the kernels themselves: the statistics (one kernel on a GPU), the
-        seeds' copy to the device, one encoder writing the message's codes, one gather of the
-        dense values into it, one allgather, one decoder writing every element of x (the
-        dense values' average too). The same bits as the other paths, but for the GPU's
+        seeds' copy to the device, one encoder writing the message's codes and dense values,
+        one allgather, one decoder writing every element of x (the dense values' average
+        too). The same bits as the other paths, but for the GPU's
         statistics (:func:`~gradcomp.kernels.reference.ternary_stats`: sums in the kernel's
         order)."""
         cfg, W, S = self.config, ctx.comm.world_size, len(big)
@@ -315,10 +314,9 @@ class TernGrad(Compressor):
             _field(buf, msg, "scales").copy_(scale)
         seeds = to_device([ctx.seed(0, p.name) for p in big], torch.int64, x.device)
         a, n_codes, _ = msg.spans["codes"]
-        kernels.implementation("ternary_encode", x)(src, soff, snum, scale, bound, lay.seg,
-                                                    seeds, lay.starts, buf[a : a + n_codes])
-        if lay.n_dense:
-            torch.index_select(x, 0, lay.dense, out=_field(buf, msg, "dense"))
+        kernels.implementation("ternary_encode", x)(
+            src, soff, snum, scale, bound, lay.seg, seeds, lay.starts, buf[a : a + n_codes],
+            x, lay.dense, _field(buf, msg, "dense") if lay.n_dense else None)
         got = ctx.comm.allgather(buf)  # every rank's, in order
         scales = scale.expand(W, S) if cfg.share_scalers else _field(got, msg, "scales")
         dense = _field(got, msg, "dense") if lay.n_dense else None

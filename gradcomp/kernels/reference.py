@@ -337,15 +337,18 @@ def ternary_stats(x: torch.Tensor, xoff: torch.Tensor, numel: torch.Tensor,
 
 def ternary_encode(src: torch.Tensor, soff: torch.Tensor, snum: torch.Tensor,
                    scale: torch.Tensor, bound: torch.Tensor | None, seg: torch.Tensor,
-                   seeds: torch.Tensor, starts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+                   seeds: torch.Tensor, starts: torch.Tensor, out: torch.Tensor,
+                   x: torch.Tensor | None = None, dense_pos: torch.Tensor | None = None,
+                   dense_out: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`ternary_compress` with per-segment seeds (no residual), read from where each
-    segment lies and written five codes a byte.
+    segment lies and written five codes a byte; with ``dense_pos`` ((D,) int64) also
+    dense_out (D,) fp32 = x[dense_pos] (the values sent as they are).
 
     seg: (npad,) the segment of each element of the padded layout (npad % 4 == 0); element
     i of segment k (j = i - starts[k]) is src[soff[k] + j] where j < snum[k], else 0, and
     with ``bound`` clamped to [-bound[k], bound[k]]; its code is :func:`ternary_compress`'s
     (seed seeds[k], counter j). out: ((npad + 4) // 5,) uint8 = :func:`pack_base3` of the
-    codes. Reads 4 npad (+ 4 npad of seg), writes npad / 5."""
+    codes. Reads 4 npad (+ 4 npad of seg) + 12 D, writes npad / 5 + 4 D."""
     n = seg.numel()
     k = seg.long()
     j = torch.arange(n, dtype=torch.int64, device=seg.device) - starts[k]
@@ -354,6 +357,8 @@ def ternary_encode(src: torch.Tensor, soff: torch.Tensor, snum: torch.Tensor,
     if bound is not None:
         y = torch.minimum(torch.maximum(y, -bound[k]), bound[k])
     codes = unpack_2bit(ternary_compress(y, None, scale, seg, seeds, starts))
+    if dense_pos is not None:
+        dense_out.copy_(x[dense_pos])
     return out.copy_(pack_base3(codes))
 
 

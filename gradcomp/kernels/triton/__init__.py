@@ -23,8 +23,9 @@ Passes over memory (n elements, fp32 x):
   * ternary_stats / ternary_encode / ternary_decode (TernGrad's bucket path): the statistics,
     one program per segment reading it once from where it lies; the codes, five a byte in
     base 3, read from where each segment lies (clamped to its bound) and written into the
-    message; the W messages decoded into the bucket's own layout (each element written
-    once, the dense values' sum over ranks divided by W): one launch each.
+    message with the dense values (gathered by programs of the same launch); the W messages
+    decoded into the bucket's own layout (each element written once, the dense values' sum
+    over ranks divided by W): one launch each.
   * select_topk: two short kernels over x (per-block counts; then an in-order compaction at
     each block's exclusive offset, found with a cumsum over the tiny count vector), then an
     exact ``torch.topk`` over the ``capacity`` candidates. Blocks past ``capacity`` stop

@@ -215,11 +215,22 @@ def _ternary_encode_kernel(
     seeds_ptr,  # (S,) int64 per-segment seed
     starts_ptr, # (S,) int64 first padded element of each segment
     out_ptr,    # ((npad + 4) // 5,) uint8 codes, five a byte in base 3    writes npad / 5
-    npad, nbytes,
+    x_ptr,      # the dense values' source (programs past ``code_programs``)  reads 4D
+    dpos_ptr,   # (D,) int64 each dense value's place in x                 reads 8D
+    dout_ptr,   # (D,) fp32 the dense values                               writes 4D
+    npad, nbytes, code_programs, ndense,
     CLAMP: tl.constexpr,
     BYTES: tl.constexpr,  # bytes per program (5 * BYTES elements)
+    DENSE: tl.constexpr,  # dense values per program
 ):
-    byte = tl.program_id(0).to(tl.int64) * BYTES + tl.arange(0, BYTES)
+    pid = tl.program_id(0)
+    if pid >= code_programs:
+        d = (pid - code_programs).to(tl.int64) * DENSE + tl.arange(0, DENSE)
+        dm = d < ndense
+        pos = tl.load(dpos_ptr + d, mask=dm, other=0)
+        tl.store(dout_ptr + d, tl.load(x_ptr + pos, mask=dm, other=0.0), mask=dm)
+        return
+    byte = pid.to(tl.int64) * BYTES + tl.arange(0, BYTES)
     sub = tl.arange(0, 8)  # a byte's five places (three lanes unused)
     e = byte[:, None] * 5 + sub[None, :]
     emask = (byte[:, None] < nbytes) & (sub[None, :] < 5) & (e < npad)
@@ -247,9 +258,12 @@ def _ternary_encode_kernel(
 
 def ternary_encode(src: torch.Tensor, soff: torch.Tensor, snum: torch.Tensor,
                    scale: torch.Tensor, bound: torch.Tensor | None, seg: torch.Tensor,
-                   seeds: torch.Tensor, starts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+                   seeds: torch.Tensor, starts: torch.Tensor, out: torch.Tensor,
+                   x: torch.Tensor | None = None, dense_pos: torch.Tensor | None = None,
+                   dense_out: torch.Tensor | None = None) -> torch.Tensor:
     """See :func:`gradcomp.kernels.reference.ternary_encode` (the same uniforms as
-    :func:`ternary_compress`). One kernel; reads 4 npad + 4 npad (int32 seg), writes npad / 5."""
+    :func:`ternary_compress`). One kernel, the dense values' gather in programs of its own;
+    reads 4 npad + 4 npad (int32 seg) + 12 D, writes npad / 5 + 4 D."""
     c.check_flat(src, "src")
     c.check_flat(seg, "seg")
     c.check_flat(out, "out")
@@ -267,12 +281,22 @@ def ternary_encode(src: torch.Tensor, soff: torch.Tensor, snum: torch.Tensor,
     if out.dtype != torch.uint8 or out.numel() != nbytes:
         raise ValueError(f"out must be uint8 with {nbytes} bytes, got {out.dtype} with "
                          f"{out.numel()}")
-    if npad == 0:
-        return out
+    D = 0 if dense_pos is None else dense_pos.numel()
+    if D:
+        c.check_flat(dense_pos, "dense_pos")
+        c.check_fp32(dense_out, "dense_out", D)
+        c.check_flat(x, "x")
+        if dense_pos.dtype != torch.int64:
+            raise ValueError(f"dense_pos must be int64, got {dense_pos.dtype}")
     width = c.BLOCK // 8
-    _ternary_encode_kernel[(triton.cdiv(nbytes, width),)](
+    programs = triton.cdiv(nbytes, width)
+    if programs + D == 0:
+        return out
+    _ternary_encode_kernel[(programs + triton.cdiv(D, c.BLOCK),)](
         src, soff, snum, scale, bound if bound is not None else scale, seg, seeds, starts, out,
-        npad, nbytes, CLAMP=bound is not None, BYTES=width, num_warps=c.NUM_WARPS)
+        x if D else src, dense_pos if D else soff, dense_out if D else scale, npad, nbytes,
+        programs, D, CLAMP=bound is not None, BYTES=width, DENSE=c.BLOCK,
+        num_warps=c.NUM_WARPS)
     return out
 
 
