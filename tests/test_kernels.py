@@ -390,11 +390,23 @@ TERN_SIZES = [[1], [5, 130, 64, 3, 257], [2049, 7, 4096 + 3]]
 
 
 @pytest.mark.parametrize("clip", [0.0, 2.5])
-def test_ternary_stats_matches_reference(guards, block, clip):
-    for i, sz in enumerate(TERN_SIZES):
+@pytest.mark.parametrize("chunk", [None, 128])  # 128: segments over many chunks
+def test_ternary_stats_matches_reference(guards, block, clip, chunk, monkeypatch):
+    if chunk:
+        monkeypatch.setattr(ref, "STATS_CHUNK", chunk)
+    for i, sz in enumerate(TERN_SIZES + [[0, 64, 0, 9]]):
         x, xoff, numel, lens, _, _ = ternary_bucket(sz, 40 + i)
         want_s, want_b = ref.ternary_stats(x, xoff, numel, lens, clip)
-        got_s, got_b = tk.ternary_stats(x, xoff, numel, lens, clip)
+        chunks = ref.stats_chunks(sz, DEV) if i % 2 else None  # given, or made by the call
+        got_s, got_b = tk.ternary_stats(poisoned(guards, x), poisoned(guards, xoff),
+                                        poisoned(guards, numel), poisoned(guards, lens), clip,
+                                        chunks)
+        if 0 in sz:  # an empty segment: 0 / 0 is NaN (as the element path's mean)
+            keep = numel > 0
+            assert got_s[~keep].isnan().all() == bool(clip)
+            got_s, got_b, want_s, want_b, sz = (got_s[keep], got_b[keep], want_s[keep],
+                                                want_b[keep], [m for m in sz if m])
+            xoff = xoff[keep]
         if not clip:
             assert torch.equal(got_s, want_s)  # max |y|: exact
             continue
@@ -590,10 +602,12 @@ specs = [
     (tk.terngrad._ternary_compress_kernel, ["*bf16", P, P, "*i32", "*i64", "*i64", "*u8", "u64", "i32"],
      dict(HAS_RES=False, PER_SEG=True, BYTES=1024)),
     (tk.terngrad._ternary_decompress_kernel, ["*u8", P, "*i64", P, "i32", "i32", "i32", "i32", "fp32"], dict(BYTES=1024)),
-    (tk.terngrad._ternary_stats_kernel, [P, "*i64", "*i64", "*i64", P, P, "fp32"],
-     dict(CLIP=True, BLOCK=2048)),
-    (tk.terngrad._ternary_stats_kernel, ["*bf16", "*i64", "*i64", "*i64", P, P, "fp32"],
-     dict(CLIP=False, BLOCK=2048)),
+    (tk.terngrad._ternary_partials_kernel, [P, "*i64", "*i64", "*i32", "*i64", P, "i32"],
+     dict(CHUNK=65536, BLOCK=2048)),
+    (tk.terngrad._ternary_partials_kernel, ["*bf16", "*i64", "*i64", "*i32", "*i64", P, "i32"],
+     dict(CHUNK=65536, BLOCK=2048)),
+    (tk.terngrad._ternary_stats_kernel, [P, "*i64", "*i64", P, P, "fp32", "i32"], dict(CLIP=True, BLOCK=2048)),
+    (tk.terngrad._ternary_stats_kernel, [P, "*i64", "*i64", P, P, "fp32", "i32"], dict(CLIP=False, BLOCK=2048)),
     (tk.terngrad._ternary_encode_kernel, [P, "*i64", "*i64", P, P, "*i32", "*i64", "*i64", "*u8", P,
                                           "*i64", P, "i64", "i32", "i32", "i32"],
      dict(CLAMP=True, BYTES=256, DENSE=2048)),

@@ -30,13 +30,14 @@ allgather means every rank receives (W-1) * n/5 bytes, so the saving shrinks as 
 Per-layer semantics, per-bucket execution: a bucket's layers are described once per layout
 (the moves between x and the padded layout as runs, segment ids and starts, where each layer
 and dense parameter lies in x, cached), so a bucket costs the same number of ops whatever its
-layer count. On the Triton path without error feedback (the default on a GPU) the kernels read
-and write the bucket itself: ONE statistics kernel (every layer's sigma and scaler), the
-seeds' copy to the device, ONE ternary_encode writing the message (the base-3 codes and the
-dense values), one allgather, ONE ternary_decode writing every element of the bucket (the
-dense values' average too): four launches besides the collectives. Elsewhere, and with error feedback: one move in (a cat of views),
-one segmented statistics pass, ONE ternary_compress over the whole bucket (a seed per layer),
-the base-3 packing, one allgather, its unpacking, ONE ternary_decompress, one move out.
+layer count. On the Triton path without error feedback (the default on a GPU) the kernels
+read and write the bucket itself: the statistics (two kernels: every chunk's sums, then every
+layer's sigma and scaler), the seeds' copy to the device, ONE ternary_encode writing the
+message (the base-3 codes and the dense values), one allgather, ONE ternary_decode writing
+every element of the bucket (the dense values' average too): five launches besides the
+collectives. Elsewhere, and with error feedback: one move in (a cat of views), one segmented
+statistics pass, ONE ternary_compress over the whole bucket (a seed per layer), the base-3
+packing, one allgather, its unpacking, ONE ternary_decompress, one move out.
 
 Since the segmented rewrite the random stream is Philox (before: one ``torch.Generator``
 per layer), and since issue 35 each Philox call serves four elements (before: one, its
@@ -290,7 +291,7 @@ class TernGrad(Compressor):
 
     def _exchange_fused(self, x, ctx, lay, big):
         """:meth:`exchange` without error feedback on the Triton path, read from x and written
-        back into it by the kernels themselves: the statistics (one kernel on a GPU), the
+        back into it by the kernels themselves: the statistics (two kernels on a GPU), the
         seeds' copy to the device, one encoder writing the message's codes and dense values,
         one allgather, one decoder writing every element of x (the dense values' average
         too). The same bits as the other paths, but for the GPU's
@@ -306,7 +307,7 @@ class TernGrad(Compressor):
             soff, snum, bound = lay.starts, lay.lengths, None  # src is clipped already
         else:
             scale, bound = kernels.implementation("ternary_stats", x)(
-                x, lay.xoff, lay.numel, lay.lengths, cfg.clip)
+                x, lay.xoff, lay.numel, lay.lengths, cfg.clip, lay.chunks)
             src, soff, snum, bound = x, lay.xoff, lay.numel, bound if cfg.clip else None
         if cfg.share_scalers:
             ctx.comm.allreduce(scale, op="max")
@@ -386,6 +387,7 @@ class _TernaryLayout:
         # and its first code or dense value in the message), and each element's entry
         self.xoff = torch.tensor([p.offset for p in params], **kw)
         self.numel = torch.tensor([p.numel for p in params], **kw)
+        self.chunks = kernels.reference.stats_chunks([p.numel for p in params], device)
         self.n_dense = sum(p.numel for p in dense)
         dstarts = np.cumsum([0] + [p.numel for p in dense])[:-1].tolist()
         entries = list(params) + list(dense)

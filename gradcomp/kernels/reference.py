@@ -310,8 +310,30 @@ def unpack_base3(b: torch.Tensor, n: int) -> torch.Tensor:
     return ((b.unsqueeze(-1) // powers) % 3).reshape(*b.shape[:-1], -1)[..., :n]
 
 
+# Elements per chunk of TernGrad's statistics on a GPU (one program each, then one per
+# segment over its chunks): 256 KiB of fp32, so that a layer of a few million elements
+# spreads over the SMs of a GPU (an H100 has 132) and GPT-2's 38.6M-element embedding
+# over 590 programs. Not tuned by measurement.
+STATS_CHUNK = 65536  # a power of two
+
+
+def stats_chunks(numel: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Segments of ``numel`` elements cut into chunks of :data:`STATS_CHUNK` (an empty
+    segment: one empty chunk): ((C,) int32 each chunk's segment, (S + 1,) int64 each
+    segment's first chunk, then C). Made once per layout."""
+    counts = [max(1, -(-m // STATS_CHUNK)) for m in numel]  # (read at call time: tests set it)
+    first = [0]
+    for n in counts:
+        first.append(first[-1] + n)
+    cseg = torch.repeat_interleave(torch.arange(len(numel), dtype=torch.int32),
+                                   torch.tensor(counts, dtype=torch.int64))
+    return cseg.to(device), torch.tensor(first, dtype=torch.int64, device=device)
+
+
 def ternary_stats(x: torch.Tensor, xoff: torch.Tensor, numel: torch.Tensor,
-                  lengths: torch.Tensor, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  lengths: torch.Tensor, clip: float,
+                  chunks: tuple[torch.Tensor, torch.Tensor] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """TernGrad's per-segment statistics, read from x where each segment lies.
 
     Segment k is x[xoff[k] : xoff[k] + numel[k]] followed by lengths[k] - numel[k] zeros
@@ -320,7 +342,9 @@ def ternary_stats(x: torch.Tensor, xoff: torch.Tensor, numel: torch.Tensor,
     scale = min(max |y|, bound) (max |y| alone when ``clip`` is 0): the scaler of y clipped
     to [-bound, bound]. Returns (scale, bound), (S,) fp32 each. The sums are fp32 in an
     order of the implementation's choosing (here float64, rounded once): implementations
-    agree to within a few roundings on the bound; max |y| is exact. Reads 4n, writes 8S."""
+    agree to within a few roundings on the bound; max |y| is exact. ``chunks``
+    (:func:`stats_chunks`): how an implementation may cut the segments, unread here.
+    Reads 4n, writes 8S."""
     S = xoff.numel()
     scale = torch.zeros(S, dtype=torch.float32, device=x.device)
     bound = torch.zeros(S, dtype=torch.float32, device=x.device)

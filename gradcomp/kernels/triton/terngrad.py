@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from . import common as c
+from .. import reference
 from .common import store_sum
 
 
@@ -150,45 +151,82 @@ def ternary_decompress(packed: torch.Tensor, scale: torch.Tensor, seg: torch.Ten
 
 # ------------------------------------------------ TernGrad's bucket path: stats, encode, decode
 @triton.jit
-def _ternary_stats_kernel(
+def _ternary_partials_kernel(
     x_ptr,      # (n,) x, fp32/fp16/bf16                           reads 4n
     xoff_ptr,   # (S,) int64 first element of each segment in x
     numel_ptr,  # (S,) int64 elements of each segment in x
-    len_ptr,    # (S,) int64 padded length of each segment (the divisor of its means)
-    scale_ptr,  # (S,) fp32 out: min(max |y|, bound) (max |y| without CLIP)   writes 4S
-    bound_ptr,  # (S,) fp32 out: clip * sigma                                  writes 4S
-    clip,
-    CLIP: tl.constexpr,
+    cseg_ptr,   # (C,) int32 segment of each chunk
+    c0_ptr,     # (S,) int64 first chunk of each segment
+    part_ptr,   # (3, C) fp32 out: each chunk's max |y|, sum, sum of squares    writes 12C
+    C,
+    CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    k = tl.program_id(0)
-    a = tl.load(xoff_ptr + k)
-    m = tl.load(numel_ptr + k)
+    c = tl.program_id(0)
+    k = tl.load(cseg_ptr + c)
+    lo = (c - tl.load(c0_ptr + k)).to(tl.int64) * CHUNK
+    m = tl.minimum(tl.load(numel_ptr + k) - lo, CHUNK)
+    base = x_ptr + tl.load(xoff_ptr + k) + lo
     lane = tl.arange(0, BLOCK)
     top = tl.zeros((BLOCK,), tl.float32)
     total = tl.zeros((BLOCK,), tl.float32)
     total_sq = tl.zeros((BLOCK,), tl.float32)
     for at in range(0, m, BLOCK):
         i = at + lane
-        y = tl.load(x_ptr + a + i, mask=i < m, other=0.0).to(tl.float32)
+        y = tl.load(base + i, mask=i < m, other=0.0).to(tl.float32)
         top = tl.maximum(top, tl.abs(y))
         total += y
         total_sq += y * y
+    tl.store(part_ptr + c, tl.max(top, axis=0))
+    tl.store(part_ptr + C + c, tl.sum(total, axis=0))
+    tl.store(part_ptr + 2 * C + c, tl.sum(total_sq, axis=0))
+
+
+@triton.jit
+def _ternary_stats_kernel(
+    part_ptr,   # (3, C) fp32 the chunks' max |y|, sums and sums of squares    reads 12C
+    c0_ptr,     # (S + 1,) int64 first chunk of each segment (then C)
+    len_ptr,    # (S,) int64 padded length of each segment (the divisor of its means)
+    scale_ptr,  # (S,) fp32 out: min(max |y|, bound) (max |y| without CLIP)   writes 4S
+    bound_ptr,  # (S,) fp32 out: clip * sigma                                  writes 4S
+    clip, C,
+    CLIP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    k = tl.program_id(0)
+    first = tl.load(c0_ptr + k)
+    m = tl.load(c0_ptr + k + 1) - first
+    lane = tl.arange(0, BLOCK)
+    top = tl.zeros((BLOCK,), tl.float32)
+    total = tl.zeros((BLOCK,), tl.float32)
+    total_sq = tl.zeros((BLOCK,), tl.float32)
+    for at in range(0, m, BLOCK):
+        i = at + lane
+        on = i < m
+        top = tl.maximum(top, tl.load(part_ptr + first + i, mask=on, other=0.0))
+        total += tl.load(part_ptr + C + first + i, mask=on, other=0.0)
+        total_sq += tl.load(part_ptr + 2 * C + first + i, mask=on, other=0.0)
     t = tl.max(top, axis=0)
     if CLIP:
         L = tl.load(len_ptr + k).to(tl.float32)
         mean = tl.div_rn(tl.sum(total, axis=0), L)
         var = tl.div_rn(tl.sum(total_sq, axis=0), L) - mean * mean
-        b = tl.sqrt_rn(tl.maximum(var, 0.0)) * clip
+        b = tl.sqrt_rn(tl.maximum(var, 0.0, propagate_nan=tl.PropagateNan.ALL)) * clip
         tl.store(bound_ptr + k, b)
-        t = tl.minimum(t, b)
+        t = tl.minimum(t, b, propagate_nan=tl.PropagateNan.ALL)  # as torch.minimum
     tl.store(scale_ptr + k, t)
 
 
 def ternary_stats(x: torch.Tensor, xoff: torch.Tensor, numel: torch.Tensor,
-                  lengths: torch.Tensor, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """See :func:`gradcomp.kernels.reference.ternary_stats`: one program per segment, its sums
-    in fp32 (a lane per element of a block, then the lanes' tree sum). Reads 4n, writes 8S."""
+                  lengths: torch.Tensor, clip: float,
+                  chunks: tuple[torch.Tensor, torch.Tensor] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`gradcomp.kernels.reference.ternary_stats`: two launches, one program per
+    chunk of :data:`~gradcomp.kernels.reference.STATS_CHUNK` elements (its max |y| and fp32
+    sums: a lane per element of a block, then the lanes' tree sum), then one per segment over
+    its chunks' partials in the same way. ``chunks``:
+    :func:`~gradcomp.kernels.reference.stats_chunks` of the segments (made here when not
+    given). Reads 4n, writes 12 C + 8S."""
     c.check_flat(x)
     for t, what in ((xoff, "xoff"), (numel, "numel"), (lengths, "lengths")):
         c.check_flat(t, what)
@@ -196,10 +234,18 @@ def ternary_stats(x: torch.Tensor, xoff: torch.Tensor, numel: torch.Tensor,
             raise ValueError(f"{what} must be int64 with one entry per segment "
                              f"({xoff.numel()}), got {t.dtype} with {t.numel()}")
     S = xoff.numel()
+    if chunks is None:
+        chunks = reference.stats_chunks(numel.tolist(), x.device)
+    cseg, c0 = chunks
+    C = cseg.numel()
     scale = c.alloc((S,), torch.float32, x.device)
     bound = c.alloc((S,), torch.float32, x.device)
     if S:
-        _ternary_stats_kernel[(S,)](x, xoff, numel, lengths, scale, bound, float(clip),
+        part = c.alloc((3, C), torch.float32, x.device)
+        chunk = reference.STATS_CHUNK
+        _ternary_partials_kernel[(C,)](x, xoff, numel, cseg, c0, part, C, CHUNK=chunk,
+                                       BLOCK=min(c.BLOCK, chunk), num_warps=c.NUM_WARPS)
+        _ternary_stats_kernel[(S,)](part, c0, lengths, scale, bound, float(clip), C,
                                     CLIP=bool(clip), BLOCK=c.BLOCK, num_warps=c.NUM_WARPS)
     return scale, bound
 
