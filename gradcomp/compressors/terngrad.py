@@ -294,9 +294,8 @@ class TernGrad(Compressor):
         back into it by the kernels themselves: the statistics (two kernels on a GPU), the
         seeds' copy to the device, one encoder writing the message's codes and dense values,
         one allgather, one decoder writing every element of x (the dense values' average
-        too). The same bits as the other paths, but for the GPU's
-        statistics (:func:`~gradcomp.kernels.reference.ternary_stats`: sums in the kernel's
-        order)."""
+        too). The same bits as the other paths, but for the GPU's statistics
+        (:func:`~gradcomp.kernels.reference.ternary_stats`: sums in the kernels' order)."""
         cfg, W, S = self.config, ctx.comm.world_size, len(big)
         msg = MESSAGE.bind(npad=lay.npad, n_scales=0 if cfg.share_scalers else S,
                            n_dense=lay.n_dense)
