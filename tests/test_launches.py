@@ -28,7 +28,6 @@ LAYOUTS = {
 # method that gets within it fails here until its entry goes)
 OVER = {
     "onebit": {"resnet18": 29, "gpt2-small": 29, "160 tensors": 53},
-    "terngrad": {"resnet18": 9, "gpt2-small": 9, "160 tensors": 9},
     "topk": {"resnet18": 46, "gpt2-small": 46, "160 tensors": 38},
     "dgc": {"resnet18": 42, "gpt2-small": 42, "160 tensors": 38},
     "threshold": {"resnet18": 50, "gpt2-small": 50, "160 tensors": 42},
