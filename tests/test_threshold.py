@@ -232,3 +232,54 @@ def test_the_gpu_path_equals_the_cpu_path(spec, monkeypatch):
     for slot in cpu:
         for name in cpu[slot]:
             assert torch.equal(cpu[slot][name], gpu[slot][name]), (slot, name)
+
+
+# (ema 0 and 0.5: lerp's weight 1 and 0.5 round alike with or without a fused multiply-add,
+# which torch's CPU lerp uses and the interpreter does not)
+@pytest.mark.parametrize("adaptive,ema", [(True, 0.5), (True, 0.0), (False, 0.5)])
+def test_sample_and_tau_kernels_equal_the_reference(adaptive, ema, monkeypatch):
+    """threshold_sample and threshold_tau (Triton, run by the interpreter in blocks of 64)
+    give the reference's bits: keys, magnitudes, sent taus, thresholds and the tau memory;
+    a bucket with gaps, a parameter of zeros, one mostly zeros, ties, taus not yet set."""
+    from gradcomp.compressors import threshold as T
+    from gradcomp.kernels import reference as ref
+    from gradcomp.kernels import segmented
+    from gradcomp.kernels import triton as tk
+    monkeypatch.setattr(tk.common, "BLOCK", 64)
+    cfg = gradcomp.build_config("threshold", max_ratio=0.05, ema=ema, min_numel=8,
+                                **({} if adaptive else {"adaptive": False, "tau": 0.5}))[1]
+    sizes = [3000, 5, 700, 1200, 4, 9000, 64]
+    lay, at = [], 2
+    for s in sizes:
+        lay.append((at, s, s))
+        at += s + 3
+    n = at + 1
+    tb = T._tables(tuple(lay), n, cfg, torch.device("cpu"))
+    pl = tb.plan
+    g = torch.Generator().manual_seed(3)
+    for trial in range(3):
+        y = torch.randn(n, generator=g)
+        y[lay[2][0]:lay[2][0] + 700] = 0.0  # a parameter of zeros
+        y[lay[3][0]:lay[3][0] + 1190] = 0.0  # ... and one of few non-zeros
+        if trial == 2:
+            y = torch.round(y * 2)  # ties
+        shifts = torch.tensor([segmented.shift(trial * 31 + p, lay[i][1])
+                               for p, i in enumerate(tb.big)])
+        args = (y, pl.sample_base, pl.sample_of, shifts, pl.sample_n, pl.sample_off,
+                pl.sample_key, pl.tail)
+        want_k, want_m = ref.threshold_sample(*args)
+        got_k, got_m = tk.threshold_sample(*args)
+        assert torch.equal(got_k, want_k) and torch.equal(got_m.view(torch.int32),
+                                                          want_m.view(torch.int32))
+        keys, order = torch.sort(want_k)
+        taus = torch.zeros(len(lay)) if trial == 0 else torch.rand(len(lay), generator=g)
+        taus[1] = 0.0
+        mem = {}
+        for name, fn in (("ref", ref.threshold_tau), ("triton", tk.threshold_tau)):
+            mem[name] = taus.clone() if adaptive else None
+            mem[name] = (*fn(keys, order, want_m, tb.zero_key, tb.est_start, tb.est_end,
+                             mem[name], tb.where, pl.seg_thr, tb.seg_param, pl.param_seg,
+                             cfg.tau, cfg.ema), mem[name])
+        (ws, wt, wm), (gs, gt, gm) = mem["ref"], mem["triton"]
+        assert torch.equal(gs, ws) and torch.equal(gt.nan_to_num(-1), wt.nan_to_num(-1))
+        assert wm is None or torch.equal(gm, wm)

@@ -182,14 +182,16 @@ class Threshold(Compressor):
         params = [ctx.params[i] for i in tb.big]
         shifts = to_device([segmented.shift(ctx.seed(0, p.name), p.numel) for p in params],
                            torch.int64, x.device)
-        keys, mag, guard = segmented.sample(y, pl, shifts)
-        # step 2 (see the module docstring); the cap guard raises each threshold (gaps: NaN)
+        # step 2 (see the module docstring): the sample sorted by (parameter, |y| descending);
+        # zeros sort last within a parameter, so the estimate counts the non-zero ones; the
+        # cap guard raises each threshold (gaps: NaN)
+        keys, mag = kernels.threshold_sample(y, pl.sample_base, pl.sample_of, shifts,
+                                             pl.sample_n, pl.sample_off, pl.sample_key, pl.tail)
+        keys, order = torch.sort(keys)
         taus = ctx.scalars(TAU) if cfg.adaptive else None  # per parameter; 0: none yet
-        # zeros sort last within a parameter: the estimate counts the non-zero ones
-        nonzero_end = torch.searchsorted(keys, tb.zero_key) if cfg.adaptive else None
-        sent_tau, thr = kernels.threshold_tau(mag, nonzero_end, tb.est_start, tb.est_end, taus,
-                                              tb.where, guard, tb.seg_param, pl.param_seg,
-                                              cfg.tau, cfg.ema)
+        sent_tau, thr = kernels.threshold_tau(keys, order, mag, tb.zero_key, tb.est_start,
+                                              tb.est_end, taus, tb.where, pl.seg_thr,
+                                              tb.seg_param, pl.param_seg, cfg.tau, cfg.ema)
         vals, idx = segmented.select_above(y, pl, thr)  # unused slots: value 0
         # y less what is sent (sign * tau at each sent index), in the encoder's pass
         codes = kernels.threshold_encode(vals, idx, tb.owner, sent_tau, y if y is not x else None)

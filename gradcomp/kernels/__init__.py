@@ -124,10 +124,15 @@ def scatter_add(values, indices, out, alpha=1.0):
     return implementation("scatter_add", out)(values, indices, out, alpha)
 
 
-def threshold_tau(mag, nonzero_end, est_start, est_end, taus, where, guard, seg_param, param_seg,
-                  fixed, ema):
-    return implementation("threshold_tau", guard)(mag, nonzero_end, est_start, est_end, taus,
-                                                  where, guard, seg_param, param_seg, fixed, ema)
+def threshold_sample(y, base, of, shifts, n, off, key, tail):
+    return implementation("threshold_sample", y)(y, base, of, shifts, n, off, key, tail)
+
+
+def threshold_tau(keys, order, mag, zero_key, est_start, est_end, taus, where, seg_thr,
+                  seg_param, param_seg, fixed, ema):
+    return implementation("threshold_tau", mag)(keys, order, mag, zero_key, est_start, est_end,
+                                                taus, where, seg_thr, seg_param, param_seg,
+                                                fixed, ema)
 
 
 def threshold_encode(vals, idx, owner, tau, residual):

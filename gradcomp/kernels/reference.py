@@ -482,22 +482,41 @@ def scatter_add(values: torch.Tensor, indices: torch.Tensor, out: torch.Tensor,
 # --------------------------------------------------------------------------- threshold quantization
 # The steps of compressors/threshold.py that follow the segmented sample and select, one
 # value per parameter (P), per segment (S) or per code slot (K).
-def threshold_tau(mag: torch.Tensor, nonzero_end: torch.Tensor, est_start: torch.Tensor,
-                  est_end: torch.Tensor, taus: torch.Tensor | None, where: torch.Tensor,
-                  guard: torch.Tensor, seg_param: torch.Tensor, param_seg: torch.Tensor,
-                  fixed: float, ema: float):
+def threshold_sample(y: torch.Tensor, base: torch.Tensor, of: torch.Tensor, shifts: torch.Tensor,
+                     n: torch.Tensor, off: torch.Tensor, key: torch.Tensor, tail: torch.Tensor):
+    """Every parameter's sampled magnitudes and their sort keys: (keys (M + 2,) int64,
+    mag (M + 2,) fp32). Sample j is |y| at ``(base[j] + shifts[of[j]]) mod n[j] + off[j]`` (its
+    Weyl point shifted, modulo its parameter's size, at its offset); the two constants
+    ``tail`` (NaN, 0) close mag. keys = key - the bits of mag (``key``: (segment << 31) +
+    0x7FFFFFFF per sample: ascending keys order by segment, then magnitude descending)."""
+    at = (base + shifts[of]).remainder_(n).add_(off)
+    mag = torch.cat([y[at].abs_(), tail])
+    return key - mag.view(torch.int32).to(torch.int64), mag
+
+
+def threshold_tau(keys: torch.Tensor, order: torch.Tensor, mag: torch.Tensor,
+                  zero_key: torch.Tensor, est_start: torch.Tensor, est_end: torch.Tensor,
+                  taus: torch.Tensor | None, where: torch.Tensor, seg_thr: torch.Tensor,
+                  seg_param: torch.Tensor, param_seg: torch.Tensor, fixed: float, ema: float):
     """Each parameter's tau and each segment's selection threshold: (sent_tau (P,), thr (S,)).
+    ``keys``, ``order``: :func:`threshold_sample`'s keys sorted and the sort's permutation;
+    ``mag``: its magnitudes, unsorted (sorted: mag[order]). A segment's sampled threshold is
+    guard[s] = sorted mag[seg_thr[s]] (NaN for a gap, 0 where ks is 0).
 
     Adaptive (``taus`` given: the memory of every parameter of the bucket, 0 = no estimate
-    yet; updated in place at ``where``): est = mag[min(est_end, nonzero_end) - 1], +inf where
-    nonzero_end <= est_start (no non-zero sample); tau = est at the first estimate, the
-    previous tau where est is +inf, else lerp(prev, est, 1 - ema). Fixed (``taus`` None):
-    tau = ``fixed``. sent_tau = tau, 0 where +inf (nothing sent). thr[s] = guard[s] for a gap
-    (NaN), max(guard[s], nextafter(tau, +inf)) for parameter p's segment s = param_seg[p]
-    (|y| > tau <=> |y| >= nextafter(tau)); seg_param: (S,) each segment's parameter (any for
-    a gap: its NaN wins)."""
+    yet; updated in place at ``where``): with nonzero_end = searchsorted(keys, zero_key)
+    (zeros sort last within a parameter), est = sorted mag[min(est_end, nonzero_end) - 1],
+    +inf where nonzero_end <= est_start (no non-zero sample); tau = est at the first
+    estimate, the previous tau where est is +inf, else lerp(prev, est, 1 - ema). Fixed
+    (``taus`` None): tau = ``fixed``. sent_tau = tau, 0 where +inf (nothing sent). thr[s] =
+    guard[s] for a gap (NaN), max(guard[s], nextafter(tau, +inf)) for parameter p's segment
+    s = param_seg[p] (|y| > tau <=> |y| >= nextafter(tau)); seg_param: (S,) each segment's
+    parameter (any for a gap: its NaN wins)."""
     P = est_start.numel()
+    mag = mag[order]
+    guard = mag[seg_thr]
     if taus is not None:
+        nonzero_end = torch.searchsorted(keys, zero_key)
         est = mag[torch.minimum(est_end, nonzero_end) - 1]
         est.masked_fill_(nonzero_end <= est_start, math.inf)  # every sampled |y| is 0
         prev = taus[where]

@@ -44,9 +44,10 @@ Passes over memory (n elements, fp32 x):
     it with NaN and +-inf put to 0 (into a copy, or in place), the flag set where any was
     seen; flag_fill: one
     kernel that writes NaN over a bucket whose flag is up (nothing read of it).
-  * threshold_tau / threshold_encode / threshold_decode: threshold quantization's
-    per-parameter tau, its codes and residual, and the decode of the W messages (atomic
-    adds); each one launch over a bucket.
+  * threshold_sample / threshold_tau / threshold_encode / threshold_decode: threshold
+    quantization's sampled magnitudes and their sort keys, per-parameter tau (and each
+    segment's threshold, from the sorted sample), its codes and residual, and the decode of
+    the W messages (atomic adds); each one launch over a bucket.
   * powersgd_project / _back / _expand / _orthonormalize: PowerSGD's matrix steps over a
     table of matrices of any shapes, one launch each (kernels/lowrank.py; float tolerance,
     not bit-identity, against its reference: a product's summation order is the kernel's).
@@ -74,7 +75,9 @@ from .powersgd import (  # noqa: F401
 from .terngrad import (  # noqa: F401
     ternary_compress, ternary_decode, ternary_decompress, ternary_encode, ternary_stats,
 )
-from .threshold import threshold_decode, threshold_encode, threshold_tau  # noqa: F401
+from .threshold import (  # noqa: F401
+    threshold_decode, threshold_encode, threshold_sample, threshold_tau,
+)
 from .topk import (  # noqa: F401
     scatter_add, segment_candidates, segment_kth, segment_sample, segment_take, select_topk,
 )

@@ -1,5 +1,5 @@
-"""Threshold quantization's Triton kernels (compressors/threshold.py): threshold_tau,
-threshold_encode, threshold_decode, as kernels/reference.py specifies them."""
+"""Threshold quantization's Triton kernels (compressors/threshold.py): threshold_sample,
+threshold_tau, threshold_encode, threshold_decode, as kernels/reference.py specifies them."""
 from __future__ import annotations
 
 import torch
@@ -11,27 +11,86 @@ from . import common as c
 
 # --------------------------------------------------------------------------- threshold quantization
 @triton.jit
+def _threshold_sample_kernel(
+    y_ptr,      # (n,) fp32 the bucket (error feedback's y)
+    base_ptr,   # (M,) int64 each sample's Weyl point
+    of_ptr,     # (M,) int64 its parameter
+    shift_ptr,  # (P,) int64 each parameter's shift
+    n_ptr,      # (M,) int64 its parameter's size
+    off_ptr,    # (M,) int64 its parameter's offset
+    key_ptr,    # (M + 2,) int64 sort base of each sample
+    tail_ptr,   # (2,) fp32 the constants closing the sample
+    keys_ptr,   # (M + 2,) int64 out
+    mag_ptr,    # (M + 2,) fp32 out
+    M,
+    BLOCK_: tl.constexpr,
+):
+    j = tl.program_id(0).to(tl.int64) * BLOCK_ + tl.arange(0, BLOCK_)
+    mask = j < M + 2
+    ins = j < M
+    b = tl.load(base_ptr + j, mask=ins, other=0)
+    sh = tl.load(shift_ptr + tl.load(of_ptr + j, mask=ins, other=0), mask=ins, other=0)
+    at = (b + sh) % tl.load(n_ptr + j, mask=ins, other=1) + tl.load(off_ptr + j, mask=ins, other=0)
+    v = tl.abs(tl.load(y_ptr + at, mask=ins, other=0.0).to(tl.float32))
+    t = tl.load(tail_ptr + (j - M), mask=mask & ~ins, other=0.0)
+    mag = tl.where(ins, v, t)
+    key = tl.load(key_ptr + j, mask=mask, other=0) - mag.to(tl.int32, bitcast=True).to(tl.int64)
+    tl.store(keys_ptr + j, key, mask=mask)
+    tl.store(mag_ptr + j, mag, mask=mask)
+
+
+def threshold_sample(y, base, of, shifts, n, off, key, tail):
+    """See :func:`gradcomp.kernels.reference.threshold_sample`: one launch."""
+    L = key.numel()
+    keys = c.alloc((L,), torch.int64, y.device)
+    mag = c.alloc((L,), torch.float32, y.device)
+    _threshold_sample_kernel[(triton.cdiv(L, c.BLOCK),)](
+        y, base, of, shifts, n, off, key, tail, keys, mag, L - 2, BLOCK_=c.BLOCK,
+        num_warps=c.NUM_WARPS)
+    return keys, mag
+
+
+@triton.jit
 def _threshold_tau_kernel(
-    mag_ptr,        # (M + 2,) fp32 sorted sample magnitudes
-    nz_ptr,         # (P,) int64 end of each parameter's non-zero samples
+    keys_ptr,       # (L,) int64 sorted sample keys
+    order_ptr,      # (L,) int64 the sort's permutation
+    mag_ptr,        # (L,) fp32 sample magnitudes, unsorted (sorted: mag[order])
+    zero_key_ptr,   # (P,) int64 the key of each parameter's 0 magnitude
     est_start_ptr, est_end_ptr,  # (P,) int64
     taus_ptr,       # (all,) fp32 tau memory, in place at where (if ADAPTIVE)
     where_ptr,      # (P,) int64
-    guard_ptr,      # (S,) fp32
+    seg_thr_ptr,    # (S,) int64 each segment's threshold's place in the sorted sample
+    seg_param_ptr,  # (S,) int64
     param_seg_ptr,  # (P,) int64
     sent_ptr,       # (P,) fp32 out
-    thr_ptr,        # (S,) fp32 out (a copy of guard: only parameters' segments written)
-    P, fixed, w,
+    thr_ptr,        # (S,) fp32 out
+    S, P, L, iters, fixed, w,
     ADAPTIVE: tl.constexpr, BLOCK_: tl.constexpr,
 ):
-    p = tl.program_id(0).to(tl.int64) * BLOCK_ + tl.arange(0, BLOCK_)
-    mask = p < P
+    s = tl.program_id(0).to(tl.int64) * BLOCK_ + tl.arange(0, BLOCK_)
+    smask = s < S
+    g = tl.load(mag_ptr + tl.load(order_ptr + tl.load(seg_thr_ptr + s, mask=smask, other=0),
+                                  mask=smask, other=0), mask=smask, other=0.0)
+    p = tl.load(seg_param_ptr + s, mask=smask, other=0)
+    mask = smask & (p < P)
+    mask = mask & (tl.load(param_seg_ptr + p, mask=mask, other=-1) == s)  # p's own segment
     if ADAPTIVE:
-        nz = tl.load(nz_ptr + p, mask=mask, other=0)
+        # searchsorted (left) of the parameter's zero key: the end of its non-zero samples
+        zk = tl.load(zero_key_ptr + p, mask=mask, other=0)
+        lo = tl.zeros((BLOCK_,), tl.int64)
+        hi = lo + L
+        for _ in range(iters):
+            active = lo < hi
+            mid = (lo + hi) // 2
+            below = tl.load(keys_ptr + mid, mask=mask & active, other=0) < zk
+            lo = tl.where(active & below, mid + 1, lo)
+            hi = tl.where(active & ~below, mid, hi)
+        nz = lo
         es = tl.load(est_start_ptr + p, mask=mask, other=0)
         ee = tl.load(est_end_ptr + p, mask=mask, other=1)
         none = nz <= es
-        est = tl.load(mag_ptr + tl.minimum(ee, nz) - 1, mask=mask & ~none, other=0.0)
+        at_est = tl.load(order_ptr + tl.minimum(ee, nz) - 1, mask=mask & ~none, other=0)
+        est = tl.load(mag_ptr + at_est, mask=mask & ~none, other=0.0)
         est = tl.where(none, float("inf"), est)
         at = tl.load(where_ptr + p, mask=mask, other=0)
         prev = tl.load(taus_ptr + at, mask=mask, other=0.0)
@@ -51,23 +110,22 @@ def _threshold_tau_kernel(
     tl.store(sent_ptr + p, sent, mask=mask)
     # nextafter(tau, +inf) of a non-negative tau: the next bit pattern (+inf stays)
     nxt = tl.where(isinf, tau, (tau.to(tl.int32, bitcast=True) + 1).to(tl.float32, bitcast=True))
-    s = tl.load(param_seg_ptr + p, mask=mask, other=0)
-    g = tl.load(guard_ptr + s, mask=mask, other=0.0)
-    tl.store(thr_ptr + s, tl.maximum(g, nxt), mask=mask)
+    tl.store(thr_ptr + s, tl.where(mask, tl.maximum(g, nxt), g), mask=smask)
 
 
-def threshold_tau(mag, nonzero_end, est_start, est_end, taus, where, guard, seg_param, param_seg,
-                  fixed, ema):
-    """See :func:`gradcomp.kernels.reference.threshold_tau`: one launch (and a copy of
-    guard). Taus are non-negative (magnitudes, or a fixed tau > 0)."""
-    P = est_start.numel()
-    sent = c.alloc((P,), torch.float32, guard.device)
-    thr = guard.clone()
-    if P:
+def threshold_tau(keys, order, mag, zero_key, est_start, est_end, taus, where, seg_thr,
+                  seg_param, param_seg, fixed, ema):
+    """See :func:`gradcomp.kernels.reference.threshold_tau`: one launch, one lane per
+    segment (a parameter's lane is its segment's). Taus are non-negative (magnitudes, or a
+    fixed tau > 0)."""
+    P, S, L = est_start.numel(), seg_thr.numel(), keys.numel()
+    sent = c.alloc((P,), torch.float32, mag.device)
+    thr = c.alloc((S,), torch.float32, mag.device)
+    if S:
         adaptive = taus is not None
-        _threshold_tau_kernel[(triton.cdiv(P, 1024),)](
-            mag, nonzero_end if adaptive else est_start, est_start, est_end,
-            taus if adaptive else sent, where, guard, param_seg, sent, thr, P,
+        _threshold_tau_kernel[(triton.cdiv(S, 1024),)](
+            keys, order, mag, zero_key, est_start, est_end, taus if adaptive else sent, where,
+            seg_thr, seg_param, param_seg, sent, thr, S, P, L, L.bit_length() + 1,
             float(fixed or 0.0), float(1 - ema), ADAPTIVE=adaptive, BLOCK_=1024,
             num_warps=c.NUM_WARPS)
     return sent, thr
