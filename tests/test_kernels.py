@@ -645,9 +645,10 @@ specs = [
      + [P, P, "i32", "i32", "i32", "i32", "fp32", "fp32"], dict(ADAPTIVE=True, BLOCK_=1024)),
     (tk.threshold._threshold_tau_kernel, ["*i64", "*i64", P] + ["*i64"] * 3 + [P] + ["*i64"] * 4
      + [P, P, "i32", "i32", "i32", "i32", "fp32", "fp32"], dict(ADAPTIVE=False, BLOCK_=1024)),
-    (tk.threshold._threshold_encode_kernel, [P, "*i64", "*i64", P, "*i32", P, "i32"],
-     dict(HAS_RES=True, BLOCK_=2048)),
-    (tk.threshold._threshold_decode_kernel, ["*i32", "*i64", P, "i32", "i32", "i32"], dict(BLOCK_=2048)),
+    (tk.threshold._threshold_encode_kernel, [P, "*i64", "*i64", P, P, P, "*i64", "*i32", "i32", "i32",
+                                             "i32"], dict(HAS_RES=True, BLOCK_=2048)),
+    (tk.threshold._threshold_decode_kernel, ["*i32", "*i64", "*i64", P, "i32", "i32", "i32", "i32",
+                                             "i32"], dict(BLOCK_=2048)),
 ]
 for fn, types, cx in specs:
     names = fn.arg_names

@@ -283,3 +283,45 @@ def test_sample_and_tau_kernels_equal_the_reference(adaptive, ema, monkeypatch):
         (ws, wt, wm), (gs, gt, gm) = mem["ref"], mem["triton"]
         assert torch.equal(gs, ws) and torch.equal(gt.nan_to_num(-1), wt.nan_to_num(-1))
         assert wm is None or torch.equal(gm, wm)
+
+
+@pytest.mark.parametrize("has_res", [True, False])
+@pytest.mark.parametrize("W", [1, 3])
+def test_encode_and_decode_kernels_equal_the_reference(has_res, W, monkeypatch):
+    """threshold_encode and threshold_decode (Triton, the interpreter, blocks of 64) give the
+    reference's bits: the message (codes, dense values), the residual, and the decoded sum
+    with the dense values' sums in rank order (-0.0 kept); unused slots, no dense values."""
+    from gradcomp.kernels import reference as ref
+    from gradcomp.kernels import triton as tk
+    monkeypatch.setattr(tk.common, "BLOCK", 64)
+    g = torch.Generator().manual_seed(W)
+    n, K, P = 900, 150, 3
+    for D in (0, 70):
+        idx = torch.randperm(600, generator=g)[:K]
+        vals = torch.randn(K, generator=g)
+        vals[::7] = 0.0  # unused slots
+        idx[::7] = 0
+        owner = torch.arange(K) * P // K
+        x = torch.randn(n, generator=g)
+        x[650:655] = -0.0
+        dense = torch.arange(640, 640 + D)
+        res = torch.randn(n, generator=g)
+        want, got = torch.zeros(K + P + D, dtype=torch.int32), torch.full((K + P + D,), 7,
+                                                                           dtype=torch.int32)
+        want[K:K + P] = got[K:K + P] = torch.rand(P, generator=g).view(torch.int32)
+        tau = want[K:K + P].view(torch.float32)
+        r1, r2 = (res.clone(), res.clone()) if has_res else (None, None)
+        ref.threshold_encode(vals, idx, owner, tau, r1, x, dense, want)
+        tk.threshold_encode(vals, idx, owner, got[K:K + P].view(torch.float32), r2, x, dense, got)
+        assert torch.equal(got, want) and (not has_res or torch.equal(r1, r2))
+        rows = torch.stack([want] * W)
+        for w in range(1, W):  # other ranks' codes: other places, the same slots' owners
+            rows[w, :K] = (torch.randperm(600, generator=g)[:K] + 1).to(torch.int32)
+            rows[w, :K:5] *= -1
+        rows[:, K + P:] = torch.randn(W, D, generator=g).view(torch.int32)
+        rows[:, K + P:K + P + 5] = torch.tensor(-0.0).view(torch.int32)
+        a = ref.threshold_decode(rows, K, P, owner, torch.zeros(n), dense)
+        b = tk.threshold_decode(rows, K, P, owner, torch.zeros(n), dense)
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)) or W > 1
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)  # W > 1: atomics in any order
+        assert torch.equal(a[dense].view(torch.int32), b[dense].view(torch.int32))

@@ -51,7 +51,7 @@ from ..config import MethodConfig, RESIDUAL, TAU, check
 from ..kernels import segmented
 from ..kernels.host import to_device
 from ..kernels.segmented import CAPACITY_FACTOR, MIN_SAMPLE_HITS, TARGET_FACTOR
-from .base import Compressor, dense_values, put_dense, register_method, zero_dense
+from .base import Compressor, positions, register_method
 from .wire import DENSE, Field, Message
 
 
@@ -182,6 +182,11 @@ class Threshold(Compressor):
         params = [ctx.params[i] for i in tb.big]
         shifts = to_device([segmented.shift(ctx.seed(0, p.name), p.numel) for p in params],
                            torch.int64, x.device)
+        # the message, written in place by the kernels below: codes, taus, dense values
+        K, P, at = tb.owner.numel(), len(params), positions(
+            tuple((p.offset, p.numel) for p in dense), x.device)
+        lay = MESSAGE.bind(K=K, P=P, n_dense=at.numel())
+        msg = torch.empty(lay.nbytes, dtype=torch.uint8, device=x.device)
         # step 2 (see the module docstring): the sample sorted by (parameter, |y| descending);
         # zeros sort last within a parameter, so the estimate counts the non-zero ones; the
         # cap guard raises each threshold (gaps: NaN)
@@ -191,21 +196,18 @@ class Threshold(Compressor):
         taus = ctx.scalars(TAU) if cfg.adaptive else None  # per parameter; 0: none yet
         sent_tau, thr = kernels.threshold_tau(keys, order, mag, tb.zero_key, tb.est_start,
                                               tb.est_end, taus, tb.where, pl.seg_thr,
-                                              tb.seg_param, pl.param_seg, cfg.tau, cfg.ema)
+                                              tb.seg_param, pl.param_seg, cfg.tau, cfg.ema,
+                                              lay.unpack(msg)["taus"])
         vals, idx = segmented.select_above(y, pl, thr)  # unused slots: value 0
-        # y less what is sent (sign * tau at each sent index), in the encoder's pass
-        codes = kernels.threshold_encode(vals, idx, tb.owner, sent_tau, y if y is not x else None)
+        # y less what is sent (sign * tau at each sent index), 0 at the dense parameters,
+        # in the encoder's pass, which writes the codes and the dense values of x
+        codes = kernels.threshold_encode(vals, idx, tb.owner, sent_tau, y if y is not x else None,
+                                         x, at, msg.view(torch.int32))
         if ctx.logging:
             ctx.log("threshold", sent_tau.mean())
             ctx.log("sent_fraction", (codes != 0).sum() / sum(p.numel for p in params))
-        if y is not x:
-            zero_dense(y, dense)
-        K, P, d = codes.numel(), len(params), dense_values(x, dense)
-        lay = MESSAGE.bind(K=K, P=P, n_dense=d.numel())
-        raw = ctx.comm.allgather(lay.pack(codes=codes, taus=sent_tau, dense=d))  # (W, bytes)
+        raw = ctx.comm.allgather(msg)  # (W, bytes)
         out = x.zero_()  # x is not read again (the message holds what was sent)
-        # the codes and taus lead each row: the decoder reads them in place
-        kernels.threshold_decode(raw.view(torch.int32), K, P, tb.owner, out)
-        out.div_(ctx.comm.world_size)
-        put_dense(lay.unpack(raw)["dense"], dense, out)
-        return out
+        # the decoder reads every row in place: its codes and taus, and sums its dense values
+        kernels.threshold_decode(raw.view(torch.int32), K, P, tb.owner, out, at)
+        return out.div_(ctx.comm.world_size)

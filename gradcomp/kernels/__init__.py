@@ -129,15 +129,15 @@ def threshold_sample(y, base, of, shifts, n, off, key, tail):
 
 
 def threshold_tau(keys, order, mag, zero_key, est_start, est_end, taus, where, seg_thr,
-                  seg_param, param_seg, fixed, ema):
+                  seg_param, param_seg, fixed, ema, out=None):
     return implementation("threshold_tau", mag)(keys, order, mag, zero_key, est_start, est_end,
                                                 taus, where, seg_thr, seg_param, param_seg,
-                                                fixed, ema)
+                                                fixed, ema, out)
 
 
-def threshold_encode(vals, idx, owner, tau, residual):
-    return implementation("threshold_encode", vals)(vals, idx, owner, tau, residual)
+def threshold_encode(vals, idx, owner, tau, residual, x, dense, words):
+    return implementation("threshold_encode", x)(vals, idx, owner, tau, residual, x, dense, words)
 
 
-def threshold_decode(got, K, P, owner, out):
-    return implementation("threshold_decode", out)(got, K, P, owner, out)
+def threshold_decode(got, K, P, owner, out, dense):
+    return implementation("threshold_decode", out)(got, K, P, owner, out, dense)

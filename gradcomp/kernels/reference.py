@@ -497,8 +497,10 @@ def threshold_sample(y: torch.Tensor, base: torch.Tensor, of: torch.Tensor, shif
 def threshold_tau(keys: torch.Tensor, order: torch.Tensor, mag: torch.Tensor,
                   zero_key: torch.Tensor, est_start: torch.Tensor, est_end: torch.Tensor,
                   taus: torch.Tensor | None, where: torch.Tensor, seg_thr: torch.Tensor,
-                  seg_param: torch.Tensor, param_seg: torch.Tensor, fixed: float, ema: float):
-    """Each parameter's tau and each segment's selection threshold: (sent_tau (P,), thr (S,)).
+                  seg_param: torch.Tensor, param_seg: torch.Tensor, fixed: float, ema: float,
+                  out: torch.Tensor | None = None):
+    """Each parameter's tau and each segment's selection threshold: (sent_tau (P,), thr (S,));
+    sent_tau into ``out`` (P,) fp32 where given.
     ``keys``, ``order``: :func:`threshold_sample`'s keys sorted and the sort's permutation;
     ``mag``: its magnitudes, unsorted (sorted: mag[order]). A segment's sampled threshold is
     guard[s] = sorted mag[seg_thr[s]] (NaN for a gap, 0 where ks is 0).
@@ -528,28 +530,44 @@ def threshold_tau(keys: torch.Tensor, order: torch.Tensor, mag: torch.Tensor,
     if taus is not None:
         taus.index_copy_(0, where, sent)
     thr = torch.maximum(guard, torch.nextafter(tau, torch.full_like(tau, math.inf))[seg_param])
-    return sent, thr
+    return (sent if out is None else out.copy_(sent)), thr
 
 
 def threshold_encode(vals: torch.Tensor, idx: torch.Tensor, owner: torch.Tensor,
-                     tau: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-    """Codes (K,) int32: sign(vals) * (idx + 1), 0 for an unused slot (value 0). With a
+                     tau: torch.Tensor, residual: torch.Tensor | None, x: torch.Tensor,
+                     dense: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """The message's codes and dense values, into ``words`` (K + P + D,) int32 (the message:
+    K codes, P taus, D dense values as fp32 bits; ``tau`` may be its taus): codes[k] =
+    sign(vals) * (idx + 1), 0 for an unused slot (value 0); the dense values x[dense]. With a
     residual (n,), which holds what vals were selected from: residual less
-    sign(vals) * tau[owner] at idx, in place (what is not sent)."""
+    sign(vals) * tau[owner] at idx, in place (what is not sent), and 0 at ``dense`` (the
+    elements sent exactly keep no error). Returns the codes (a view of words)."""
+    K, P = vals.numel(), tau.numel()
     sign = torch.sign(vals)
-    codes = (idx + 1).to(torch.int32).mul_(sign.to(torch.int32))
+    codes = words[:K]
+    codes.copy_((idx + 1).to(torch.int32).mul_(sign.to(torch.int32)))
+    words[K + P : K + P + dense.numel()].copy_(x[dense].view(torch.int32))
     if residual is not None:
         residual.index_put_((idx,), -sign * tau[owner], accumulate=True)
+        residual.index_fill_(0, dense, 0.0)
     return codes
 
 
 def threshold_decode(got: torch.Tensor, K: int, P: int, owner: torch.Tensor,
-                     out: torch.Tensor) -> torch.Tensor:
-    """out += every row's elements: got (W, >= K + P) int32 rows of K codes, then P taus (fp32
-    bits); code c != 0 adds sign(c) * tau[owner[slot]] at |c| - 1. Returns out."""
+                     out: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """out += every row's elements: got (W, >= K + P + D) int32 rows of K codes, P taus
+    (fp32 bits), D dense values (fp32 bits); code c != 0 adds sign(c) * tau[owner[slot]] at
+    |c| - 1; out[dense] = the sum of the rows' dense values, in rank order (``dense``: (D,)
+    positions no code reaches). Returns out."""
     codes = got[:, :K]
     taus = got[:, K : K + P].contiguous().view(torch.float32)
     scatter_add(torch.sign(codes).float() * taus[:, owner], codes.abs().sub_(1).clamp_(min=0), out)
+    rows = got[:, K + P : K + P + dense.numel()].contiguous().view(torch.float32)
+    if dense.numel():
+        total = rows[0].clone()
+        for r in rows[1:]:
+            total += r
+        out.index_copy_(0, dense, total)
     return out
 
 

@@ -114,12 +114,12 @@ def _threshold_tau_kernel(
 
 
 def threshold_tau(keys, order, mag, zero_key, est_start, est_end, taus, where, seg_thr,
-                  seg_param, param_seg, fixed, ema):
+                  seg_param, param_seg, fixed, ema, out=None):
     """See :func:`gradcomp.kernels.reference.threshold_tau`: one launch, one lane per
     segment (a parameter's lane is its segment's). Taus are non-negative (magnitudes, or a
     fixed tau > 0)."""
     P, S, L = est_start.numel(), seg_thr.numel(), keys.numel()
-    sent = c.alloc((P,), torch.float32, mag.device)
+    sent = c.alloc((P,), torch.float32, mag.device) if out is None else out
     thr = c.alloc((S,), torch.float32, mag.device)
     if S:
         adaptive = taus is not None
@@ -137,42 +137,53 @@ def _threshold_encode_kernel(
     idx_ptr,    # (K,) int64 their indices
     owner_ptr,  # (K,) int64 parameter of each slot
     tau_ptr,    # (P,) fp32
-    code_ptr,   # (K,) int32 out
     res_ptr,    # (n,) fp32 residual (what vals came from), in place at sent indices (HAS_RES)
-    K,
+    x_ptr,      # (n,) fp32 the bucket: the dense values' source
+    dense_ptr,  # (D,) int64 the dense values' positions
+    word_ptr,   # (K + P + D,) int32 out: the message (codes, taus, dense values' bits)
+    K, P, D,
     HAS_RES: tl.constexpr, BLOCK_: tl.constexpr,
 ):
+    # lanes [0, K): one code slot each; [K, K + D): one dense value each
     k = tl.program_id(0).to(tl.int64) * BLOCK_ + tl.arange(0, BLOCK_)
     mask = k < K
     v = tl.load(val_ptr + k, mask=mask, other=0.0).to(tl.float32)
     i = tl.load(idx_ptr + k, mask=mask, other=0)
     sgn = tl.where(v > 0, 1, tl.where(v < 0, -1, 0))
-    tl.store(code_ptr + k, (i + 1).to(tl.int32) * sgn, mask=mask)
+    tl.store(word_ptr + k, (i + 1).to(tl.int32) * sgn, mask=mask)
     if HAS_RES:  # a sent element's index is its own (unused slots add nothing)
         t = tl.load(tau_ptr + tl.load(owner_ptr + k, mask=mask, other=0), mask=mask, other=0.0)
         r = tl.load(res_ptr + i, mask=mask & (sgn != 0), other=0.0)
         tl.store(res_ptr + i, r - sgn.to(tl.float32) * t, mask=mask & (sgn != 0))
+    dm = (k >= K) & (k < K + D)
+    at = tl.load(dense_ptr + (k - K), mask=dm, other=0)
+    d = tl.load(x_ptr + at, mask=dm, other=0.0).to(tl.float32)
+    tl.store(word_ptr + P + k, d.to(tl.int32, bitcast=True), mask=dm)
+    if HAS_RES:
+        tl.store(res_ptr + at, tl.zeros((BLOCK_,), tl.float32), mask=dm)
 
 
-def threshold_encode(vals, idx, owner, tau, residual):
+def threshold_encode(vals, idx, owner, tau, residual, x, dense, words):
     """See :func:`gradcomp.kernels.reference.threshold_encode`: one launch."""
-    K = vals.numel()
-    codes = c.alloc((K,), torch.int32, vals.device)
-    if K:
-        _threshold_encode_kernel[(triton.cdiv(K, c.BLOCK),)](
-            vals, idx, owner, tau, codes, residual if residual is not None else vals, K,
-            HAS_RES=residual is not None, BLOCK_=c.BLOCK, num_warps=c.NUM_WARPS)
-    return codes
+    c.check_contiguous(words, "words")
+    K, P, D = vals.numel(), tau.numel(), dense.numel()
+    if K + D:
+        _threshold_encode_kernel[(triton.cdiv(K + D, c.BLOCK),)](
+            vals, idx, owner, tau, residual if residual is not None else x, x, dense, words,
+            K, P, D, HAS_RES=residual is not None, BLOCK_=c.BLOCK, num_warps=c.NUM_WARPS)
+    return words[:K]
 
 
 @triton.jit
 def _threshold_decode_kernel(
-    got_ptr,    # (W, row) int32 messages: K codes, then P taus (fp32 bits)
+    got_ptr,    # (W, row) int32 messages: K codes, P taus (fp32 bits), D dense values (bits)
     owner_ptr,  # (K,) int64
-    out_ptr,    # (n,) fp32 accumulator (atomic adds)
-    row, K, W,
+    dense_ptr,  # (D,) int64 the dense values' positions
+    out_ptr,    # (n,) fp32 accumulator (atomic adds; the dense positions written)
+    row, K, P, D, W,
     BLOCK_: tl.constexpr,
 ):
+    # lanes [0, K): one code slot each; [K, K + D): one dense value each
     k = tl.program_id(0).to(tl.int64) * BLOCK_ + tl.arange(0, BLOCK_)
     mask = k < K
     o = tl.load(owner_ptr + k, mask=mask, other=0)
@@ -183,14 +194,22 @@ def _threshold_decode_kernel(
         on = mask & (c != 0)
         v = tl.where(c > 0, t, -t)
         tl.atomic_add(out_ptr + tl.abs(c).to(tl.int64) - 1, v, mask=on, sem="relaxed")
+    dm = (k >= K) & (k < K + D)
+    total = tl.load(got_ptr + P + k, mask=dm, other=0).to(tl.float32, bitcast=True)
+    for w in range(1, W):  # in rank order
+        total += tl.load(got_ptr + w * row + P + k, mask=dm, other=0).to(tl.float32, bitcast=True)
+    tl.store(out_ptr + tl.load(dense_ptr + (k - K), mask=dm, other=0), total, mask=dm)
 
 
-def threshold_decode(got, K, P, owner, out):
+def threshold_decode(got, K, P, owner, out, dense):
     """See :func:`gradcomp.kernels.reference.threshold_decode`: one launch of atomic adds
-    (the order of two ranks' adds to one element may vary on a GPU, as in scatter_add)."""
+    (the order of two ranks' adds to one element may vary on a GPU, as in scatter_add) and
+    the dense values' sums."""
     c.check_flat(out, "out")
     c.check_contiguous(got, "got")
-    if K and got.shape[0]:
-        _threshold_decode_kernel[(triton.cdiv(K, c.BLOCK),)](
-            got, owner, out, got.shape[1], K, got.shape[0], BLOCK_=c.BLOCK, num_warps=c.NUM_WARPS)
+    D = dense.numel()
+    if (K + D) and got.shape[0]:
+        _threshold_decode_kernel[(triton.cdiv(K + D, c.BLOCK),)](
+            got, owner, dense, out, got.shape[1], K, P, D, got.shape[0], BLOCK_=c.BLOCK,
+            num_warps=c.NUM_WARPS)
     return out
