@@ -639,6 +639,12 @@ specs = [
     (tk.topk._seg_before_kernel, [P, P, "*i32", "*i64", "*i64", "*i64"], dict(BLOCK_=2048)),
     (tk.topk._seg_compact_kernel, ["*fp16", P, "*i32", "*i64", "*i64", "*i64", "*i64", "*fp16", "*i64",
                               "i32"], dict(BLOCK_=2048)),
+    (tk.sparse._sparse_encode_kernel, ["*i16", P, "*i64", P, P, "*i64", "*i32", "*i16", P, "*u8", "i32",
+                                       "i32", "i32"], dict(HAS_RES=True, BLOCK_=2048)),
+    (tk.sparse._sparse_decode_kernel, ["*i32", "*i16", "*i64", P] + ["i32"] * 7,
+     dict(KIND=2, BLOCK_=2048)),
+    (tk.sparse._sparse_decode_kernel, ["*i32", "*i32", "*i64", P] + ["i32"] * 7,
+     dict(KIND=0, BLOCK_=2048)),
     (tk.threshold._threshold_sample_kernel, [P] + ["*i64"] * 6 + [P, "*i64", P, "i32"],
      dict(BLOCK_=2048)),
     (tk.threshold._threshold_tau_kernel, ["*i64", "*i64", P] + ["*i64"] * 3 + [P] + ["*i64"] * 4

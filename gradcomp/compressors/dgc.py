@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import MethodConfig, VELOCITY, check
-from .base import Compressor, keep_unsent, register_method
+from .base import Compressor, register_method
 from .topk import SPARSE, check_value_dtype, exchange_sparse, round_values, select, value_dtype
 
 MOMENTUM_KEYS = ("momentum", "nesterov", "weight_decay")
@@ -238,8 +238,7 @@ class DGC(Compressor):
         vals, idx = select(y, big, ctx, ratio, cfg.sample_ratio)
         # the accumulation keeps what rounding takes
         wire, vals = round_values(vals, value_dtype(cfg.value_dtype, ctx))
-        keep_unsent(y, x, idx, vals, dense)
         if u is not None and cfg.masking:
             # padding slots carry value 0: they must not mask anything
             u.index_add_(0, idx, u.index_select(0, idx) * (vals != 0), alpha=-1)
-        return exchange_sparse(wire, idx, x, dense, ctx)
+        return exchange_sparse(wire, vals, idx, y, x, dense, ctx)

@@ -24,7 +24,7 @@ from .. import kernels
 from ..config import MethodConfig, RESIDUAL, check
 from ..kernels import segmented
 from ..kernels.host import to_device
-from .base import Compressor, dense_values, keep_unsent, put_dense, register_method
+from .base import Compressor, positions, register_method
 from .wire import DENSE, Field, Message
 
 
@@ -127,24 +127,31 @@ SPARSE = Message(
     note="`k`: the sum over the bucket's compressed parameters of their kept counts.")
 
 
-def exchange_sparse(values: torch.Tensor, indices: torch.Tensor, x: torch.Tensor, dense,
-                    ctx) -> torch.Tensor:
+def exchange_sparse(wire: torch.Tensor, vals: torch.Tensor, indices: torch.Tensor,
+                    y: torch.Tensor, x: torch.Tensor, dense, ctx) -> torch.Tensor:
     """Allgather every rank's (indices, values) and the ``dense`` parameters' values of x as
-    one message (:data:`SPARSE`); return the dense average. ``values`` travel in their own
-    dtype (fp32, or 2 bytes: see :func:`round_values`), indices as int32."""
-    d = dense_values(x, dense)
-    lay = SPARSE.bind(k=values.numel(), dtype=values.dtype, n_dense=d.numel())
-    got = lay.unpack(ctx.comm.allgather(lay.pack(
-        indices=indices.to(torch.int32), values=values, dense=d)))  # (W, ...) each
+    one message (:data:`SPARSE`); return the dense average. ``wire``: the values as they
+    travel, in their own dtype (fp32, or 2 bytes: see :func:`round_values`), ``vals`` the
+    same as they arrive (fp32); indices travel as int32. The message's fields are written in
+    one pass (:func:`gradcomp.kernels.sparse_encode`), which also makes error feedback's
+    update: y (from :meth:`Compressor.add_residual`) less vals at the indices (what is not
+    sent, and what rounding took), 0 at the dense parameters; nothing when y is x."""
+    at = positions(tuple((p.offset, p.numel) for p in dense), x.device)
+    k, D = indices.numel(), at.numel()
+    lay = SPARSE.bind(k=k, dtype=wire.dtype, n_dense=D)
+    msg = torch.empty(lay.nbytes, dtype=torch.uint8, device=x.device)
+    f = lay.unpack(msg)  # views of msg
+    vals_at, dense_at = lay.spans["values"][0], lay.spans["dense"][0]
+    pad = msg[vals_at + k * wire.element_size() : dense_at]
+    kernels.sparse_encode(wire, vals, indices, y if y is not x else None, x, at, f["indices"],
+                          f["values"], f["dense"], pad)
+    got = ctx.comm.allgather(msg)  # (W, bytes)
     # the result in x, whose values are not read again (the message holds what was sent):
     # no fresh bucket-sized buffer (a page fault per 4 KB) and no copy of it into the bucket
     out = x.zero_()
-    vals = got["values"]
-    kernels.scatter_add(vals if vals.dtype == torch.float32 else vals.float(), got["indices"],
-                        out)
-    out.div_(ctx.comm.world_size)
-    put_dense(got["dense"], dense, out)
-    return out
+    # every row read in place: its values added at its indices, its dense values summed
+    kernels.sparse_decode(got, k, vals_at, wire.dtype, dense_at, out, at)
+    return out.div_(ctx.comm.world_size)
 
 
 @register_method
@@ -173,5 +180,4 @@ class TopK(Compressor):
             ctx.log("ratio", ratio)
         vals, idx = select(y, big, ctx, ratio, cfg.sample_ratio)
         wire, vals = round_values(vals, value_dtype(cfg.value_dtype, ctx))
-        keep_unsent(y, x, idx, vals, dense)  # what is not sent, and what rounding took
-        return exchange_sparse(wire, idx, x, dense, ctx)
+        return exchange_sparse(wire, vals, idx, y, x, dense, ctx)

@@ -124,6 +124,15 @@ def scatter_add(values, indices, out, alpha=1.0):
     return implementation("scatter_add", out)(values, indices, out, alpha)
 
 
+def sparse_encode(wire, vals, idx, residual, x, dense, out_idx, out_wire, out_dense, pad):
+    return implementation("sparse_encode", x)(wire, vals, idx, residual, x, dense, out_idx,
+                                              out_wire, out_dense, pad)
+
+
+def sparse_decode(got, k, vals_at, dtype, dense_at, out, dense):
+    return implementation("sparse_decode", out)(got, k, vals_at, dtype, dense_at, out, dense)
+
+
 def threshold_sample(y, base, of, shifts, n, off, key, tail):
     return implementation("threshold_sample", y)(y, base, of, shifts, n, off, key, tail)
 

@@ -571,6 +571,48 @@ def threshold_decode(got: torch.Tensor, K: int, P: int, owner: torch.Tensor,
     return out
 
 
+# --------------------------------------------------------------------------- top-k's message
+# compressors/topk.py's exchange_sparse (top-k, DGC): the message's fields written in one pass,
+# every rank's read in one.
+def sparse_encode(wire: torch.Tensor, vals: torch.Tensor, idx: torch.Tensor,
+                  residual: torch.Tensor | None, x: torch.Tensor, dense: torch.Tensor,
+                  out_idx: torch.Tensor, out_wire: torch.Tensor, out_dense: torch.Tensor,
+                  pad: torch.Tensor) -> None:
+    """The message's fields: out_idx (k,) int32 = idx, out_wire (k,) = wire (the values as
+    they travel), out_dense (D,) = x[dense], pad (the zero bytes before the dense values) = 0.
+    With a residual (n,) (error feedback's y): residual less vals (the values as they
+    arrive, fp32; a padding slot, value 0 at index 0, changes nothing) at idx, in place, and
+    0 at ``dense`` (the elements sent exactly keep no error)."""
+    out_idx.copy_(idx)
+    out_wire.copy_(wire)
+    torch.index_select(x, 0, dense, out=out_dense)
+    pad.zero_()
+    if residual is not None:
+        residual.index_add_(0, idx, vals, alpha=-1)
+        residual.index_fill_(0, dense, 0.0)
+
+
+def sparse_decode(got: torch.Tensor, k: int, vals_at: int, dtype: torch.dtype, dense_at: int,
+                  out: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """out += every row's values at its indices, out[dense] = the sum of the rows' dense
+    values in rank order. got: (W, nbytes) uint8 messages: k int32 indices at byte 0, k values
+    of ``dtype`` at byte ``vals_at``, D = dense.numel() fp32 values at byte ``dense_at``
+    (``dense``: their positions, which no index reaches). Returns out."""
+    def field(at, n, dt):
+        size = torch.empty((), dtype=dt).element_size()
+        return got[:, at : at + n * size].contiguous().view(dt)
+
+    vals = field(vals_at, k, dtype)
+    scatter_add(vals.float() if dtype != torch.float32 else vals, field(0, k, torch.int32), out)
+    if dense.numel():
+        rows = field(dense_at, dense.numel(), torch.float32)
+        total = rows[0].clone()
+        for r in rows[1:]:
+            total += r
+        out.index_copy_(0, dense, total)
+    return out
+
+
 # --------------------------------------------------------------------------- inf/NaN guard
 def check_guard(x: torch.Tensor, flag: torch.Tensor, out: torch.Tensor | None = None,
                 x_name: str = "x", flag_len: int = 1) -> None:

@@ -1,6 +1,6 @@
 """Triton kernels for the quantize and select steps (CUDA tensors), one module per method:
-``onebit.py``, ``terngrad.py``, ``topk.py`` (top-k and DGC's selection), ``powersgd.py``,
-``threshold.py``, ``guard.py`` (the inf/NaN guard's copy); ``common.py`` holds what they
+``onebit.py``, ``terngrad.py``, ``topk.py`` (top-k and DGC's selection), ``sparse.py`` (their
+message), ``powersgd.py``, ``threshold.py``, ``guard.py`` (the inf/NaN guard's copy); ``common.py`` holds what they
 share.
 
 Every function here has the signature and semantics of the function of the same name in
@@ -44,6 +44,9 @@ Passes over memory (n elements, fp32 x):
     it with NaN and +-inf put to 0 (into a copy, or in place), the flag set where any was
     seen; flag_fill: one
     kernel that writes NaN over a bucket whose flag is up (nothing read of it).
+  * sparse_encode / sparse_decode (sparse.py): top-k's and DGC's message, its fields
+    written (and error feedback's update, the dense values zeroed) in one launch, every
+    rank's values and dense values added in one.
   * threshold_sample / threshold_tau / threshold_encode / threshold_decode: threshold
     quantization's sampled magnitudes and their sort keys, per-parameter tau (and each
     segment's threshold, from the sorted sample), its codes and residual, and the decode of
@@ -66,12 +69,13 @@ otherwise): a silent ``.contiguous()`` would copy a whole bucket.
 """
 from __future__ import annotations
 
-from . import common, guard, onebit, powersgd, terngrad, threshold, topk  # noqa: F401
+from . import common, guard, onebit, powersgd, sparse, terngrad, threshold, topk  # noqa: F401
 from .guard import finite_copy, flag_fill  # noqa: F401
 from .onebit import onebit_compress, onebit_decompress  # noqa: F401
 from .powersgd import (  # noqa: F401
     powersgd_back, powersgd_expand, powersgd_orthonormalize, powersgd_project,
 )
+from .sparse import sparse_decode, sparse_encode  # noqa: F401
 from .terngrad import (  # noqa: F401
     ternary_compress, ternary_decode, ternary_decompress, ternary_encode, ternary_stats,
 )
