@@ -645,8 +645,9 @@ specs = [
      dict(KIND=2, BLOCK_=2048)),
     (tk.sparse._sparse_decode_kernel, ["*i32", "*i32", "*i64", P] + ["i32"] * 7,
      dict(KIND=0, BLOCK_=2048)),
-    (tk.threshold._threshold_sample_kernel, [P] + ["*i64"] * 6 + [P, "*i64", P, "i32"],
-     dict(BLOCK_=2048)),
+    (tk.threshold._threshold_sample_kernel, [P, P, P] + ["*i64"] * 6 + [P, "*i64", P, "i32", "i32",
+                                                                        "i32"],
+     dict(HAS_E=True, BLOCK_=2048)),
     (tk.threshold._threshold_tau_kernel, ["*i64", "*i64", P] + ["*i64"] * 3 + [P] + ["*i64"] * 4
      + [P, P, "i32", "i32", "i32", "i32", "fp32", "fp32"], dict(ADAPTIVE=True, BLOCK_=1024)),
     (tk.threshold._threshold_tau_kernel, ["*i64", "*i64", P] + ["*i64"] * 3 + [P] + ["*i64"] * 4

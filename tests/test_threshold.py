@@ -239,7 +239,7 @@ def test_the_gpu_path_equals_the_cpu_path(spec, monkeypatch):
 @pytest.mark.parametrize("adaptive,ema", [(True, 0.5), (True, 0.0), (False, 0.5)])
 def test_sample_and_tau_kernels_equal_the_reference(adaptive, ema, monkeypatch):
     """threshold_sample and threshold_tau (Triton, run by the interpreter in blocks of 64)
-    give the reference's bits: keys, magnitudes, sent taus, thresholds and the tau memory;
+    give the reference's bits: y, keys, magnitudes, sent taus, thresholds and the tau memory;
     a bucket with gaps, a parameter of zeros, one mostly zeros, ties, taus not yet set."""
     from gradcomp.compressors import threshold as T
     from gradcomp.kernels import reference as ref
@@ -265,12 +265,20 @@ def test_sample_and_tau_kernels_equal_the_reference(adaptive, ema, monkeypatch):
             y = torch.round(y * 2)  # ties
         shifts = torch.tensor([segmented.shift(trial * 31 + p, lay[i][1])
                                for p, i in enumerate(tb.big)])
-        args = (y, pl.sample_base, pl.sample_of, shifts, pl.sample_n, pl.sample_off,
+        args = (pl.sample_base, pl.sample_of, shifts, pl.sample_n, pl.sample_off,
                 pl.sample_key, pl.tail)
-        want_k, want_m = ref.threshold_sample(*args)
-        got_k, got_m = tk.threshold_sample(*args)
+        want_k, want_m = ref.threshold_sample(y, None, None, *args)
+        got_k, got_m = tk.threshold_sample(y, None, None, *args)
         assert torch.equal(got_k, want_k) and torch.equal(got_m.view(torch.int32),
                                                           want_m.view(torch.int32))
+        # with error feedback: y = x + e written whole, the sample taken of it
+        e = torch.randn(n, generator=g)
+        x = y - e
+        y1, y2 = torch.full((n,), 5.0), torch.full((n,), 5.0)
+        want_k, want_m = ref.threshold_sample(x, e, y1, *args)
+        got_k, got_m = tk.threshold_sample(x, e, y2, *args)
+        assert torch.equal(y1, y2) and torch.equal(got_k, want_k)
+        assert torch.equal(got_m.view(torch.int32), want_m.view(torch.int32))
         keys, order = torch.sort(want_k)
         taus = torch.zeros(len(lay)) if trial == 0 else torch.rand(len(lay), generator=g)
         taus[1] = 0.0

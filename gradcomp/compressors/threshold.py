@@ -174,7 +174,6 @@ class Threshold(Compressor):
 
     def exchange(self, x, ctx, big, dense):
         cfg = self.config
-        y = self.add_residual(x, ctx)  # y = x + e, in the next residual's buffer
         tb = _tables(tuple((p.offset, p.numel, p.size if self.big(p.name, p.size) else -1)
                            for p in ctx.params), x.numel(), cfg,
                      x.device)
@@ -190,7 +189,9 @@ class Threshold(Compressor):
         # step 2 (see the module docstring): the sample sorted by (parameter, |y| descending);
         # zeros sort last within a parameter, so the estimate counts the non-zero ones; the
         # cap guard raises each threshold (gaps: NaN)
-        keys, mag = kernels.threshold_sample(y, pl.sample_base, pl.sample_of, shifts,
+        # y = x + e (error feedback; the next residual's buffer) in the sampler's launch
+        e, y = ctx.memory_next(RESIDUAL) if cfg.error_feedback else (None, x)
+        keys, mag = kernels.threshold_sample(x, e, y, pl.sample_base, pl.sample_of, shifts,
                                              pl.sample_n, pl.sample_off, pl.sample_key, pl.tail)
         keys, order = torch.sort(keys)
         taus = ctx.scalars(TAU) if cfg.adaptive else None  # per parameter; 0: none yet

@@ -133,8 +133,8 @@ def sparse_decode(got, k, vals_at, dtype, dense_at, out, dense):
     return implementation("sparse_decode", out)(got, k, vals_at, dtype, dense_at, out, dense)
 
 
-def threshold_sample(y, base, of, shifts, n, off, key, tail):
-    return implementation("threshold_sample", y)(y, base, of, shifts, n, off, key, tail)
+def threshold_sample(x, e, y, base, of, shifts, n, off, key, tail):
+    return implementation("threshold_sample", x)(x, e, y, base, of, shifts, n, off, key, tail)
 
 
 def threshold_tau(keys, order, mag, zero_key, est_start, est_end, taus, where, seg_thr,

@@ -482,15 +482,19 @@ def scatter_add(values: torch.Tensor, indices: torch.Tensor, out: torch.Tensor,
 # --------------------------------------------------------------------------- threshold quantization
 # The steps of compressors/threshold.py that follow the segmented sample and select, one
 # value per parameter (P), per segment (S) or per code slot (K).
-def threshold_sample(y: torch.Tensor, base: torch.Tensor, of: torch.Tensor, shifts: torch.Tensor,
-                     n: torch.Tensor, off: torch.Tensor, key: torch.Tensor, tail: torch.Tensor):
-    """Every parameter's sampled magnitudes and their sort keys: (keys (M + 2,) int64,
-    mag (M + 2,) fp32). Sample j is |y| at ``(base[j] + shifts[of[j]]) mod n[j] + off[j]`` (its
-    Weyl point shifted, modulo its parameter's size, at its offset); the two constants
+def threshold_sample(x: torch.Tensor, e: torch.Tensor | None, y: torch.Tensor | None,
+                     base: torch.Tensor, of: torch.Tensor, shifts: torch.Tensor, n: torch.Tensor,
+                     off: torch.Tensor, key: torch.Tensor, tail: torch.Tensor):
+    """Error feedback's y = x + e into ``y`` (with ``e``; else y is x), then every
+    parameter's sampled magnitudes of y and their sort keys: (keys (M + 2,) int64,
+    mag (M + 2,) fp32). Sample j is |y| at ``(base[j] + shifts[of[j]]) mod n[j] + off[j]``
+    (its Weyl point shifted, modulo its parameter's size, at its offset); the two constants
     ``tail`` (NaN, 0) close mag. keys = key - the bits of mag (``key``: (segment << 31) +
     0x7FFFFFFF per sample: ascending keys order by segment, then magnitude descending)."""
+    if e is not None:
+        x = torch.add(x, e, out=y)
     at = (base + shifts[of]).remainder_(n).add_(off)
-    mag = torch.cat([y[at].abs_(), tail])
+    mag = torch.cat([x[at].abs_(), tail])
     return key - mag.view(torch.int32).to(torch.int64), mag
 
 

@@ -12,7 +12,9 @@ from . import common as c
 # --------------------------------------------------------------------------- threshold quantization
 @triton.jit
 def _threshold_sample_kernel(
-    y_ptr,      # (n,) fp32 the bucket (error feedback's y)
+    x_ptr,      # (n,) fp32 the bucket
+    e_ptr,      # (n,) fp32 the residual (HAS_E)
+    y_ptr,      # (n,) fp32 out: y = x + e (HAS_E)
     base_ptr,   # (M,) int64 each sample's Weyl point
     of_ptr,     # (M,) int64 its parameter
     shift_ptr,  # (P,) int64 each parameter's shift
@@ -22,30 +24,44 @@ def _threshold_sample_kernel(
     tail_ptr,   # (2,) fp32 the constants closing the sample
     keys_ptr,   # (M + 2,) int64 out
     mag_ptr,    # (M + 2,) fp32 out
-    M,
-    BLOCK_: tl.constexpr,
+    N, M, NB,
+    HAS_E: tl.constexpr, BLOCK_: tl.constexpr,
 ):
-    j = tl.program_id(0).to(tl.int64) * BLOCK_ + tl.arange(0, BLOCK_)
-    mask = j < M + 2
-    ins = j < M
-    b = tl.load(base_ptr + j, mask=ins, other=0)
-    sh = tl.load(shift_ptr + tl.load(of_ptr + j, mask=ins, other=0), mask=ins, other=0)
-    at = (b + sh) % tl.load(n_ptr + j, mask=ins, other=1) + tl.load(off_ptr + j, mask=ins, other=0)
-    v = tl.abs(tl.load(y_ptr + at, mask=ins, other=0.0).to(tl.float32))
-    t = tl.load(tail_ptr + (j - M), mask=mask & ~ins, other=0.0)
-    mag = tl.where(ins, v, t)
-    key = tl.load(key_ptr + j, mask=mask, other=0) - mag.to(tl.int32, bitcast=True).to(tl.int64)
-    tl.store(keys_ptr + j, key, mask=mask)
-    tl.store(mag_ptr + j, mag, mask=mask)
+    # programs [0, NB): y over the bucket; the others: the sample, whose elements of y they
+    # add themselves (the same bits)
+    pid = tl.program_id(0)
+    if pid < NB:
+        i = pid.to(tl.int64) * BLOCK_ + tl.arange(0, BLOCK_)
+        m = i < N
+        tl.store(y_ptr + i, tl.load(x_ptr + i, mask=m, other=0.0) + tl.load(e_ptr + i, mask=m,
+                                                                              other=0.0), mask=m)
+    else:
+        j = (pid - NB).to(tl.int64) * BLOCK_ + tl.arange(0, BLOCK_)
+        mask = j < M + 2
+        ins = j < M
+        b = tl.load(base_ptr + j, mask=ins, other=0)
+        sh = tl.load(shift_ptr + tl.load(of_ptr + j, mask=ins, other=0), mask=ins, other=0)
+        at = (b + sh) % tl.load(n_ptr + j, mask=ins, other=1) + tl.load(off_ptr + j, mask=ins,
+                                                                        other=0)
+        v = tl.load(x_ptr + at, mask=ins, other=0.0).to(tl.float32)
+        if HAS_E:
+            v = v + tl.load(e_ptr + at, mask=ins, other=0.0)
+        t = tl.load(tail_ptr + (j - M), mask=mask & ~ins, other=0.0)
+        mag = tl.where(ins, tl.abs(v), t)
+        key = tl.load(key_ptr + j, mask=mask, other=0) - mag.to(tl.int32, bitcast=True).to(tl.int64)
+        tl.store(keys_ptr + j, key, mask=mask)
+        tl.store(mag_ptr + j, mag, mask=mask)
 
 
-def threshold_sample(y, base, of, shifts, n, off, key, tail):
+def threshold_sample(x, e, y, base, of, shifts, n, off, key, tail):
     """See :func:`gradcomp.kernels.reference.threshold_sample`: one launch."""
-    L = key.numel()
-    keys = c.alloc((L,), torch.int64, y.device)
-    mag = c.alloc((L,), torch.float32, y.device)
-    _threshold_sample_kernel[(triton.cdiv(L, c.BLOCK),)](
-        y, base, of, shifts, n, off, key, tail, keys, mag, L - 2, BLOCK_=c.BLOCK,
+    L, N = key.numel(), x.numel()
+    keys = c.alloc((L,), torch.int64, x.device)
+    mag = c.alloc((L,), torch.float32, x.device)
+    nb = triton.cdiv(N, c.BLOCK) if e is not None else 0
+    _threshold_sample_kernel[(nb + triton.cdiv(L, c.BLOCK),)](
+        x, e if e is not None else x, y if e is not None else x, base, of, shifts, n, off, key,
+        tail, keys, mag, N, L - 2, nb, HAS_E=e is not None, BLOCK_=c.BLOCK,
         num_warps=c.NUM_WARPS)
     return keys, mag
 
