@@ -130,6 +130,8 @@ class OneBit(Compressor):
     messages = (PART, OWNED, PART16, OWNED16)
 
     def exchange(self, x, ctx, big, dense):
+        if kernels.backend("onebit_encode", x) == "triton":
+            return self._exchange_slots(x, ctx, big, dense)
         cfg, W, r = self.config, ctx.comm.world_size, ctx.comm.rank
         chunk = cfg.chunk
         lay = _parts(tuple((p.offset, p.numel) for p in big), x.numel(), W, r, chunk, x.device)
@@ -175,6 +177,38 @@ class OneBit(Compressor):
         result = lay.gather(out, out=x)  # x is not read again: the result goes there
         put_dense(allmsg["dense"], dense, result)
         return result
+
+    def _exchange_slots(self, x, ctx, big, dense):
+        """The GPU's path: the same messages, each phase one launch that reads and writes the
+        bucket where it lies (kernels.onebit_encode, _reencode, _decode), whatever the number
+        of parameters; no copy of the bucket into the part layout and back. Both memories are
+        rewritten whole (the second one 0 but where this rank owns): the guard copies
+        neither."""
+        cfg, W, r = self.config, ctx.comm.world_size, ctx.comm.rank
+        chunk, ef = cfg.chunk, cfg.error_feedback
+        plan = _slots(tuple((p.offset, p.numel) for p in big),
+                      tuple((p.offset, p.numel) for p in dense), x.numel(), W, chunk, x.device)
+        dtype = torch.bfloat16 if cfg.scales == "bfloat16" else torch.float32
+        first, second = (PART16, OWNED16) if dtype == torch.bfloat16 else (PART, OWNED)
+        one = first.bind(part=plan.part, chunk=chunk)
+        two = second.bind(part=plan.part, chunk=chunk, n_dense=plan.n_dense)
+        at, dense_at = one.spans["scales"][0], two.spans["dense"][0]
+        msg = torch.empty(W, one.nbytes, dtype=torch.uint8, device=x.device)
+        msg2 = torch.empty(1, two.nbytes, dtype=torch.uint8, device=x.device)
+        e = e_next = e2 = e2_next = None
+        if ef:
+            e, e_next = ctx.memory_next(RESIDUAL)
+            e2, e2_next = ctx.memory_next(SERVER_RESIDUAL)
+        kernels.onebit_encode(x, e, e_next, e2_next, plan.starts, plan.reals, chunk, r, msg, at,
+                              dtype, plan.rest, _dense_field(msg2, dense_at, plan.n_dense)[0])
+        got = ctx.comm.all_to_all(msg)  # (W, bytes): every rank's message for my part
+        own = slice(r * plan.cpr, (r + 1) * plan.cpr)
+        kernels.onebit_reencode(got, e2, e2_next, plan.starts[own], plan.reals[own], chunk, msg2,
+                                at, dtype)
+        every = ctx.comm.allgather(msg2.view(-1))  # (W, bytes2)
+        kernels.onebit_decode(every, plan.starts, plan.reals, chunk, at, dtype, plan.rest,
+                              _dense_field(every, dense_at, plan.n_dense), x)
+        return x
 
     @staticmethod
     def _encode_parts(y, res, W, part, chunk, pad=None, message=PART, dtype=torch.float32):
@@ -303,3 +337,59 @@ def _parts(layout: tuple, n: int, W: int, rank: int, chunk: int, device) -> _Par
     return _Parts(part, W * part, to_slot.to(device), torch.cat(own_x).to(device),
                   torch.cat(own_col).to(device), *moves, pad=table(pad), own_pad=table(own_pad),
                   own_pad_slots=torch.cat(own_pad_slots).to(device) if own_pad_slots else None)
+
+
+def _dense_field(msg: torch.Tensor, at: int, m: int) -> torch.Tensor:
+    """The dense field of each row of msg (R, bytes): (R, m) fp32, a view."""
+    if not m:
+        return msg.new_empty(msg.shape[0], 0, dtype=torch.float32)
+    return msg[:, at : at + 4 * m].view(torch.float32)
+
+
+@dataclass(frozen=True)
+class _Slots:
+    """A bucket's slot chunks (the GPU's path, kernels/reference.py's onebit_encode): the
+    part layout of :class:`_Parts` seen chunk by chunk, each chunk a run of the bucket.
+
+    Chunk c = j * cpr + i is chunk i of part j (row j of the (W, part) layout): it holds the
+    bucket's elements starts[c] .. starts[c] + reals[c] - 1, then padding. ``rest``: the
+    elements of no compressed parameter, the dense parameters' first (in their order: the
+    message's dense field), then those of no parameter at all (written 0)."""
+
+    part: int
+    cpr: int               # chunks per part
+    starts: torch.Tensor   # (W * cpr,) int64
+    reals: torch.Tensor    # (W * cpr,) int32
+    rest: torch.Tensor     # (r,) int64
+    n_dense: int
+
+
+@functools.lru_cache(maxsize=256)
+def _slots(layout: tuple, dense: tuple, n: int, W: int, chunk: int, device) -> _Slots:
+    """The slot chunks of the compressed parameters ``layout`` and the dense ones ``dense``
+    ((offset, numel) pairs) of a bucket of n elements (the same parts as :func:`_parts`)."""
+    widths = [-(-numel // (W * chunk)) * chunk for _, numel in layout]
+    part = sum(widths)
+    cpr = part // chunk
+    starts = torch.zeros(W * cpr, dtype=torch.int64)
+    reals = torch.zeros(W * cpr, dtype=torch.int64)
+    col = 0
+    for (off, numel), width in zip(layout, widths):
+        k = torch.arange(W).unsqueeze(1)
+        first = k * width + torch.arange(width // chunk) * chunk  # (W, chunks): in the param
+        where = k * cpr + col // chunk + torch.arange(width // chunk)
+        starts[where] = off + first.clamp(max=numel)
+        reals[where] = (numel - first).clamp(0, chunk)
+        col += width
+    covered = sorted(layout + dense)
+    gaps, at = [], 0
+    for off, numel in covered:
+        if off > at:
+            gaps.append(torch.arange(at, off))
+        at = max(at, off + numel)
+    if at < n:
+        gaps.append(torch.arange(at, n))
+    rest = [torch.arange(off, off + numel) for off, numel in dense] + gaps
+    rest = torch.cat(rest) if rest else torch.zeros(0, dtype=torch.int64)
+    return _Slots(part, cpr, starts.to(device), reals.to(torch.int32).to(device),
+                  rest.to(torch.int64).to(device), sum(numel for _, numel in dense))

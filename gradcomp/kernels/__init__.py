@@ -107,6 +107,25 @@ def onebit_decompress(bits, scales, chunk, out, alpha=1.0, accumulate=True):
     return _decoder("onebit_decompress", out, accumulate)(bits, scales, chunk, out, alpha)
 
 
+def onebit_encode(x, residual, res_next, server_next, starts, reals, chunk, rank, msg, scales_at,
+                  scale_dtype, rest, dense):
+    """1-bit SGD's phase 1 from the bucket into the all-to-all's message (reference.py)."""
+    return implementation("onebit_encode", x)(x, residual, res_next, server_next, starts, reals,
+                                              chunk, rank, msg, scales_at, scale_dtype, rest, dense)
+
+
+def onebit_reencode(got, server, server_next, starts, reals, chunk, msg, scales_at, scale_dtype):
+    """1-bit SGD's phase 2: this rank's part averaged and quantized again (reference.py)."""
+    return implementation("onebit_reencode", got)(got, server, server_next, starts, reals, chunk,
+                                                  msg, scales_at, scale_dtype)
+
+
+def onebit_decode(msgs, starts, reals, chunk, scales_at, scale_dtype, rest, dense, out):
+    """1-bit SGD's phase 3: every rank's part into the bucket (reference.py)."""
+    return implementation("onebit_decode", out)(msgs, starts, reals, chunk, scales_at,
+                                                scale_dtype, rest, dense, out)
+
+
 def ternary_compress(x, residual, scale, seg, seed, starts=None):
     return implementation("ternary_compress", x)(x, residual, scale, seg, seed, starts)
 

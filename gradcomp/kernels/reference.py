@@ -162,6 +162,139 @@ def onebit_decompress(bits: torch.Tensor, scales: torch.Tensor, chunk: int, out:
     return out
 
 
+# The GPU's path of 1-bit SGD's two-phase exchange (compressors/onebit.py): three steps that
+# read and write the bucket in place of the part layout's copies, each one launch whatever
+# the number of parameters. A bucket's compressed parameters are cut into "slot chunks":
+# chunk c holds the bucket's elements starts[c] .. starts[c] + reals[c] - 1, the rest of its
+# ``chunk`` elements padding (zeros: they count as non-negative in the signs, in no mean).
+# A message row holds cpr consecutive chunks: the signs of their elements from byte 0 (bit b
+# of byte j: element 8j + b is non-negative), zero bytes up to ``scales_at``, then cpr means
+# of the non-negative elements and cpr of the negative ones, in ``scale_dtype`` (float32 or
+# bfloat16): the layout the wire declares (compressors/onebit.py's PART and OWNED).
+def onebit_slots(starts: torch.Tensor, reals: torch.Tensor, chunk: int):
+    """(positions (C, chunk) int64 in the bucket, 0 at the padding; real (C, chunk) bool)."""
+    col = torch.arange(chunk, device=starts.device)
+    real = col < reals.unsqueeze(1)
+    return torch.where(real, starts.unsqueeze(1) + col, 0), real
+
+
+def onebit_field(msg: torch.Tensor, scales_at: int, count: int, dtype) -> torch.Tensor:
+    """The scales field of each row of msg (R, nbytes) uint8: (R, count) of ``dtype``, a view."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return msg[:, scales_at : scales_at + count * size].view(dtype)
+
+
+def _onebit_quantize(y: torch.Tensor, real: torch.Tensor, dtype):
+    """y (C, chunk), 0 at the padding -> (signs (C, chunk), scales (2, C) of ``dtype``, y less
+    its dequantized value (by the rounded scale)): :func:`onebit_compress`'s arithmetic, each
+    mean over the real elements."""
+    pos = y >= 0
+    npos = (pos & real).sum(dim=1, dtype=torch.int32)
+    nneg = real.sum(dim=1, dtype=torch.int32) - npos
+    psum = row_sums(y.clamp_min(0.0))
+    nsum = row_sums(y.clamp_max(0.0))
+    scales = torch.stack([psum / npos.clamp_min(1), nsum / nneg.clamp_min(1)]).to(dtype)
+    return pos, scales, y - dequant(pos, scales[0].float(), scales[1].float())
+
+
+def _onebit_put(msg: torch.Tensor, pos: torch.Tensor, scales: torch.Tensor, scales_at: int):
+    """Rows of msg (R, nbytes) from the signs pos (R * cpr, chunk) and scales (2, R * cpr)."""
+    R = msg.shape[0]
+    nb = pos.numel() // (8 * R)
+    msg[:, :nb] = pack_bits(pos.reshape(-1)).view(R, nb)
+    msg[:, nb:scales_at] = 0
+    onebit_field(msg, scales_at, scales.numel() // R, scales.dtype).copy_(
+        scales.view(2, R, -1).transpose(0, 1).reshape(R, -1))
+
+
+def _onebit_values(msg: torch.Tensor, cpr: int, chunk: int, scales_at: int, dtype):
+    """The decoded values of msg's rows (R, nbytes): (R * cpr, chunk) fp32."""
+    R = msg.shape[0]
+    pos = unpack_bits(msg[:, : cpr * chunk // 8]).reshape(R * cpr, chunk)
+    s = onebit_field(msg, scales_at, 2 * cpr, dtype).float().view(R, 2, cpr)
+    s = s.transpose(0, 1).reshape(2, R * cpr)
+    return dequant(pos, s[0], s[1])
+
+
+def onebit_encode(x, residual, res_next, server_next, starts, reals, chunk: int, rank: int,
+                  msg, scales_at: int, scale_dtype, rest, dense):
+    """Phase 1 (the all-to-all's message) from the bucket x (n,) fp32.
+
+    y = x + residual at the real elements of every slot chunk (residual None: x), 0 at the
+    padding; per chunk its signs and two scales, each the mean of the real elements of that
+    sign (:func:`row_sums`), rounded to ``scale_dtype``; written into msg (W, nbytes) uint8,
+    row j the chunks j * cpr .. (j + 1) * cpr - 1 (cpr = C / W), as the module's comment
+    lays out. res_next (n,) = y - the dequantized value at the real elements, 0 at ``rest``
+    (the elements of no compressed parameter: int64 positions, the dense parameters'
+    first); it may be residual itself. server_next (n,) or None: 0 everywhere but at the real
+    elements of row ``rank``'s chunks (phase 2 writes those). dense (m,) fp32 = x at
+    rest[:m]. Reads 8n, writes n/8 + 4n (+ 4n (W-1)/W with server_next)."""
+    W = msg.shape[0]
+    at, real = onebit_slots(starts, reals, chunk)
+    y = x[at]
+    if residual is not None:
+        y = y + residual[at]
+    y = torch.where(real, y, 0.0)
+    pos, scales, err = _onebit_quantize(y, real, scale_dtype)
+    _onebit_put(msg, pos, scales, scales_at)
+    if res_next is not None:
+        res_next[at[real]] = err[real]
+        res_next[rest] = 0.0
+    if server_next is not None:
+        others = real.view(W, -1, chunk).clone()
+        others[rank] = False
+        server_next[at.view(W, -1, chunk)[others]] = 0.0
+        server_next[rest] = 0.0
+    dense.copy_(x[rest[: dense.numel()]])
+    return msg
+
+
+def onebit_reencode(got, server, server_next, starts, reals, chunk: int, msg, scales_at: int,
+                    scale_dtype):
+    """Phase 2: the average of this rank's part, quantized again, into its message.
+
+    got (W, nbytes): every rank's phase-1 message for this rank's part, the cpr chunks
+    ``starts``/``reals`` (the part's own, in the bucket). y = (1/W in fp32) * the sum of the
+    W decoded messages (in rank order), 0 at the padding, + server at the real elements
+    (None: nothing added); quantized as :func:`onebit_encode` into msg (1, nbytes2) (its
+    signs and scales; the bytes past the scales are not written); server_next = y - the
+    dequantized value at the real elements (it may be server itself)."""
+    W, cpr = got.shape[0], starts.numel()
+    at, real = onebit_slots(starts, reals, chunk)
+    v = _onebit_values(got, cpr, chunk, scales_at, scale_dtype).view(W, cpr, chunk)
+    total = v[0].clone()
+    for w in range(1, W):
+        total += v[w]
+    y = torch.where(real, total * (1.0 / W), 0.0)
+    if server is not None:
+        y = y + torch.where(real, server[at], 0.0)
+    pos, scales, err = _onebit_quantize(y, real, scale_dtype)
+    _onebit_put(msg, pos, scales, scales_at)
+    if server_next is not None:
+        server_next[at[real]] = err[real]
+    return msg
+
+
+def onebit_decode(msgs, starts, reals, chunk: int, scales_at: int, scale_dtype, rest, dense,
+                  out):
+    """Phase 3: every rank's phase-2 message msgs (W, nbytes2), row j the chunks j * cpr ..
+    (j + 1) * cpr - 1, into the bucket out (n,): each real element its decoded value (0 + v:
+    -0.0 comes out +0.0); out[rest[:m]] = the sum over the rows of dense (W, m) fp32 (in rank
+    order) times 1/W rounded to fp32 (:func:`reciprocal`: a GPU's ``div_(W)``), the rest of
+    ``rest`` 0. Reads n/8 + 4Wm, writes 4n."""
+    W = msgs.shape[0]
+    at, real = onebit_slots(starts, reals, chunk)
+    v = _onebit_values(msgs, starts.numel() // W, chunk, scales_at, scale_dtype) + 0.0
+    out[at[real]] = v[real]
+    m = dense.shape[1]
+    total = dense[0].clone()
+    for w in range(1, W):
+        total += dense[w]
+    out[rest[:m]] = total * reciprocal(W)
+    out[rest[m:]] = 0.0
+    return out
+
+
 # --------------------------------------------------------------------------- TernGrad
 # Philox4x32-10 (Salmon et al., "Parallel Random Numbers: As Easy as 1, 2, 3", SC 2011), as
 # Triton's tl.rand draws it (triton/language/random.py): the reference and the kernel draw

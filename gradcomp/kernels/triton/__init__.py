@@ -71,7 +71,9 @@ from __future__ import annotations
 
 from . import common, guard, onebit, powersgd, sparse, terngrad, threshold, topk  # noqa: F401
 from .guard import finite_copy, flag_fill  # noqa: F401
-from .onebit import onebit_compress, onebit_decompress  # noqa: F401
+from .onebit import (  # noqa: F401
+    onebit_compress, onebit_decode, onebit_decompress, onebit_encode, onebit_reencode,
+)
 from .powersgd import (  # noqa: F401
     powersgd_back, powersgd_expand, powersgd_orthonormalize, powersgd_project,
 )
