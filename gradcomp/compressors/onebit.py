@@ -17,6 +17,14 @@ with it the second error memory, never depends on the bucket layout):
   3. Every rank decodes all W parts: the average.
 About n/4 bytes (+ scales) per rank per step against 8n(W-1)/W for a ring fp32 allreduce:
 a 16x..32x saving at any W.
+
+On the GPU each phase is one launch whatever the number of parameters (kernels.onebit_encode,
+onebit_reencode, onebit_decode: three per bucket, the inf/NaN guard's besides): the kernels
+read and write the bucket where it lies, chunk by chunk through a table of where each chunk
+of the part layout starts in the bucket (``_slots``), and count a partly filled chunk's real
+elements themselves. The CPU path copies the bucket into the part layout and back
+(``_Parts``: runs, or indices) around the chunked kernels, and corrects the padded chunks'
+scales after them (:func:`unpad`).
 """
 from __future__ import annotations
 

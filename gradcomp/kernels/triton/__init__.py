@@ -19,6 +19,10 @@ Passes over memory (n elements, fp32 x):
     is served from L2.
   * onebit_decompress / ternary_decompress: one kernel that decodes all W messages and adds
     them into ``out``: out is read and written once, each message read once.
+  * onebit_encode / onebit_reencode / onebit_decode (1-bit SGD's exchange on the GPU, one
+    kernel per phase for a whole bucket): the bucket and its memories read and written where
+    they lie, chunk by chunk through the slot chunks' table, the message's fields written in
+    place; the dense parameters' copy and average ride in the first and last kernels.
   * ternary_compress: one kernel (2-bit codes, four per byte, residual in place).
   * ternary_stats / ternary_encode / ternary_decode (TernGrad's bucket path): the statistics,
     one program per segment reading it once from where it lies; the codes, five a byte in

@@ -298,6 +298,69 @@ def _zero_pad(msg_ptr, i, cpr, cbytes, scales_at, rmask):
 
 
 @triton.jit
+def _y(src_ptr, res_ptr, gscales_ptr, W, grow, gsrow, alpha, i, cpr, cbytes, byte, bit, rmask,
+       at, real, DECODE: tl.constexpr, HAS_RES: tl.constexpr, HALF: tl.constexpr):
+    """A tile's y: phase 1's from the bucket src_ptr (x), phase 2's from the W messages at
+    src_ptr (DECODE); res_ptr the memory added."""
+    if DECODE:
+        y = _y_messages(src_ptr, gscales_ptr, W, grow, gsrow, alpha, res_ptr, i, cpr, cbytes,
+                        byte, bit, rmask, at, real, HAS_RES, HALF)
+    else:
+        y = _y_bucket(src_ptr, res_ptr, at, real, HAS_RES)
+    return y
+
+
+@triton.jit
+def _quantize(src_ptr, res_ptr, out_ptr, zero_ptr, gscales_ptr, W, grow, gsrow, alpha, bits_ptr,
+              scales_ptr, i, cpr, cbytes, rmask, start, nreal, others, DECODE: tl.constexpr,
+              HAS_RES: tl.constexpr, HAS_ZERO: tl.constexpr, HALF: tl.constexpr,
+              LONG: tl.constexpr, ROWS: tl.constexpr, BYTES: tl.constexpr):
+    """Chunks i (ROWS,) of a row (signs at bits_ptr, scales at scales_ptr), their elements at
+    start (ROWS, 1, 1) in the bucket, nreal of them real: y (:func:`_y`), its signs and two
+    means into the row, y - its dequantized value into out_ptr (HAS_RES), 0 into zero_ptr
+    where ``others`` (HAS_ZERO). LONG: one chunk in tiles, a summing sweep then a writing one
+    that computes y again."""
+    byte0 = tl.arange(0, BYTES)[None, :]
+    bit = tl.arange(0, 8)
+    if LONG:
+        psum = tl.zeros((ROWS,), tl.float32)
+        nsum = tl.zeros((ROWS,), tl.float32)
+        npos = tl.zeros((ROWS,), tl.int32)
+        nneg = tl.zeros((ROWS,), tl.int32)
+        for s in range(0, cbytes, BYTES):
+            col = (s + byte0)[:, :, None] * 8 + bit[None, None, :]
+            real = col < nreal
+            y = _y(src_ptr, res_ptr, gscales_ptr, W, grow, gsrow, alpha, i, cpr, cbytes, s + byte0,
+                   bit, rmask, start + col, real, DECODE, HAS_RES, HALF)
+            a, b, p, q = _sums(y, real)
+            psum += a
+            nsum += b
+            npos += p
+            nneg += q
+        hi, lo = _put_scales(scales_ptr, i, cpr, rmask, psum, nsum, npos, nneg, HALF)
+        for s in range(0, cbytes, BYTES):
+            col = (s + byte0)[:, :, None] * 8 + bit[None, None, :]
+            real = col < nreal
+            y = _y(src_ptr, res_ptr, gscales_ptr, W, grow, gsrow, alpha, i, cpr, cbytes, s + byte0,
+                   bit, rmask, start + col, real, DECODE, HAS_RES, HALF)
+            _put_tile(y, bits_ptr, i, cbytes, s + byte0, bit, rmask, hi, lo, out_ptr, start + col,
+                      real, HAS_RES)
+            if HAS_ZERO:
+                tl.store(zero_ptr + start + col, tl.zeros(y.shape, tl.float32), mask=real & others)
+    else:
+        col = byte0[:, :, None] * 8 + bit[None, None, :]
+        real = col < nreal
+        y = _y(src_ptr, res_ptr, gscales_ptr, W, grow, gsrow, alpha, i, cpr, cbytes, byte0, bit,
+               rmask, start + col, real, DECODE, HAS_RES, HALF)
+        psum, nsum, npos, nneg = _sums(y, real)
+        hi, lo = _put_scales(scales_ptr, i, cpr, rmask, psum, nsum, npos, nneg, HALF)
+        _put_tile(y, bits_ptr, i, cbytes, byte0, bit, rmask, hi, lo, out_ptr, start + col, real,
+                  HAS_RES)
+        if HAS_ZERO:
+            tl.store(zero_ptr + start + col, tl.zeros(y.shape, tl.float32), mask=real & others)
+
+
+@triton.jit
 def _onebit_encode_kernel(
     x_ptr,       # (n,) the bucket, fp32                                   reads 4n
     res_ptr,     # (n,) fp32 residual (if HAS_RES)                         reads 4n
@@ -322,47 +385,10 @@ def _onebit_encode_kernel(
         j = c // cpr  # the message row
         i = c - j * cpr  # the chunk within it
         mp = msg_ptr + j[:, None] * row  # (ROWS, 1): each chunk's row
-        sp_ = scales_ptr + j * srow
-        byte0 = tl.arange(0, BYTES)[None, :]
-        bit = tl.arange(0, 8)
-        others = (j != rank)[:, None, None]
         _zero_pad(mp, i, cpr, cbytes, scales_at, rmask)
-        if LONG:
-            psum = tl.zeros((ROWS,), tl.float32)
-            nsum = tl.zeros((ROWS,), tl.float32)
-            npos = tl.zeros((ROWS,), tl.int32)
-            nneg = tl.zeros((ROWS,), tl.int32)
-            for s in range(0, cbytes, BYTES):
-                col = (s + byte0)[:, :, None] * 8 + bit[None, None, :]
-                real = col < nreal
-                y = _y_bucket(x_ptr, res_ptr, start + col, real, HAS_RES)
-                a, b, p, q = _sums(y, real)
-                psum += a
-                nsum += b
-                npos += p
-                nneg += q
-            hi, lo = _put_scales(sp_, i, cpr, rmask, psum, nsum, npos, nneg, HALF)
-            for s in range(0, cbytes, BYTES):
-                byte = s + byte0
-                col = byte[:, :, None] * 8 + bit[None, None, :]
-                real = col < nreal
-                y = _y_bucket(x_ptr, res_ptr, start + col, real, HAS_RES)
-                _put_tile(y, mp, i, cbytes, byte, bit, rmask, hi, lo, rnext_ptr, start + col,
-                          real, HAS_RES)
-                if HAS_SERVER:
-                    tl.store(snext_ptr + start + col, tl.zeros(y.shape, tl.float32),
-                             mask=real & others)
-        else:
-            col = byte0[:, :, None] * 8 + bit[None, None, :]
-            real = col < nreal
-            y = _y_bucket(x_ptr, res_ptr, start + col, real, HAS_RES)
-            psum, nsum, npos, nneg = _sums(y, real)
-            hi, lo = _put_scales(sp_, i, cpr, rmask, psum, nsum, npos, nneg, HALF)
-            _put_tile(y, mp, i, cbytes, byte0, bit, rmask, hi, lo, rnext_ptr, start + col, real,
-                      HAS_RES)
-            if HAS_SERVER:
-                tl.store(snext_ptr + start + col, tl.zeros(y.shape, tl.float32),
-                         mask=real & others)
+        _quantize(x_ptr, res_ptr, rnext_ptr, snext_ptr, scales_ptr, 1, 0, 0, 1.0, mp,
+                  scales_ptr + j * srow, i, cpr, cbytes, rmask, start, nreal,
+                  (j != rank)[:, None, None], False, HAS_RES, HAS_SERVER, HALF, LONG, ROWS, BYTES)
     else:
         k = (pid - nprog).to(tl.int64) * RBLOCK + tl.arange(0, RBLOCK)
         kmask = k < nrest
@@ -393,43 +419,10 @@ def _onebit_reencode_kernel(
     rmask = i < cpr
     start = tl.load(starts_ptr + i, mask=rmask, other=0)[:, None, None]
     nreal = tl.load(reals_ptr + i, mask=rmask, other=0)[:, None, None]
-    byte0 = tl.arange(0, BYTES)[None, :]
-    bit = tl.arange(0, 8)
     _zero_pad(msg_ptr, i, cpr, cbytes, scales_at, rmask)
-    if LONG:
-        psum = tl.zeros((ROWS,), tl.float32)
-        nsum = tl.zeros((ROWS,), tl.float32)
-        npos = tl.zeros((ROWS,), tl.int32)
-        nneg = tl.zeros((ROWS,), tl.int32)
-        for s in range(0, cbytes, BYTES):
-            byte = s + byte0
-            col = byte[:, :, None] * 8 + bit[None, None, :]
-            real = col < nreal
-            y = _y_messages(got_ptr, gscales_ptr, W, grow, gsrow, alpha, srv_ptr, i, cpr, cbytes,
-                            byte, bit, rmask, start + col, real, HAS_RES, HALF)
-            a, b, p, q = _sums(y, real)
-            psum += a
-            nsum += b
-            npos += p
-            nneg += q
-        hi, lo = _put_scales(scales_ptr, i, cpr, rmask, psum, nsum, npos, nneg, HALF)
-        for s in range(0, cbytes, BYTES):
-            byte = s + byte0
-            col = byte[:, :, None] * 8 + bit[None, None, :]
-            real = col < nreal
-            y = _y_messages(got_ptr, gscales_ptr, W, grow, gsrow, alpha, srv_ptr, i, cpr, cbytes,
-                            byte, bit, rmask, start + col, real, HAS_RES, HALF)
-            _put_tile(y, msg_ptr, i, cbytes, byte, bit, rmask, hi, lo, snext_ptr, start + col,
-                      real, HAS_RES)
-    else:
-        col = byte0[:, :, None] * 8 + bit[None, None, :]
-        real = col < nreal
-        y = _y_messages(got_ptr, gscales_ptr, W, grow, gsrow, alpha, srv_ptr, i, cpr, cbytes,
-                        byte0, bit, rmask, start + col, real, HAS_RES, HALF)
-        psum, nsum, npos, nneg = _sums(y, real)
-        hi, lo = _put_scales(scales_ptr, i, cpr, rmask, psum, nsum, npos, nneg, HALF)
-        _put_tile(y, msg_ptr, i, cbytes, byte0, bit, rmask, hi, lo, snext_ptr, start + col, real,
-                  HAS_RES)
+    _quantize(got_ptr, srv_ptr, snext_ptr, snext_ptr, gscales_ptr, W, grow, gsrow, alpha, msg_ptr,
+              scales_ptr, i, cpr, cbytes, rmask, start, nreal, rmask[:, None, None], True,
+              HAS_RES, False, HALF, LONG, ROWS, BYTES)
 
 
 @triton.jit
