@@ -73,37 +73,62 @@ class Guarded:
             assert (buf[: self.MARGIN] == fill).all() and (buf[self.MARGIN + n :] == fill).all()
 
 
-def _exchange(mod, W, chunk, dtype, ef, seed=0):
-    """The three steps of every rank of a W-rank exchange through ``mod`` (ref or tk), the
-    collectives done by hand: (each rank's (message, phase-2 message, residual next, second
-    memory next), the bucket decoded). Outputs start as sentinels, inside guard bands."""
-    plan = _plan(W, chunk)
-    one, two = _layouts(plan, chunk, dtype)
-    at, dense_at = one.spans["scales"][0], two.spans["dense"][0]
-    ranks = []
-    new = Guarded()
-    for r in range(W):
-        x = _rand(N, seed + r)
-        e = _rand(N, seed + 10 + r) if ef else None
-        e_next = new((N,), SENTINEL) if ef else None
-        e2_next = new((N,), SENTINEL) if ef else None
-        msg = new((W, one.nbytes), 0xA5, torch.uint8)
-        msg2 = new((1, two.nbytes), 0xA5, torch.uint8)
-        mod.onebit_encode(x, e, e_next, e2_next, plan.starts, plan.reals, chunk, r, msg, at, dtype,
-                          plan.rest, onebit._dense_field(msg2, dense_at, plan.n_dense)[0])
-        ranks.append([msg, msg2, e_next, e2_next])
-    for r in range(W):
-        got = torch.stack([ranks[s][0][r] for s in range(W)])
-        own = slice(r * plan.cpr, (r + 1) * plan.cpr)
-        e2 = _rand(N, seed + 20 + r) if ef else None
-        mod.onebit_reencode(got, e2, ranks[r][3], plan.starts[own], plan.reals[own], chunk,
-                            ranks[r][1], at, dtype)
-    every = torch.cat([m[1] for m in ranks])
-    out = new((N,), SENTINEL)
-    mod.onebit_decode(every, plan.starts, plan.reals, chunk, at, dtype, plan.rest,
-                      onebit._dense_field(every, dense_at, plan.n_dense), out)
-    new.check()
-    return ranks, out, plan, at
+class _Run:
+    """One W-rank exchange's inputs, and its steps run through ``mod`` (ref or tk) with the
+    collectives done by hand. Each step can be handed another run's messages (``got``,
+    ``every``): the kernels' steps take the reference's, so that each is compared on the
+    same input (a mean summed in another order may round to another bf16 value, and the next
+    phase would see another message). Outputs start as sentinels, inside guard bands."""
+
+    def __init__(self, W, chunk, dtype, ef, seed=0):
+        self.W, self.chunk, self.dtype, self.ef = W, chunk, dtype, ef
+        self.plan = plan = _plan(W, chunk)
+        one, two = _layouts(plan, chunk, dtype)
+        self.one, self.two = one, two
+        self.at, self.dense_at = one.spans["scales"][0], two.spans["dense"][0]
+        self.x = [_rand(N, seed + r) for r in range(W)]
+        self.e = [_rand(N, seed + 10 + r) if ef else None for r in range(W)]
+        self.e2 = [_rand(N, seed + 20 + r) if ef else None for r in range(W)]
+
+    def own(self, r):
+        return slice(r * self.plan.cpr, (r + 1) * self.plan.cpr)
+
+    def encode(self, mod, new):
+        p = self.plan
+        self.msg, self.msg2, self.e_next, self.e2_next = [], [], [], []
+        for r in range(self.W):
+            self.e_next.append(new((N,), SENTINEL) if self.ef else None)
+            self.e2_next.append(new((N,), SENTINEL) if self.ef else None)
+            self.msg.append(new((self.W, self.one.nbytes), 0xA5, torch.uint8))
+            self.msg2.append(new((1, self.two.nbytes), 0xA5, torch.uint8))
+            mod.onebit_encode(self.x[r], self.e[r], self.e_next[r], self.e2_next[r], p.starts,
+                              p.reals, self.chunk, r, self.msg[r], self.at, self.dtype, p.rest,
+                              onebit._dense_field(self.msg2[r], self.dense_at, p.n_dense)[0])
+
+    def reencode(self, mod, got):
+        p = self.plan
+        for r in range(self.W):
+            mine = torch.stack([got[s][r] for s in range(self.W)])
+            mod.onebit_reencode(mine, self.e2[r], self.e2_next[r], p.starts[self.own(r)],
+                                p.reals[self.own(r)], self.chunk, self.msg2[r], self.at,
+                                self.dtype)
+
+    def decode(self, mod, every, new):
+        p = self.plan
+        self.out = new((N,), SENTINEL)
+        mod.onebit_decode(every, p.starts, p.reals, self.chunk, self.at, self.dtype, p.rest,
+                          onebit._dense_field(every, self.dense_at, p.n_dense), self.out)
+
+    def sent(self, msg, rows=None):
+        """What msg's rows decode to, at the bucket's positions of their chunks (0 elsewhere):
+        the rows are chunks ``rows`` (a slice; all by default)."""
+        p = self.plan
+        rows = rows or slice(None)
+        at, real = ref.onebit_slots(p.starts[rows], p.reals[rows], self.chunk)
+        v = ref._onebit_values(msg, at.shape[0] // msg.shape[0], self.chunk, self.at, self.dtype)
+        out = torch.zeros(N, device=DEV)
+        out[at[real]] = v[real]
+        return out
 
 
 def _check_scales(a, b, at, cpr, dtype):
@@ -121,40 +146,63 @@ def _check_scales(a, b, at, cpr, dtype):
                                          (64, torch.float32), (136, torch.bfloat16)])
 @pytest.mark.parametrize("ef", [True, False])
 def test_the_exchange_steps_match_their_reference(monkeypatch, block, W, chunk, dtype, ef):
+    """Signs exact (y is the same sum in both), scales up to the sums' order, each memory
+    keeping exactly what was not sent (memory + sent = the reference's), every element of
+    both memories and of the bucket written, nothing outside them, the decode exact."""
     if block is not None:
         monkeypatch.setattr(tk.common, "BLOCK", block)
-    want, want_out, plan, at = _exchange(ref, W, chunk, dtype, ef)
-    got, got_out, _, _ = _exchange(tk, W, chunk, dtype, ef)
-    nb = plan.cpr * chunk // 8
-    for (m, m2, e, e2), (gm, gm2, ge, ge2) in zip(want, got):
-        assert torch.equal(gm[:, :at], m[:, :at])  # the signs of y = x + e: exact in both
-        assert not gm[:, nb:at].any()  # the zero bytes before the scales
-        _check_scales(m, gm, at, plan.cpr, dtype)
-        assert torch.equal(gm2[:, :at], m2[:, :at])
-        _check_scales(m2, gm2, at, plan.cpr, dtype)
-        assert torch.equal(gm2[:, at + 4 * plan.cpr * (2 if dtype == torch.float32 else 1):],
-                           m2[:, at + 4 * plan.cpr * (2 if dtype == torch.float32 else 1):])
-        if ef:  # both memories written whole: no sentinel left
-            assert (ge != SENTINEL).all() and (ge2 != SENTINEL).all()
-            torch.testing.assert_close(ge, e, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(ge2, e2, rtol=1e-5, atol=1e-5)
-            assert not ge[plan.rest].any() and not ge2[plan.rest].any()
-    assert (got_out != SENTINEL).all()
-    torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-6)
-    d = plan.rest[: plan.n_dense]  # the dense average: the same sums, in rank order
-    assert torch.equal(got_out[d], want_out[d])
-    assert not got_out[plan.rest[plan.n_dense:]].any()  # the gaps
+    want, got = _Run(W, chunk, dtype, ef), _Run(W, chunk, dtype, ef)
+    new = Guarded()
+    p, at, cpr = want.plan, want.at, want.plan.cpr
+    nb = cpr * chunk // 8
+    end = at + 4 * cpr * (2 if dtype == torch.float32 else 1)  # the scales' end
+    want.encode(ref, new)
+    got.encode(tk, new)
+    for r in range(W):
+        assert torch.equal(got.msg[r][:, :at], want.msg[r][:, :at])
+        assert not got.msg[r][:, nb:at].any()  # the zero bytes before the scales
+        _check_scales(want.msg[r], got.msg[r], at, cpr, dtype)
+        assert torch.equal(got.msg2[r][:, end:], want.msg2[r][:, end:])  # the dense values
+        if ef:
+            keep = got.e_next[r] + got.sent(got.msg[r])
+            torch.testing.assert_close(keep, want.e_next[r] + want.sent(want.msg[r]),
+                                       rtol=0, atol=1e-6)
+            assert not got.e_next[r][p.rest].any()
+            mine = torch.zeros(N, dtype=torch.bool, device=DEV)  # phase 2 writes those
+            at_, real = ref.onebit_slots(p.starts[got.own(r)], p.reals[got.own(r)], chunk)
+            mine[at_[real]] = True
+            assert (got.e2_next[r][mine] == SENTINEL).all() and not got.e2_next[r][~mine].any()
+    want.reencode(ref, want.msg)
+    got.reencode(tk, want.msg)
+    for r in range(W):
+        assert torch.equal(got.msg2[r][:, :at], want.msg2[r][:, :at])
+        _check_scales(want.msg2[r], got.msg2[r], at, cpr, dtype)
+        if ef:
+            assert (got.e2_next[r] != SENTINEL).all()
+            own = got.own(r)
+            keep = got.e2_next[r] + got.sent(got.msg2[r], own)
+            torch.testing.assert_close(keep, want.e2_next[r] + want.sent(want.msg2[r], own),
+                                       rtol=0, atol=1e-6)
+    every = torch.cat(want.msg2)
+    want.decode(ref, every, new)
+    got.decode(tk, every, new)
+    new.check()
+    assert torch.equal(got.out, want.out)
+    assert not got.out[p.rest[p.n_dense:]].any()  # the gaps
 
 
 def test_the_steps_equal_the_definition():
     """The reference, against the exchange's definition: phase 1 quantizes each chunk's real
-    elements (the padding in no mean), the decode gives back every real element its chunk's
-    mean of its sign, and error feedback keeps the difference."""
+    elements (the padding in no mean), and the decode gives every real element its chunk's
+    mean of its sign, the dense ones their average; error feedback keeps the difference."""
     W, chunk = 2, 8
-    ranks, out, plan, at = _exchange(ref, W, chunk, torch.float32, ef=True)
-    x, e = _rand(N, 0), _rand(N, 10)
-    y = (x + e).double()
-    msg, _, e_next, _ = ranks[0]
+    run = _Run(W, chunk, torch.float32, ef=True)
+    new = Guarded()
+    run.encode(ref, new)
+    run.reencode(ref, run.msg)
+    run.decode(ref, torch.cat(run.msg2), new)
+    plan, at, msg, e_next = run.plan, run.at, run.msg[0], run.e_next[0]
+    y = (run.x[0] + run.e[0]).double()
     bits = ref.unpack_bits(msg[:, : plan.cpr * chunk // 8]).reshape(-1, chunk)
     scales = ref.onebit_field(msg, at, 2 * plan.cpr, torch.float32).view(W, 2, -1)
     scales = scales.transpose(0, 1).reshape(2, -1)
@@ -167,8 +215,20 @@ def test_the_steps_equal_the_definition():
             torch.testing.assert_close(scales[which, c].double(), want, rtol=1e-6, atol=1e-7)
         deq = torch.where(v >= 0, scales[0, c], scales[1, c]).double()
         torch.testing.assert_close(e_next[s : s + k].double(), v - deq, rtol=0, atol=1e-6)
-    dense = torch.cat([torch.arange(o, o + k) for o, k in DENSE])
-    torch.testing.assert_close(out[dense], (_rand(N, 0) + _rand(N, 1))[dense] / 2)
+    # error feedback over both phases: W * the average + what both memories keep = the
+    # ranks' inputs and their memories (the second one at the part each rank owns)
+    lhs, rhs = W * run.out.double(), torch.zeros(N, dtype=torch.float64, device=DEV)
+    for r in range(W):
+        own = torch.zeros(N, dtype=torch.bool, device=DEV)
+        a, real = ref.onebit_slots(plan.starts[run.own(r)], plan.reals[run.own(r)], chunk)
+        own[a[real]] = True
+        lhs += run.e_next[r] + W * run.e2_next[r]
+        rhs += run.x[r] + run.e[r] + W * torch.where(own, run.e2[r], 0.0)
+    big = torch.ones(N, dtype=torch.bool, device=DEV)
+    big[plan.rest] = False
+    torch.testing.assert_close(lhs[big], rhs[big], rtol=0, atol=1e-5)
+    dense = torch.cat([torch.arange(o, o + k) for o, k in DENSE]).to(DEV)
+    torch.testing.assert_close(run.out[dense], (run.x[0] + run.x[1])[dense] / 2)
 
 
 @pytest.mark.parametrize("W,rank", [(1, 0), (2, 1), (3, 0), (5, 3)])
