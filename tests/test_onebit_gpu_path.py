@@ -294,6 +294,32 @@ def test_the_gpu_path_gives_the_cpu_paths_exchange(spec, min_numel):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="drives CPU tensors down the GPU's path")
+@pytest.mark.parametrize("pieces", [[(0, 100), (3, 3)], [(0, 100)], [(0, 100), (40, 100)]])
+def test_the_gpu_path_takes_an_empty_shard(pieces):
+    """A rank's empty piece of a sharded parameter (FSDP), alone or beside others: no chunk of
+    it, the CPU path's result and memories."""
+    params, off = [], 0
+    for i, (numel, whole) in enumerate(pieces):
+        params.append(ParamSlice(f"p{i}", (whole,), off, numel, whole=whole))
+        off += numel
+    res = {}
+    for kernels in ("triton", "cpu"):
+        os.environ["GRADCOMP_KERNELS"] = kernels
+        try:
+            name, cfg = gradcomp.build_config("onebit:chunk=8", warmup="none", min_numel=10)
+            state = gradcomp.State(name, cfg)
+            g = torch.Generator().manual_seed(0)
+            outs = [state.reduce(torch.randn(off, generator=g), params) for _ in range(2)]
+            res[kernels] = outs, state.state_dict()["memory"]["flat"]
+            state.close()
+        finally:
+            os.environ["GRADCOMP_KERNELS"] = "cpu"
+    for a, b in zip(res["triton"][0], res["cpu"][0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(res["triton"][1], res["cpu"][1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="drives CPU tensors down the GPU's path")
 @pytest.mark.parametrize("n", [300, 257, 129])
 def test_the_gpu_paths_partly_filled_chunks_count_their_real_elements(n, monkeypatch):
     from test_methods import test_onebit_scales_of_a_partly_filled_chunk_count_its_real_elements

@@ -480,8 +480,11 @@ def _scales_field(msg: torch.Tensor, scales_at: int, count: int, dtype) -> torch
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"scale_dtype must be float32 or bfloat16, got {dtype}")
     size = 4 if dtype == torch.float32 else 2
-    if msg.dim() != 2 or msg.dtype != torch.uint8 or msg.stride(1) != 1 or msg.stride(0) % size \
-            or scales_at % size or msg.shape[1] < scales_at + count * size:
+    if msg.dim() == 2 and msg.dtype == torch.uint8 and count == 0:  # no chunks: not read
+        return msg.new_empty(msg.shape[0], 0, dtype=torch.float32 if size == 4 else torch.int16)
+    if msg.dim() != 2 or msg.dtype != torch.uint8 or msg.stride(1) != 1 \
+            or (msg.shape[0] > 1 and msg.stride(0) % size) or scales_at % size \
+            or msg.shape[1] < scales_at + count * size:
         raise ValueError(f"a message must be (rows, bytes) uint8 with contiguous rows of "
                          f"{scales_at + count * size} bytes or more, its scales at {scales_at} "
                          f"aligned for {dtype}; got {tuple(msg.shape)} {msg.dtype} with strides "
@@ -530,6 +533,8 @@ def onebit_encode(x, residual, res_next, server_next, starts, reals, chunk: int,
     LONG, ROWS, BYTES = _tiles(chunk)
     nprog = triton.cdiv(C, ROWS)
     grid = (nprog + triton.cdiv(rest.numel(), c.BLOCK),)
+    if grid[0] == 0:
+        return msg
     _onebit_encode_kernel[grid](
         x, x if residual is None else residual, x if res_next is None else res_next,
         x if server_next is None else server_next, starts, reals, msg, scales,
@@ -592,6 +597,8 @@ def onebit_decode(msgs, starts, reals, chunk: int, scales_at: int, scale_dtype, 
     LONG, ROWS, BYTES = _tiles(chunk)
     nprog = triton.cdiv(C, ROWS)
     m = dense.shape[1]
+    if nprog + rest.numel() == 0:
+        return out
     _onebit_decode_kernel[(nprog + triton.cdiv(rest.numel(), c.BLOCK),)](
         msgs, scales, starts, reals, out, rest if rest.numel() else starts,
         dense if m else out, C, cpr, chunk // 8, msgs.stride(0), scales.stride(0), rest.numel(),
