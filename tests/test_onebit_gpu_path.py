@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
 
 import gradcomp  # noqa: E402
 from conftest import SHAPES, layout  # noqa: E402
@@ -229,6 +230,31 @@ def test_the_steps_equal_the_definition():
     torch.testing.assert_close(lhs[big], rhs[big], rtol=0, atol=1e-5)
     dense = torch.cat([torch.arange(o, o + k) for o, k in DENSE]).to(DEV)
     torch.testing.assert_close(run.out[dense], (run.x[0] + run.x[1])[dense] / 2)
+
+
+@triton.jit
+def _round_kernel(x_ptr, h_ptr, f_ptr, n, B: tl.constexpr):
+    o = tl.program_id(0) * B + tl.arange(0, B)
+    m = o < n
+    h, f = tk.onebit._bf16_bits(tl.load(x_ptr + o, mask=m, other=0.0))
+    tl.store(h_ptr + o, h.to(tl.int16), mask=m)
+    tl.store(f_ptr + o, f, mask=m)
+
+
+def test_the_kernels_bf16_rounding_is_torchs():
+    """The scales' rounding to bfloat16 (integer arithmetic, the same in the interpreter):
+    nearest, ties to even, as torch's cast, over 60 decades, exact ties, signed zeros,
+    subnormals and the largest floats."""
+    g = torch.Generator().manual_seed(0)
+    mag = 10.0 ** torch.randint(-30, 30, (20000,), generator=g).float()
+    ties = torch.randn(1000, generator=g).to(torch.bfloat16).float().view(torch.int32) | 0x8000
+    x = torch.cat([torch.randn(20000, generator=g) * mag, ties.view(torch.float32),
+                   torch.tensor([0.0, -0.0, 3.0e38, -3.0e38, 1e-40, -1e-40])]).to(DEV)
+    h = torch.empty(x.numel(), dtype=torch.int16, device=DEV)
+    f = torch.empty_like(x)
+    _round_kernel[(triton.cdiv(x.numel(), 1024),)](x, h, f, x.numel(), B=1024)
+    want = x.to(torch.bfloat16)
+    assert torch.equal(h, want.view(torch.int16)) and torch.equal(f, want.float())
 
 
 @pytest.mark.parametrize("W,rank", [(1, 0), (2, 1), (3, 0), (5, 3)])
