@@ -1,5 +1,7 @@
 """1-bit SGD's Triton kernels (compressors/onebit.py): onebit_compress and
-onebit_decompress, as kernels/reference.py specifies them (see kernels/triton/__init__.py)."""
+onebit_decompress over a flat buffer of whole chunks; onebit_encode, onebit_reencode and
+onebit_decode, the GPU path's exchange, one launch per phase for a whole bucket; as
+kernels/reference.py specifies them (see kernels/triton/__init__.py)."""
 from __future__ import annotations
 
 import torch
