@@ -363,6 +363,30 @@ def test_the_gpu_paths_failed_exchange_leaves_the_memory_as_it_was(monkeypatch):
     check("onebit", "triton", monkeypatch)
 
 
+@pytest.mark.skipif(not INTERPRET, reason="drives CPU tensors down the GPU's path")
+@pytest.mark.parametrize("bad", [float("nan"), -float("inf")])
+def test_the_gpu_paths_non_finite_step_leaves_the_memory_alone(bad, monkeypatch):
+    from test_precision import test_a_non_finite_step_propagates_and_leaves_memory_alone as check
+    monkeypatch.setenv("GRADCOMP_KERNELS", "triton")
+    check("onebit:chunk=64", bad)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="drives CPU tensors down the GPU's path")
+def test_the_gpu_path_copies_neither_memory_and_takes_next_as_current(monkeypatch):
+    """Both memories rewritten whole: the guard's snapshot copies neither, and a context whose
+    next buffer is the current one (no double buffering) gives the same results (each kernel
+    reads an element of a memory before it writes it)."""
+    from gradcomp.memory import ParamMemory
+    from test_precision import test_the_guard_copies_no_slot_an_exchange_rewrites_whole as check
+    monkeypatch.setenv("GRADCOMP_KERNELS", "triton")
+    copied = []
+    real = ParamMemory._cover
+    monkeypatch.setattr(ParamMemory, "_cover",
+                        lambda self, snap, s: (copied.append(s), real(self, snap, s))[1])
+    check("onebit:chunk=64", monkeypatch)
+    assert "server_residual" not in copied
+
+
 def _two_ranks(rank, world, spec):
     name, cfg = gradcomp.build_config(spec, warmup="none")
     state = gradcomp.State(name, cfg, group=dist.group.WORLD)
