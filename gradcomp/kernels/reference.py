@@ -255,8 +255,8 @@ def onebit_reencode(got, server, server_next, starts, reals, chunk: int, msg, sc
 
     got (W, nbytes): every rank's phase-1 message for this rank's part, the cpr chunks
     ``starts``/``reals`` (the part's own, in the bucket). y = (1/W in fp32) * the sum of the
-    W decoded messages (in rank order), 0 at the padding, + server at the real elements
-    (None: nothing added); quantized as :func:`onebit_encode` into msg (1, nbytes2) (its
+    W decoded messages (in rank order; -0.0 as +0.0), 0 at the padding, + server at the real
+    elements (None: nothing added); quantized as :func:`onebit_encode` into msg (1, nbytes2) (its
     signs and scales; the bytes past the scales are not written); server_next = y - the
     dequantized value at the real elements (it may be server itself)."""
     W, cpr = got.shape[0], starts.numel()
@@ -265,7 +265,7 @@ def onebit_reencode(got, server, server_next, starts, reals, chunk: int, msg, sc
     total = v[0].clone()
     for w in range(1, W):
         total += v[w]
-    y = torch.where(real, total * (1.0 / W), 0.0)
+    y = torch.where(real, total * (1.0 / W) + 0.0, 0.0)
     if server is not None:
         y = y + torch.where(real, server[at], 0.0)
     pos, scales, err = _onebit_quantize(y, real, scale_dtype)

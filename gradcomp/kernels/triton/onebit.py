@@ -243,7 +243,8 @@ def _y_messages(got_ptr, gscales_ptr, W, grow, gsrow, alpha, srv_ptr, i, cpr, cb
         acc += _decoded(bp, sp, i, cpr, cbytes, byte, bit, rmask, HALF)
         bp += grow
         sp += gsrow
-    y = tl.where(real, acc * alpha, 0.0)
+    v = acc * alpha
+    y = tl.where(real & (v != 0.0), v, 0.0)  # -0.0 as +0.0: what a decoded buffer held
     if HAS_RES:
         y += tl.load(srv_ptr + at, mask=real, other=0.0)
     return y
