@@ -187,8 +187,9 @@ def onebit_decompress(bits: torch.Tensor, scales: torch.Tensor, chunk: int, out:
 # launch each for a whole bucket, reading and writing the bucket's own layout through the
 # slot chunks' tables (starts, reals), so the count does not grow with the parameters. A
 # program takes ROWS whole chunks (a tile of (ROWS, BYTES, 8) elements), or where a chunk is
-# longer than a block (LONG) one chunk in tiles of BYTES bytes: a summing sweep, then a
-# writing one that computes y again (from L2). Programs past the chunks' take the elements
+# longer than a block (LONG) one chunk in tiles of BYTES bytes: a summing sweep (partial sums
+# per element of the tile, as onebit_compress's long kernel adds them), then a writing one
+# that computes y again (from L2). Programs past the chunks' take the elements
 # of ``rest`` (the dense parameters and gaps), RBLOCK each.
 @triton.jit
 def _bf16_bits(v):
@@ -255,11 +256,14 @@ def _sums(y, real):
     """Per chunk of a (ROWS, BYTES, 8) tile: (sum of y >= 0, of y < 0, count of real y >= 0,
     of y < 0). The padding is 0: in neither sum, and counted in neither."""
     pos = y >= 0
-    psum = tl.sum(tl.sum(tl.where(pos, y, 0.0), axis=2), axis=1)
-    nsum = tl.sum(tl.sum(tl.where(pos, 0.0, y), axis=2), axis=1)
-    npos = tl.sum(tl.sum((pos & real).to(tl.int32), axis=2), axis=1)
-    nneg = tl.sum(tl.sum((y < 0).to(tl.int32), axis=2), axis=1)
-    return psum, nsum, npos, nneg
+    return (_total(tl.where(pos, y, 0.0)), _total(tl.where(pos, 0.0, y)),
+            _total((pos & real).to(tl.int32)), _total((y < 0).to(tl.int32)))
+
+
+@triton.jit
+def _total(t):
+    """Per row of a (ROWS, BYTES, 8) tile: its sum, over the bits, then the bytes."""
+    return tl.sum(tl.sum(t, axis=2), axis=1)
 
 
 @triton.jit
@@ -325,21 +329,21 @@ def _quantize(src_ptr, res_ptr, out_ptr, zero_ptr, gscales_ptr, W, grow, gsrow, 
     that computes y again."""
     byte0 = tl.arange(0, BYTES)[None, :]
     bit = tl.arange(0, 8)
-    if LONG:
-        psum = tl.zeros((ROWS,), tl.float32)
-        nsum = tl.zeros((ROWS,), tl.float32)
-        npos = tl.zeros((ROWS,), tl.int32)
-        nneg = tl.zeros((ROWS,), tl.int32)
+    if LONG:  # per element of the tile, summed over the tiles, then over the tile
+        psum = tl.zeros((ROWS, BYTES, 8), tl.float32)
+        nsum = tl.zeros((ROWS, BYTES, 8), tl.float32)
+        npos = tl.zeros((ROWS, BYTES, 8), tl.int32)
+        nneg = tl.zeros((ROWS, BYTES, 8), tl.int32)
         for s in range(0, cbytes, BYTES):
             col = (s + byte0)[:, :, None] * 8 + bit[None, None, :]
             real = col < nreal
             y = _y(src_ptr, res_ptr, gscales_ptr, W, grow, gsrow, alpha, i, cpr, cbytes, s + byte0,
                    bit, rmask, start + col, real, DECODE, HAS_RES, HALF)
-            a, b, p, q = _sums(y, real)
-            psum += a
-            nsum += b
-            npos += p
-            nneg += q
+            psum += tl.where(y >= 0, y, 0.0)
+            nsum += tl.where(y >= 0, 0.0, y)
+            npos += ((y >= 0) & real).to(tl.int32)
+            nneg += (y < 0).to(tl.int32)
+        psum, nsum, npos, nneg = _total(psum), _total(nsum), _total(npos), _total(nneg)
         hi, lo = _put_scales(scales_ptr, i, cpr, rmask, psum, nsum, npos, nneg, HALF)
         for s in range(0, cbytes, BYTES):
             col = (s + byte0)[:, :, None] * 8 + bit[None, None, :]
