@@ -192,6 +192,31 @@ def test_the_exchange_steps_match_their_reference(monkeypatch, block, W, chunk, 
     assert not got.out[p.rest[p.n_dense:]].any()  # the gaps
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_decode_writes_the_guards_verdict(dtype):
+    """The decode with the guard's verdict (the chunks and rest name every element of the
+    bucket, gaps included, so its NaN covers the bucket): flag down, the bucket bit for bit the decode's alone; flag up, NaN
+    throughout; the other flag zeroed either way, on the kernel and the reference alike."""
+    run = _Run(2, 8, dtype, True)
+    p = run.plan
+    at, real = ref.onebit_slots(p.starts, p.reals, 8)
+    assert sorted(at[real].tolist() + p.rest.tolist()) == list(range(N))
+    run.encode(ref, Guarded())
+    run.reencode(ref, run.msg)
+    every = torch.cat(run.msg2)
+    args = (every, p.starts, p.reals, 8, run.at, dtype, p.rest,
+            onebit._dense_field(every, run.dense_at, p.n_dense))
+    want = ref.onebit_decode(*args, torch.full((N,), SENTINEL, device=DEV))
+    for mod in (ref, tk):
+        for up in (0.0, 1.0):
+            flag = torch.tensor([up, 3.0, -3.0], device=DEV)
+            clear = torch.tensor([1.0, 4.0, -4.0], device=DEV)
+            got = mod.onebit_decode(*args, torch.full((N,), SENTINEL, device=DEV),
+                                    (flag, clear))
+            assert clear.tolist() == [0.0, 4.0, -4.0] and flag.tolist() == [up, 3.0, -3.0]
+            assert got.isnan().all() if up else torch.equal(got, want)
+
+
 def test_the_steps_equal_the_definition():
     """The reference, against the exchange's definition: phase 1 quantizes each chunk's real
     elements (the padding in no mean), and the decode gives every real element its chunk's
@@ -447,8 +472,8 @@ for half, long_, rows, width in ((False, False, 8, 32), (True, True, 1, 256), (F
          dict(HAS_RES=not half, HAS_SERVER=True, HALF=half, LONG=long_, ROWS=rows, BYTES=width, RBLOCK=2048)),
         (ob._onebit_reencode_kernel, ["*u8", s, P, P, "*i64", "*i32", "*u8", s] + [I] * 6 + ["fp32"],
          dict(HAS_RES=half, HALF=half, LONG=long_, ROWS=rows, BYTES=width)),
-        (ob._onebit_decode_kernel, ["*u8", s, "*i64", "*i32", P, "*i64", P] + [I] * 9 + ["fp32", I],
-         dict(HALF=half, ROWS=rows, BYTES=width, RBLOCK=2048))]
+        (ob._onebit_decode_kernel, ["*u8", s, "*i64", "*i32", P, "*i64", P, P, P] + [I] * 9
+         + ["fp32", I], dict(HALF=half, ROWS=rows, BYTES=width, RBLOCK=2048, HAS_FLAG=half))]
 for fn, types, cx in specs:
     sig = dict(zip(fn.arg_names, types + [C] * (len(fn.arg_names) - len(types))))
     triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=cx),

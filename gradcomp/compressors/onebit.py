@@ -215,7 +215,7 @@ class OneBit(Compressor):
                                 at, dtype)
         every = ctx.comm.allgather(msg2.view(-1))  # (W, bytes2)
         kernels.onebit_decode(every, plan.starts, plan.reals, chunk, at, dtype, plan.rest,
-                              _dense_field(every, dense_at, plan.n_dense), x)
+                              _dense_field(every, dense_at, plan.n_dense), x, ctx.verdict(x))
         return x
 
     @staticmethod

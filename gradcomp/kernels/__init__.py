@@ -120,10 +120,11 @@ def onebit_reencode(got, server, server_next, starts, reals, chunk, msg, scales_
                                                   msg, scales_at, scale_dtype)
 
 
-def onebit_decode(msgs, starts, reals, chunk, scales_at, scale_dtype, rest, dense, out):
+def onebit_decode(msgs, starts, reals, chunk, scales_at, scale_dtype, rest, dense, out,
+                  verdict=None):
     """1-bit SGD's phase 3: every rank's part into the bucket (reference.py)."""
     return implementation("onebit_decode", out)(msgs, starts, reals, chunk, scales_at,
-                                                scale_dtype, rest, dense, out)
+                                                scale_dtype, rest, dense, out, verdict)
 
 
 def ternary_compress(x, residual, scale, seg, seed, starts=None):

@@ -276,12 +276,18 @@ def onebit_reencode(got, server, server_next, starts, reals, chunk: int, msg, sc
 
 
 def onebit_decode(msgs, starts, reals, chunk: int, scales_at: int, scale_dtype, rest, dense,
-                  out):
+                  out, verdict=None):
     """Phase 3: every rank's phase-2 message msgs (W, nbytes2), row j the chunks j * cpr ..
     (j + 1) * cpr - 1, into the bucket out (n,): each real element its decoded value (0 + v:
     -0.0 comes out +0.0); out[rest[:m]] = the sum over the rows of dense (W, m) fp32 (in rank
     order) times 1/W rounded to fp32 (:func:`reciprocal`: a GPU's ``div_(W)``), the rest of
-    ``rest`` 0. Reads n/8 + 4Wm, writes 4n."""
+    ``rest`` 0. With the guard's ``verdict`` (flag, clear), for slots and rest that name
+    every element of out: then as :func:`flag_fill`. Reads n/8 + 4Wm, writes 4n."""
+    _onebit_decode_values(msgs, starts, reals, chunk, scales_at, scale_dtype, rest, dense, out)
+    return out if verdict is None else flag_fill(out, *verdict)
+
+
+def _onebit_decode_values(msgs, starts, reals, chunk, scales_at, scale_dtype, rest, dense, out):
     W = msgs.shape[0]
     at, real = onebit_slots(starts, reals, chunk)
     v = _onebit_values(msgs, starts.numel() // W, chunk, scales_at, scale_dtype) + 0.0

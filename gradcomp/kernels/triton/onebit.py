@@ -441,10 +441,18 @@ def _onebit_decode_kernel(
     out_ptr,     # (n,) fp32 the bucket, written                                 writes 4n
     rest_ptr,    # (nrest,) int64 the elements outside the compressed parameters, dense first
     dense_ptr,   # (W, ndense) fp32 every rank's dense values, row stride drow
+    flag_ptr,    # fp32, the guard's flag: every value written NaN where [0] > 0 (HAS_FLAG)
+    clear_ptr,   # fp32, the guard's other flag: [0] = 0 by program 0 (HAS_FLAG)
     C, cpr, cbytes, row, srow, nrest, ndense, drow, W, inv, nprog,
     HALF: tl.constexpr, ROWS: tl.constexpr, BYTES: tl.constexpr, RBLOCK: tl.constexpr,
+    HAS_FLAG: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    up = False
+    if HAS_FLAG:
+        up = tl.load(flag_ptr) > 0
+        if pid == 0:
+            tl.store(clear_ptr, 0.0)
     if pid < nprog:
         c = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
         rmask = c < C
@@ -459,7 +467,10 @@ def _onebit_decode_kernel(
             col = byte[:, :, None] * 8 + bit[None, None, :]
             v = _decoded(msg_ptr + (j * row)[:, None], scales_ptr + j * srow, i, cpr, cbytes,
                          byte, bit, rmask, HALF)
-            tl.store(out_ptr + start + col, tl.where(v == 0.0, 0.0, v), mask=col < nreal)
+            v = tl.where(v == 0.0, 0.0, v)
+            if HAS_FLAG:
+                v = tl.where(up, float("nan"), v)
+            tl.store(out_ptr + start + col, v, mask=col < nreal)
     else:
         k = (pid - nprog).to(tl.int64) * RBLOCK + tl.arange(0, RBLOCK)
         kmask = k < nrest
@@ -470,7 +481,10 @@ def _onebit_decode_kernel(
         for _ in range(1, W):
             dp += drow
             acc += tl.load(dp + k, mask=dmask, other=0.0)
-        tl.store(out_ptr + at, tl.where(dmask, acc * inv, 0.0), mask=kmask)
+        v = tl.where(dmask, acc * inv, 0.0)
+        if HAS_FLAG:
+            v = tl.where(up, float("nan"), v)
+        tl.store(out_ptr + at, v, mask=kmask)
 
 
 def _tiles(chunk: int):
@@ -583,10 +597,15 @@ def onebit_reencode(got, server, server_next, starts, reals, chunk: int, msg, sc
 
 
 def onebit_decode(msgs, starts, reals, chunk: int, scales_at: int, scale_dtype, rest, dense,
-                  out):
+                  out, verdict=None):
     """See :func:`gradcomp.kernels.reference.onebit_decode`. One launch: reads the messages
-    once, writes every element of ``out`` that a chunk or ``rest`` names."""
+    once, writes every element of ``out`` that a chunk or ``rest`` names (the guard's verdict
+    too, where given)."""
     c.check_flat(out, "out")
+    flag, clear = (out, out) if verdict is None else verdict
+    if verdict is not None:
+        reference.check_guard(out, flag, x_name="out")
+        reference.check_clear(flag, clear)
     if out.dtype != torch.float32:
         raise ValueError(f"out must be fp32, got {out.dtype}")
     W, C = msgs.shape[0], starts.numel()
@@ -604,12 +623,12 @@ def onebit_decode(msgs, starts, reals, chunk: int, scales_at: int, scale_dtype, 
     LONG, ROWS, BYTES = _tiles(chunk)
     nprog = triton.cdiv(C, ROWS)
     m = dense.shape[1]
-    if nprog + rest.numel() == 0:
+    if nprog + rest.numel() == 0 and verdict is None:
         return out
-    _onebit_decode_kernel[(nprog + triton.cdiv(rest.numel(), c.BLOCK),)](
+    _onebit_decode_kernel[(max(nprog + triton.cdiv(rest.numel(), c.BLOCK), 1),)](
         msgs, scales, starts, reals, out, rest if rest.numel() else starts,
-        dense if m else out, C, cpr, chunk // 8, msgs.stride(0), scales.stride(0), rest.numel(),
-        m, dense.stride(0) if m else 0, W, reference.reciprocal(W), nprog,
+        dense if m else out, flag, clear, C, cpr, chunk // 8, msgs.stride(0), scales.stride(0),
+        rest.numel(), m, dense.stride(0) if m else 0, W, reference.reciprocal(W), nprog,
         HALF=scale_dtype == torch.bfloat16, ROWS=ROWS, BYTES=BYTES, RBLOCK=c.BLOCK,
-        num_warps=c.NUM_WARPS)
+        HAS_FLAG=verdict is not None, num_warps=c.NUM_WARPS)
     return out
