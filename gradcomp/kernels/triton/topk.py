@@ -120,52 +120,70 @@ def scatter_add(values: torch.Tensor, indices: torch.Tensor, out: torch.Tensor,
 # --------------------------------------------------------------------------- segmented candidates
 # Step 3 of the segmented top-k (kernels/segmented.py, ``select_above``): the first cap_p
 # elements with |x| >= thr of each segment, in index order, into the segment's candidate
-# slots. Three launches and a cumsum over the tiny per-block counts, where the torch path
-# takes ~20 ops; the same slots as its "cumsum" way.
+# slots. Three launches, where the torch path takes ~20 ops: a count per block (which also
+# records each segment's count within its first block and zeroes the slots), one program's
+# exclusive scan of the tiny per-block counts, a compaction; the same slots as its "cumsum"
+# way.
+@triton.jit
+def _excl_scan_kernel(
+    counts_ptr,  # (nblocks,) int64 counts per block: replaced by the counts before each block
+    nblocks,
+    BLOCK_: tl.constexpr,
+):
+    carry = tl.zeros([], tl.int64)
+    for start in range(0, nblocks, BLOCK_):  # one program: the counts are few
+        offs = start + tl.arange(0, BLOCK_)
+        mask = offs < nblocks
+        cnt = tl.load(counts_ptr + offs, mask=mask, other=0)
+        tl.store(counts_ptr + offs, carry + tl.cumsum(cnt, axis=0) - cnt, mask=mask)
+        carry += tl.sum(cnt, axis=0)
+
+
+def _excl_scan(counts: torch.Tensor) -> torch.Tensor:
+    """counts (int64) in place: the exclusive prefix sum, in one launch of one program."""
+    _excl_scan_kernel[(1,)](counts, counts.numel(), BLOCK_=c.BLOCK, num_warps=c.NUM_WARPS)
+    return counts
+
+
+@triton.jit
+def _seg_hits(x_ptr, thr_ptr, seg_ptr, offs, mask):
+    """Per element: its value, its segment, whether |x| >= its segment's threshold."""
+    xv = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    seg = tl.load(seg_ptr + offs, mask=mask, other=0)
+    t = tl.load(thr_ptr + seg, mask=mask, other=0.0)
+    return xv, seg, (tl.abs(xv.to(tl.float32)) >= t) & mask
+
+
 @triton.jit
 def _seg_count_kernel(
-    x_ptr,       # (n,) x                                reads 4n
-    thr_ptr,     # (S,) fp32 threshold per segment (NaN: no candidate)
-    seg_ptr,     # (n,) int32 segment of each element    reads 4n
-    counts_ptr,  # (nblocks,) int32 candidates per block
-    n,
+    x_ptr,        # (n,) x                                          reads 4n
+    thr_ptr,      # (S,) fp32 threshold per segment (NaN: no candidate)
+    seg_ptr,      # (n,) int32 segment of each element              reads 4n
+    counts_ptr,   # (grid,) int64 candidates per block              writes 8n/BLOCK
+    partial_ptr,  # (S,) int64 candidates in a segment's first block before it
+    val_ptr,      # (C + 1,) candidate values: zeroed               writes C + 1
+    idx_ptr,      # (C + 1,) int64 candidate indices: zeroed        writes 8(C + 1)
+    n, C,
     BLOCK_: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK_ + tl.arange(0, BLOCK_)
     mask = offs < n
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    t = tl.load(thr_ptr + tl.load(seg_ptr + offs, mask=mask, other=0), mask=mask, other=0.0)
-    hit = (tl.abs(x) >= t) & mask
-    tl.store(counts_ptr + pid, tl.sum(hit.to(tl.int32), axis=0))
-
-
-@triton.jit
-def _seg_before_kernel(
-    x_ptr, thr_ptr, seg_ptr,
-    start_ptr,   # (nblocks,) int64 candidates before each block
-    first_ptr,   # (S,) int64 first element of each segment
-    before_ptr,  # (S,) int64 out: candidates before each segment
-    BLOCK_: tl.constexpr,
-):
-    s = tl.program_id(0)
-    first = tl.load(first_ptr + s)
-    prev = tl.maximum(first - 1, 0)
-    b = prev // BLOCK_
-    offs = b * BLOCK_ + tl.arange(0, BLOCK_)
-    mask = offs <= prev
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    t = tl.load(thr_ptr + tl.load(seg_ptr + offs, mask=mask, other=0), mask=mask, other=0.0)
-    hit = (tl.abs(x) >= t) & mask
-    cnt = tl.load(start_ptr + b) + tl.sum(hit.to(tl.int64), axis=0)
-    tl.store(before_ptr + s, tl.where(first == 0, 0, cnt))
+    _, seg, hit = _seg_hits(x_ptr, thr_ptr, seg_ptr, offs, mask)
+    h = hit.to(tl.int64)
+    tl.store(counts_ptr + pid, tl.sum(h, axis=0))
+    prev = tl.load(seg_ptr + offs - 1, mask=mask & (offs > 0), other=-1)
+    tl.store(partial_ptr + seg, tl.cumsum(h, axis=0) - h, mask=mask & (seg != prev))
+    tl.store(val_ptr + offs, tl.zeros([BLOCK_], val_ptr.dtype.element_ty), mask=offs <= C)
+    tl.store(idx_ptr + offs, tl.zeros([BLOCK_], tl.int64), mask=offs <= C)
 
 
 @triton.jit
 def _seg_compact_kernel(
     x_ptr, thr_ptr, seg_ptr,
     start_ptr,      # (nblocks,) int64 candidates before each block
-    before_ptr,     # (S,) int64 candidates before each segment
+    partial_ptr,    # (S,) int64 candidates in a segment's first block before it
+    first_ptr,      # (S,) int64 first element of each segment
     slot_base_ptr,  # (S,) int64 first slot of each segment
     slot_end_ptr,   # (S,) int64 end of its slots
     val_ptr,        # (C + 1,) candidate values, in x's dtype     writes <= C
@@ -176,13 +194,12 @@ def _seg_compact_kernel(
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK_ + tl.arange(0, BLOCK_)
     mask = offs < n
-    xv = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    seg = tl.load(seg_ptr + offs, mask=mask, other=0)
-    t = tl.load(thr_ptr + seg, mask=mask, other=0.0)
-    hit = (tl.abs(xv.to(tl.float32)) >= t) & mask
+    xv, seg, hit = _seg_hits(x_ptr, thr_ptr, seg_ptr, offs, mask)
     cand = tl.load(start_ptr + pid) + tl.cumsum(hit.to(tl.int64), axis=0)  # inclusive
-    slot = cand - 1 - tl.load(before_ptr + seg, mask=mask, other=0) \
-        + tl.load(slot_base_ptr + seg, mask=mask, other=0)
+    first = tl.load(first_ptr + seg, mask=mask, other=0)
+    before = tl.load(start_ptr + first // BLOCK_, mask=mask, other=0) \
+        + tl.load(partial_ptr + seg, mask=mask, other=0)  # candidates before the segment
+    slot = cand - 1 - before + tl.load(slot_base_ptr + seg, mask=mask, other=0)
     keep = hit & (slot < tl.load(slot_end_ptr + seg, mask=mask, other=0))
     tl.store(val_ptr + slot, xv, mask=keep)
     tl.store(idx_ptr + slot, offs, mask=keep)
@@ -194,22 +211,23 @@ def segment_candidates(x: torch.Tensor, thr: torch.Tensor, seg_of: torch.Tensor,
     """(values (C + 1,) in x's dtype, int64 indices (C + 1,)): for each segment s, the first
     slot_end[s] - slot_base[s] elements of x with |x| >= thr[s] (NaN: none), in index order,
     at slots slot_base[s]...; the others hold 0 (slot C, the torch path's spill slot, too).
-    The slots of :func:`gradcomp.kernels.segmented.select_above`'s "cumsum" way."""
+    The slots of :func:`gradcomp.kernels.segmented.select_above`'s "cumsum" way. Three
+    launches."""
     c.check_flat(x)
     n = x.numel()
-    val = c.alloc((slots + 1,), x.dtype, x.device).zero_()
-    idx = c.alloc((slots + 1,), torch.int64, x.device).zero_()
+    val = c.alloc((slots + 1,), x.dtype, x.device)
+    idx = c.alloc((slots + 1,), torch.int64, x.device)
     if n == 0 or slots == 0:
-        return val, idx
+        return val.zero_(), idx.zero_()
     nblocks = triton.cdiv(n, c.BLOCK)
-    counts = torch.empty(nblocks, dtype=torch.int32, device=x.device)
-    _seg_count_kernel[(nblocks,)](x, thr, seg_of, counts, n, BLOCK_=c.BLOCK, num_warps=c.NUM_WARPS)
-    start = torch.cumsum(counts, 0, dtype=torch.int64) - counts  # exclusive scan, tiny
-    before = torch.empty(seg_start.numel(), dtype=torch.int64, device=x.device)
-    _seg_before_kernel[(seg_start.numel(),)](x, thr, seg_of, start, seg_start, before,
-                                             BLOCK_=c.BLOCK, num_warps=c.NUM_WARPS)
-    _seg_compact_kernel[(nblocks,)](x, thr, seg_of, start, before, slot_base, slot_end, val, idx,
-                                    n, BLOCK_=c.BLOCK, num_warps=c.NUM_WARPS)
+    grid = max(nblocks, triton.cdiv(slots + 1, c.BLOCK))  # the blocks of x, and of the slots
+    counts = torch.empty(grid, dtype=torch.int64, device=x.device)
+    partial = torch.empty(seg_start.numel(), dtype=torch.int64, device=x.device)
+    _seg_count_kernel[(grid,)](x, thr, seg_of, counts, partial, val, idx, n, slots,
+                               BLOCK_=c.BLOCK, num_warps=c.NUM_WARPS)
+    start = _excl_scan(counts)
+    _seg_compact_kernel[(nblocks,)](x, thr, seg_of, start, partial, seg_start, slot_base,
+                                    slot_end, val, idx, n, BLOCK_=c.BLOCK, num_warps=c.NUM_WARPS)
     return val, idx
 
 
