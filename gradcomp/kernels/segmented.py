@@ -320,11 +320,12 @@ def thresholds(x: torch.Tensor, pl: SelectPlan, shifts: torch.Tensor, rank: str 
     rank = _rank_way(rank, x)
     if rank == "sort":
         return sample(x, pl, shifts)[2]
-    if rank == "triton":
-        s = implementation("segment_sample", x, "triton")(
-            x, pl.sample_base, pl.sample_of, shifts, pl.sample_n, pl.sample_off)
-    else:
-        s = x[_sample_at(pl, shifts)]
+    if rank == "triton":  # the sample, the radix select, each segment's threshold gathered
+        check_passes(RADIX_PASSES)
+        return implementation("segment_thresholds", x, "triton")(
+            x, pl.sample_base, pl.sample_of, shifts, pl.sample_n, pl.sample_off,
+            pl.sample_need, pl.param_seg.numel(), RADIX_PASSES, pl.thr_from)
+    s = x[_sample_at(pl, shifts)]
     t, _ = _kth(rank, s, pl.sample_of, pl.sample_need, pl.param_seg.numel())
     return torch.cat([t.to(torch.int32).view(torch.float32), pl.tail])[pl.thr_from]
 
@@ -373,6 +374,12 @@ def select_above(x: torch.Tensor, pl: SelectPlan, thr: torch.Tensor, compact: st
     # 3: candidates, the first cap_p of each parameter in index order
     if compact == "auto":  # the GPU's way wherever the GPU's kernels run (tests: on the CPU)
         compact = "triton" if backend("select_topk", x) == "triton" else "nonzero"
+    if compact == "triton" and _rank_way(rank, x) == "triton":  # steps 3-4 in one call
+        check_passes(RADIX_PASSES)
+        return implementation("segment_select", x, "triton")(
+            x, thr, pl.seg_of, pl.seg_start, pl.slot_base, pl.slot_end, pl.slot_need,
+            pl.slot_first, pl.take_first, pl.take.numel(), pl.slot_param, pl.widest,
+            RADIX_PASSES)
     if compact == "triton":
         find = implementation("segment_candidates", x, "triton")
         val, idx = find(x, thr, pl.seg_of, pl.seg_start, pl.slot_base, pl.slot_end, C)

@@ -89,5 +89,6 @@ from .threshold import (  # noqa: F401
     threshold_decode, threshold_encode, threshold_sample, threshold_tau,
 )
 from .topk import (  # noqa: F401
-    scatter_add, segment_candidates, segment_kth, segment_sample, segment_take, select_topk,
+    scatter_add, segment_candidates, segment_kth, segment_kth_at, segment_sample, segment_select,
+    segment_take, segment_thresholds, select_topk,
 )
