@@ -152,6 +152,45 @@ def test_radix_select_finds_each_entitys_kth_largest_and_its_ties(way, passes, m
             assert int(r[e]) == int((mine[: need[e]] == want).sum()), (trial, e)
 
 
+def test_triton_steps_alone_equal_the_torch_ways(monkeypatch):
+    """The Triton steps that segmented.py chains (segment_select, segment_thresholds) also run
+    alone: segment_candidates gives the "cumsum" way's slots, segment_kth_at the gather of
+    segment_kth's magnitudes, segment_take of segment_kth the radix way's take, bit for bit
+    across 256-element blocks, a take over all slots too (SERIAL_BLOCKS 0)."""
+    from gradcomp.kernels.triton import common, topk
+    monkeypatch.setattr(common, "BLOCK", 256)
+    monkeypatch.setattr(topk, "SERIAL_BLOCKS", 0)
+    g = torch.Generator().manual_seed(2)
+    layout = ((0, 3), (3, 2000), (2010, 1), (2011, 700), (2711, 0), (2720, 900))
+    n = 3625
+    x = torch.round(torch.randn(n, generator=g) * 3)  # ties at every threshold
+    pl = S.topk_plan(layout, n, 0.05, 0.5, torch.device("cpu"))
+    shifts = torch.tensor([S.shift(11 + p, m) for p, (_, m) in enumerate(layout)])
+    thr = S.thresholds(x, pl, shifts, "sort")
+    s = topk.segment_sample(x, pl.sample_base, pl.sample_of, shifts, pl.sample_n,
+                            pl.sample_off)
+    P = pl.param_seg.numel()
+    t, _ = topk.segment_kth(s, pl.sample_of, pl.sample_need, P, S.RADIX_PASSES)
+    at = topk.segment_kth_at(s, pl.sample_of, pl.sample_need, P, S.RADIX_PASSES, pl.thr_from)
+    want_at = torch.cat([t.view(torch.float32), pl.tail])[pl.thr_from]
+    assert torch.equal(at.view(torch.int32), want_at.view(torch.int32))
+    assert torch.equal(at.nan_to_num(-1), thr.nan_to_num(-1))
+    val, idx = topk.segment_candidates(x, thr, pl.seg_of, pl.seg_start, pl.slot_base,
+                                       pl.slot_end, pl.slots)
+    mask = x.abs() >= thr[pl.seg_of.long()]
+    cs = torch.cumsum(mask, 0)
+    before = cs[pl.seg_prev].masked_fill_(pl.at_zero, 0)
+    slot = cs.add_((pl.slot_base - 1 - before)[pl.seg_of.long()])
+    slot.masked_fill_(~(mask & (slot < pl.slot_end[pl.seg_of.long()])), pl.slots)
+    want_val = torch.zeros(pl.slots + 1).index_put_((slot,), x)
+    want_idx = torch.zeros(pl.slots + 1, dtype=torch.int64).index_put_((slot,), torch.arange(n))
+    want_val[-1], want_idx[-1] = 0, 0
+    assert torch.equal(val, want_val) and torch.equal(idx, want_idx)
+    got = S._take_largest(val, idx, pl, "triton")  # segment_kth, then segment_take
+    want = S._take_largest(val, idx, pl, "radix")
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_select_returns_each_parameters_values_in_index_order():
     """Each parameter's k values come out in index order, unfilled slots (index 0) last, on
     both ways of ordering the slots (the CPU's mask, the GPU's sort), which agree."""

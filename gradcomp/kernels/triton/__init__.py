@@ -36,14 +36,19 @@ Passes over memory (n elements, fp32 x):
     after reading one offset. No host synchronization.
   * scatter_add: one kernel of atomic adds.
   * segment_candidates (the segmented top-k's candidate step, kernels/segmented.py): a
-    count over x, a cumsum over the tiny per-block counts, one program per segment for the
-    candidates before it, a compaction: two reads of x.
+    count over x (which also zeroes the slots), one program's scan of the tiny per-block
+    counts, a compaction: two reads of x, three launches.
   * segment_sample / segment_kth / segment_take (the segmented top-k's ranking on the GPU):
     the sample gathered in one launch; a segmented radix select of three passes, each a
-    histogram launch over the ranked values and a launch of one program per parameter that
-    reads its bins; the take of each parameter's k largest slots, in order: one program per
-    parameter walking its slots, or (a parameter wider than SERIAL_BLOCKS blocks) a count
-    per block, a cumsum, a count before each parameter and a placement over all slots.
+    histogram launch over the ranked values whose programs find the digits so far of their
+    entities from the earlier passes' histograms, then one program per entity that reads
+    its bins (a zero fill before); the take of each parameter's k largest slots, in order:
+    one program per parameter walking its slots, or (a parameter wider than SERIAL_BLOCKS
+    blocks) a count per block, one program's scan, a placement over all slots.
+    segment_thresholds and segment_select (segmented.py's Triton way) chain them with the
+    zero fills done by the sample's and the candidates' count launches, the thresholds'
+    gather in the select's last launch, and the take's t and r found by the take itself:
+    5 launches for the thresholds, 7 (a wide parameter: 9) for the candidates and the take.
   * finite_copy (the inf/NaN guard, guard.py): one kernel, one read of x and one write of
     it with NaN and +-inf put to 0 (into a copy, or in place), the flag set where any was
     seen; flag_fill: one

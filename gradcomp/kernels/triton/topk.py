@@ -2,7 +2,8 @@
 select_topk and scatter_add, as kernels/reference.py specifies them; the segmented top-k's
 candidate step segment_candidates (kernels/segmented.py's "cumsum" way) and its ranking on
 the GPU, segment_sample / segment_kth / segment_take (segmented.thresholds' sample,
-segmented.kth_largest, segmented._take_largest's radix way)."""
+segmented.kth_largest, segmented._take_largest's radix way), and the same chained in fewer
+launches: segment_kth_at, segment_thresholds, segment_select (segmented.py's Triton way)."""
 from __future__ import annotations
 
 import functools
