@@ -483,6 +483,17 @@ def test_ternary_decode_matches_reference(guards, block, W, shared):
     if W == 1:  # one message: the dense values as they are, the codes as ternary_decompress's
         at = [a for a, m in zip(xoff[len(comp):], dense)]
         assert torch.equal(got[at[1]:at[1] + 70], dv[0, 3:73])
+    # the guard's verdict in the same launch: flag down, the same bits; up, NaN throughout;
+    # the other flag zeroed either way
+    for mod in (ref, tk):
+        for up in (0.0, 1.0):
+            flag = torch.tensor([up, 6.0, -6.0], device=DEV)
+            clear = torch.tensor([1.0, 2.0, -2.0], device=DEV)
+            v = mod.ternary_decode(codes, scales, dv, xseg, t(xoff), t(src), len(comp),
+                                   torch.empty(n, device=DEV), 1.0 / W, (flag, clear))
+            assert clear.tolist() == [0.0, 2.0, -2.0] and flag.tolist() == [up, 6.0, -6.0]
+            assert v.isnan().all() if up else torch.equal(v.view(torch.int32),
+                                                         want.view(torch.int32))
 
 
 # --------------------------------------------------------------------------- top-k select
@@ -614,8 +625,9 @@ specs = [
     (tk.terngrad._ternary_encode_kernel, ["*bf16", "*i64", "*i64", P, P, "*i32", "*i64", "*i64", "*u8",
                                           P, "*i64", P, "i32", "i32", "i32", "i32"],
      dict(CLAMP=False, BYTES=256, DENSE=2048)),
-    (tk.terngrad._ternary_decode_kernel, ["*u8", P, P, "*i32", "*i64", "*i64", P, "i32", "i32", "i32",
-                                          "i32", "i32", "i32", "fp32", "fp32"], dict(BLOCK=2048)),
+    (tk.terngrad._ternary_decode_kernel, ["*u8", P, P, "*i32", "*i64", "*i64", P, P, P, "i32", "i32",
+                                          "i32", "i32", "i32", "i32", "fp32", "fp32"],
+     dict(HAS_FLAG=True, BLOCK=2048)),
     (tk.topk._count_kernel, [P, P, "*i32", "i32"], dict(BLOCK_=4096)),
     (tk.topk._compact_kernel, ["*fp16", P, "*i64", P, "*i32", "i32", "i32"], dict(BLOCK_=4096)),
     (tk.topk._scatter_add_kernel, [P, "*i64", P, "i32", "i32", "fp32"], dict(BLOCK_=4096)),
@@ -635,10 +647,11 @@ specs = [
                                        "i32", "i32", "i32", "i32", "fp32", "fp32"],
      dict(BN=32, BK=64, R=2, HAS_E=True, HAS_FLAG=True, BLOCK=2048)),
     (tk.powersgd._psgd_orthonormalize_kernel, [P, "*i64"], dict(FALLBACK=1e-12, BN=128, R=4, PASSES=3)),
-    (tk.topk._seg_count_kernel, [P, P, "*i32", "*i32", "i32"], dict(BLOCK_=2048)),
-    (tk.topk._seg_before_kernel, [P, P, "*i32", "*i64", "*i64", "*i64"], dict(BLOCK_=2048)),
-    (tk.topk._seg_compact_kernel, ["*fp16", P, "*i32", "*i64", "*i64", "*i64", "*i64", "*fp16", "*i64",
-                              "i32"], dict(BLOCK_=2048)),
+    (tk.topk._seg_count_kernel, [P, P, "*i32", "*i64", "*i64", "*fp16", "*i64", "*i32", "i32", "i32",
+                                 "i32"], dict(BLOCK_=2048)),
+    (tk.topk._excl_scan_kernel, ["*i64", "i32"], dict(BLOCK_=2048)),
+    (tk.topk._seg_compact_kernel, ["*fp16", P, "*i32", "*i64", "*i64", "*i64", "*i64", "*i64", "*fp16",
+                                   "*i64", "i32"], dict(BLOCK_=2048)),
     (tk.sparse._sparse_encode_kernel, ["*i16", P, "*i64", P, P, "*i64", "*i32", "*i16", P, "*u8", "i32",
                                        "i32", "i32"], dict(HAS_RES=True, BLOCK_=2048)),
     (tk.sparse._sparse_decode_kernel, ["*i32", "*i16", "*i64", P] + ["i32"] * 7,

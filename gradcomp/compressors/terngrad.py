@@ -322,7 +322,7 @@ class TernGrad(Compressor):
         dense = _field(got, msg, "dense") if lay.n_dense else None
         kernels.implementation("ternary_decode", x)(
             got[:, a : a + n_codes], scales, dense, lay.xseg, lay.entry_off, lay.entry_src, S,
-            x, 1.0 / W)
+            x, 1.0 / W, ctx.verdict(x))
         return x
 
     def dense(self, x, ctx):

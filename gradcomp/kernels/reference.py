@@ -527,7 +527,7 @@ def ternary_encode(src: torch.Tensor, soff: torch.Tensor, snum: torch.Tensor,
 
 def ternary_decode(codes: torch.Tensor, scales: torch.Tensor, dense: torch.Tensor | None,
                    xseg: torch.Tensor, xoff: torch.Tensor, src: torch.Tensor, S: int,
-                   out: torch.Tensor, alpha: float) -> torch.Tensor:
+                   out: torch.Tensor, alpha: float, verdict=None) -> torch.Tensor:
     """Every rank's TernGrad message decoded into x's layout (``out``, written, not read).
 
     codes: (W, >= (npad + 4) // 5) uint8 base-3 codes (:func:`ternary_encode`); scales:
@@ -537,7 +537,13 @@ def ternary_decode(codes: torch.Tensor, scales: torch.Tensor, dense: torch.Tenso
     dense[:, src[k]]. out[i] of a compressed segment is alpha * sum_w s[w, k] q[w] (the sum
     from 0 in rank order, as 0 + v: -0.0 comes out +0.0), of a dense one the sum over ranks
     (from rank 0's value, in rank order) divided by W, of none 0. Reads W npad / 5 (+ 4 n
-    of xseg), writes n."""
+    of xseg), writes n. With the guard's ``verdict`` (flag, clear): then as
+    :func:`flag_fill` (out is written whole)."""
+    _ternary_decode_values(codes, scales, dense, xseg, xoff, src, S, out, alpha)
+    return out if verdict is None else flag_fill(out, *verdict)
+
+
+def _ternary_decode_values(codes, scales, dense, xseg, xoff, src, S, out, alpha):
     W, n = codes.shape[0], out.numel()
     k = xseg.long()
     i = torch.arange(n, dtype=torch.int64, device=out.device)

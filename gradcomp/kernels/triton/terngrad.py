@@ -355,9 +355,14 @@ def _ternary_decode_kernel(
     xoff_ptr,    # (P,) int64 where each entry starts in out
     src_ptr,     # (P,) int64 its first code (k < S) or dense value (k >= S)
     out_ptr,     # (n,) written, not read                                 writes 4n
+    flag_ptr,    # fp32, the guard's flag: out NaN throughout where [0] > 0 (HAS_FLAG)
+    clear_ptr,   # fp32, the guard's other flag: [0] = 0 by program 0 (HAS_FLAG)
     n, S, W, code_row, scale_row, dense_row, alpha, ranks,  # ranks: W as fp32
-    BLOCK: tl.constexpr,
+    HAS_FLAG: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    if HAS_FLAG:
+        if tl.program_id(0) == 0:
+            tl.store(clear_ptr, 0.0)
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = i < n
     k = tl.load(xseg_ptr + i, mask=mask, other=-1)
@@ -386,12 +391,15 @@ def _ternary_decode_kernel(
         dp += dense_row
         total += tl.load(dp, mask=dn, other=0.0)
     v = tl.where(dn, tl.div_rn(total, ranks), v)
-    tl.store(out_ptr + i, tl.where(some, v, 0.0), mask=mask)
+    v = tl.where(some, v, 0.0)
+    if HAS_FLAG:
+        v = tl.where(tl.load(flag_ptr) > 0, float("nan"), v)
+    tl.store(out_ptr + i, v, mask=mask)
 
 
 def ternary_decode(codes: torch.Tensor, scales: torch.Tensor, dense: torch.Tensor | None,
                    xseg: torch.Tensor, xoff: torch.Tensor, src: torch.Tensor, S: int,
-                   out: torch.Tensor, alpha: float) -> torch.Tensor:
+                   out: torch.Tensor, alpha: float, verdict=None) -> torch.Tensor:
     """See :func:`gradcomp.kernels.reference.ternary_decode`. One kernel: out written once,
     each message read once; the rows of ``codes``, ``scales`` and ``dense`` may lie any
     distance apart (views of the gathered messages; a scales row stride of 0: one set
@@ -410,11 +418,16 @@ def ternary_decode(codes: torch.Tensor, scales: torch.Tensor, dense: torch.Tenso
                              f"{tuple(t.shape)} with strides {t.stride()}")
     if scales.shape[1] != S:
         raise ValueError(f"scales must have {S} columns, got {scales.shape[1]}")
-    if n == 0 or W == 0:
+    flag, clear = (out, out) if verdict is None else verdict
+    if verdict is not None:
+        reference.check_guard(out, flag, x_name="out")
+        reference.check_clear(flag, clear)
+    if (n == 0 or W == 0) and verdict is None:
         return out
     has_dense = dense is not None and dense.shape[1] > 0
     d = dense if has_dense else scales
-    _ternary_decode_kernel[(triton.cdiv(n, c.BLOCK),)](
-        codes, scales, d, xseg, xoff, src, out, n, S, W, codes.stride(0), scales.stride(0),
-        d.stride(0) if has_dense else 0, float(alpha), float(W), BLOCK=c.BLOCK, num_warps=c.NUM_WARPS)
+    _ternary_decode_kernel[(max(triton.cdiv(n, c.BLOCK), 1),)](
+        codes, scales, d, xseg, xoff, src, out, flag, clear, n, S, W, codes.stride(0),
+        scales.stride(0), d.stride(0) if has_dense else 0, float(alpha), float(W),
+        HAS_FLAG=verdict is not None, BLOCK=c.BLOCK, num_warps=c.NUM_WARPS)
     return out
