@@ -279,6 +279,12 @@ def test_sample_and_tau_kernels_equal_the_reference(adaptive, ema, monkeypatch):
         got_k, got_m = tk.threshold_sample(x, e, y2, *args)
         assert torch.equal(y1, y2) and torch.equal(got_k, want_k)
         assert torch.equal(got_m.view(torch.int32), want_m.view(torch.int32))
+        # y written over e itself (a context without a second buffer): the sample still
+        # reads e as it was
+        e_over = e.clone()
+        got_k, got_m = tk.threshold_sample(x, e_over, e_over, *args)
+        assert torch.equal(e_over, y1) and torch.equal(got_k, want_k)
+        assert torch.equal(got_m.view(torch.int32), want_m.view(torch.int32))
         keys, order = torch.sort(want_k)
         taus = torch.zeros(len(lay)) if trial == 0 else torch.rand(len(lay), generator=g)
         taus[1] = 0.0

@@ -34,8 +34,9 @@ layer count. On the Triton path without error feedback (the default on a GPU) th
 read and write the bucket itself: the statistics (two kernels: every chunk's sums, then every
 layer's sigma and scaler), the seeds' copy to the device, ONE ternary_encode writing the
 message (the base-3 codes and the dense values), one allgather, ONE ternary_decode writing
-every element of the bucket (the dense values' average too): five launches besides the
-collectives. Elsewhere, and with error feedback: one move in (a cat of views), one segmented
+every element of the bucket (the dense values' average and the inf/NaN guard's verdict
+too): five launches besides the collectives with shared scalers (the default), six with a
+scaler per rank (the scalers' copy into the message). Elsewhere, and with error feedback: one move in (a cat of views), one segmented
 statistics pass, ONE ternary_compress over the whole bucket (a seed per layer), the base-3
 packing, one allgather, its unpacking, ONE ternary_decompress, one move out.
 

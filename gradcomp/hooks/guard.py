@@ -207,4 +207,9 @@ class Guard:
             pair.reverse()
         if ctx.verdict_taken is out:
             return out
-        return kernels.flag_fill(out, bad, clear=pair[0])
+        try:
+            return kernels.flag_fill(out, bad, clear=pair[0])
+        except BaseException:
+            with self._lock:  # the next flag was not zeroed: the bucket's next pair starts at 0
+                self._flags.pop((ctx.bucket, bad.device), None)
+            raise

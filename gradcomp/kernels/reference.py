@@ -746,7 +746,9 @@ def sparse_decode(got: torch.Tensor, k: int, vals_at: int, dtype: torch.dtype, d
     """out += every row's values at its indices, out[dense] = the sum of the rows' dense
     values in rank order. got: (W, nbytes) uint8 messages: k int32 indices at byte 0, k values
     of ``dtype`` at byte ``vals_at``, D = dense.numel() fp32 values at byte ``dense_at``
-    (``dense``: their positions, which no index reaches). Returns out."""
+    (``dense``: their positions, which no index of a sent value reaches; a padding slot's
+    index is 0 with the value 0, which leaves any sum as it is but a -0.0 at element 0).
+    Returns out."""
     def field(at, n, dt):
         size = torch.empty((), dtype=dt).element_size()
         return got[:, at : at + n * size].contiguous().view(dt)
@@ -802,7 +804,8 @@ def finite_copy(x: torch.Tensor, flag: torch.Tensor, out: torch.Tensor | None = 
     bad = torch.isfinite(x).all().logical_not()
     flag[:1].masked_fill_(bad.reshape(1), 1.0)
     if step is not None:
-        flag[1:3] = torch.tensor([step, -step], dtype=torch.float32)
+        flag[1].fill_(step)  # made where flag lies: nothing goes up from the host
+        flag[2].fill_(-step)
     if out is None:
         return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
     return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0, out=out)

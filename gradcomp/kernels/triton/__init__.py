@@ -24,12 +24,13 @@ Passes over memory (n elements, fp32 x):
     they lie, chunk by chunk through the slot chunks' table, the message's fields written in
     place; the dense parameters' copy and average ride in the first and last kernels.
   * ternary_compress: one kernel (2-bit codes, four per byte, residual in place).
-  * ternary_stats / ternary_encode / ternary_decode (TernGrad's bucket path): the statistics,
-    one program per segment reading it once from where it lies; the codes, five a byte in
+  * ternary_stats / ternary_encode / ternary_decode (TernGrad's bucket path): the statistics
+    in two launches, a program per 64K-element chunk reading it once from where it lies,
+    then one per segment over its chunks' sums; the codes, five a byte in
     base 3, read from where each segment lies (clamped to its bound) and written into the
     message with the dense values (gathered by programs of the same launch); the W messages
     decoded into the bucket's own layout (each element written once, the dense values' sum
-    over ranks divided by W): one launch each.
+    over ranks divided by W, the guard's verdict too): one launch each.
   * select_topk: two short kernels over x (per-block counts; then an in-order compaction at
     each block's exclusive offset, found with a cumsum over the tiny count vector), then an
     exact ``torch.topk`` over the ``capacity`` candidates. Blocks past ``capacity`` stop
@@ -51,8 +52,8 @@ Passes over memory (n elements, fp32 x):
     5 launches for the thresholds, 7 (a wide parameter: 9) for the candidates and the take.
   * finite_copy (the inf/NaN guard, guard.py): one kernel, one read of x and one write of
     it with NaN and +-inf put to 0 (into a copy, or in place), the flag set where any was
-    seen; flag_fill: one
-    kernel that writes NaN over a bucket whose flag is up (nothing read of it).
+    seen and the step written beside it; flag_fill: one kernel that writes NaN over a bucket
+    whose flag is up (nothing read of it) and zeroes the bucket's other flag.
   * sparse_encode / sparse_decode (sparse.py): top-k's and DGC's message, its fields
     written (and error feedback's update, the dense values zeroed) in one launch, every
     rank's values and dense values added in one.

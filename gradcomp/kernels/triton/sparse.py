@@ -69,9 +69,12 @@ def _sparse_decode_kernel(
     # lanes [0, K): one value slot each; [K, K + D): one dense value each
     t = tl.program_id(0).to(tl.int64) * BLOCK_ + tl.arange(0, BLOCK_)
     mask = t < K
+    wp, vp = w32_ptr, val_ptr + vat  # row w's: pointers advanced (no int32 product w * row)
     for w in range(W):
-        i = tl.load(w32_ptr + w * row + t, mask=mask, other=0)
-        b = tl.load(val_ptr + w * vrow + vat + t, mask=mask, other=0)
+        i = tl.load(wp + t, mask=mask, other=0)
+        b = tl.load(vp + t, mask=mask, other=0)
+        wp += row
+        vp += vrow
         if KIND == 0:
             v = b.to(tl.float32, bitcast=True)
         elif KIND == 1:
@@ -80,10 +83,11 @@ def _sparse_decode_kernel(
             v = (b.to(tl.int32) << 16).to(tl.float32, bitcast=True)
         tl.atomic_add(out_ptr + i, v, mask=mask, sem="relaxed")
     dm = (t >= K) & (t < K + D)
-    total = tl.load(w32_ptr + dat + (t - K), mask=dm, other=0).to(tl.float32, bitcast=True)
+    dp = w32_ptr + dat
+    total = tl.load(dp + (t - K), mask=dm, other=0).to(tl.float32, bitcast=True)
     for w in range(1, W):  # in rank order
-        total += tl.load(w32_ptr + w * row + dat + (t - K), mask=dm,
-                         other=0).to(tl.float32, bitcast=True)
+        dp += row
+        total += tl.load(dp + (t - K), mask=dm, other=0).to(tl.float32, bitcast=True)
     tl.store(out_ptr + tl.load(dense_ptr + (t - K), mask=dm, other=0), total, mask=dm)
 
 

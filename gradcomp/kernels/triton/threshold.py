@@ -54,15 +54,19 @@ def _threshold_sample_kernel(
 
 
 def threshold_sample(x, e, y, base, of, shifts, n, off, key, tail):
-    """See :func:`gradcomp.kernels.reference.threshold_sample`: one launch."""
+    """See :func:`gradcomp.kernels.reference.threshold_sample`: one launch (two where y is
+    e itself: the sample reads e before y = x + e is written over it)."""
     L, N = key.numel(), x.numel()
     keys = c.alloc((L,), torch.int64, x.device)
     mag = c.alloc((L,), torch.float32, x.device)
-    nb = triton.cdiv(N, c.BLOCK) if e is not None else 0
+    over = e is not None and y.data_ptr() == e.data_ptr()
+    nb = triton.cdiv(N, c.BLOCK) if e is not None and not over else 0
     _threshold_sample_kernel[(nb + triton.cdiv(L, c.BLOCK),)](
         x, e if e is not None else x, y if e is not None else x, base, of, shifts, n, off, key,
         tail, keys, mag, N, L - 2, nb, HAS_E=e is not None, BLOCK_=c.BLOCK,
         num_warps=c.NUM_WARPS)
+    if over:
+        torch.add(x, e, out=y)
     return keys, mag
 
 
@@ -203,17 +207,20 @@ def _threshold_decode_kernel(
     k = tl.program_id(0).to(tl.int64) * BLOCK_ + tl.arange(0, BLOCK_)
     mask = k < K
     o = tl.load(owner_ptr + k, mask=mask, other=0)
+    base = got_ptr  # row w's: advanced (no int32 product w * row)
     for w in range(W):
-        base = got_ptr + w * row
         c = tl.load(base + k, mask=mask, other=0)
         t = tl.load(base + K + o, mask=mask, other=0).to(tl.float32, bitcast=True)
         on = mask & (c != 0)
         v = tl.where(c > 0, t, -t)
         tl.atomic_add(out_ptr + tl.abs(c).to(tl.int64) - 1, v, mask=on, sem="relaxed")
+        base += row
     dm = (k >= K) & (k < K + D)
-    total = tl.load(got_ptr + P + k, mask=dm, other=0).to(tl.float32, bitcast=True)
+    dp = got_ptr + P
+    total = tl.load(dp + k, mask=dm, other=0).to(tl.float32, bitcast=True)
     for w in range(1, W):  # in rank order
-        total += tl.load(got_ptr + w * row + P + k, mask=dm, other=0).to(tl.float32, bitcast=True)
+        dp += row
+        total += tl.load(dp + k, mask=dm, other=0).to(tl.float32, bitcast=True)
     tl.store(out_ptr + tl.load(dense_ptr + (k - K), mask=dm, other=0), total, mask=dm)
 
 
