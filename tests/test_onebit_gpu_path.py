@@ -12,7 +12,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
@@ -413,22 +412,8 @@ def test_the_gpu_path_copies_neither_memory_and_takes_next_as_current(monkeypatc
 
 
 def _two_ranks(rank, world, spec):
-    name, cfg = gradcomp.build_config(spec, warmup="none")
-    state = gradcomp.State(name, cfg, group=dist.group.WORLD)
-    names = list(SHAPES)
-    g = torch.Generator().manual_seed(10 + rank)
-    total = {n: torch.zeros(math.prod(s), dtype=torch.float64) for n, s in SHAPES.items()}
-    sent = {n: torch.zeros_like(v) for n, v in total.items()}
-    outs = []
-    for step in range(3):
-        params = layout(names if step % 2 else names[::-1])
-        x = torch.randn(sum(p.numel for p in params), generator=g)
-        out = state.reduce(x.clone(), params)
-        outs.append(out)
-        for p in params:
-            total[p.name] += x[p.offset : p.offset + p.numel].double()
-            sent[p.name] += out[p.offset : p.offset + p.numel].double()
-    return outs, total, sent, state.state_dict()["memory"]["flat"]
+    from test_triton_path import _run
+    return _run(rank, world, spec, steps=3, min_numel=None)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="drives CPU tensors down the GPU's path")

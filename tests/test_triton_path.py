@@ -28,15 +28,19 @@ SPECS = ["topk:ratio=0.05", "dgc:ratio=0.05", "onebit:chunk=64", "terngrad:error
 STEPS = 4
 
 
-def _run(rank, world, spec):
-    name, cfg = gradcomp.build_config(spec, min_numel=0, warmup="none")
+def _run(rank, world, spec, steps=STEPS, min_numel=0):
+    """``steps`` compressed exchanges of a bucket laid out anew each step: (the results, each
+    parameter's input and result summed over them, the memory). ``min_numel``: the option,
+    or None for the spec's own."""
+    opts = {} if min_numel is None else {"min_numel": min_numel}
+    name, cfg = gradcomp.build_config(spec, warmup="none", **opts)
     state = gradcomp.State(name, cfg, group=dist.group.WORLD)
     names = list(SHAPES)
     g = torch.Generator().manual_seed(10 + rank)
     total = {n: torch.zeros(math.prod(s), dtype=torch.float64) for n, s in SHAPES.items()}
     sent = {n: torch.zeros_like(v) for n, v in total.items()}
     outs = []
-    for step in range(STEPS):
+    for step in range(steps):
         params = layout(names if step % 2 else names[::-1])  # a relayout as well
         x = torch.randn(sum(p.numel for p in params), generator=g)
         out = state.reduce(x.clone(), params)
