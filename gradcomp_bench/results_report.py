@@ -362,7 +362,8 @@ def kind_kernels(t: dict, root: Path) -> str:
 
 def kind_ops(t: dict, root: Path) -> str:
     """``gradcomp-bench kernels --ops`` rows: per method and layout, the largest bucket's ops
-    / kernel ops / GPU launches (launches where counted)."""
+    / kernel ops / GPU launches (launches where counted, unless the table's ``launches`` is
+    false)."""
     rows = []
     for path, opts in _entries(root, t["files"]):
         rows += _rows(_load(path), opts)
@@ -379,10 +380,24 @@ def kind_ops(t: dict, root: Path) -> str:
                 cells.append("-")
                 continue
             parts = [r["max_ops_per_bucket"], r["max_kernel_ops_per_bucket"]]
-            if r.get("max_launches_per_bucket") is not None:
+            if t.get("launches", True) and r.get("max_launches_per_bucket") is not None:
                 parts.append(r["max_launches_per_bucket"])
             cells.append(" / ".join(str(p) for p in parts))
         lines.append(cells)
+    return _md(["method"] + [names.get(lay, lay) for lay in layouts], lines)
+
+
+def kind_launches(t: dict, root: Path) -> str:
+    """``bench/launches.py`` rows: per method and layout, one bucket exchange's launches on
+    the GPU's path."""
+    rows = []
+    for path, opts in _entries(root, t["files"]):
+        rows += _rows(_load(path), opts)
+    names = t.get("layouts", {})  # the layouts shown (all where not given), their names
+    layouts = [lay for lay in dict.fromkeys(r["layout"] for r in rows) if not names or lay in names]
+    cell = {(r["method"], r["layout"]): r["launches"] for r in rows}
+    lines = [[f"`{m}`"] + [str(cell.get((m, lay), "-")) for lay in layouts]
+             for m in dict.fromkeys(r["method"] for r in rows)]
     return _md(["method"] + [names.get(lay, lay) for lay in layouts], lines)
 
 
@@ -485,7 +500,7 @@ def kind_syncs(t: dict, root: Path) -> str:
 
 
 KINDS = {"runs": kind_runs, "single": kind_single, "seeds": kind_seeds,
-         "kernels": kind_kernels, "ops": kind_ops, "plan": kind_plan,
+         "kernels": kind_kernels, "ops": kind_ops, "launches": kind_launches, "plan": kind_plan,
          "plan_check": kind_plan_check, "longrun": kind_longrun,
          "syncs": kind_syncs}
 
