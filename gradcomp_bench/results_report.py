@@ -13,7 +13,8 @@ Kinds: ``runs`` (step-time runs of ``gradcomp-bench ddp --rounds``, one column o
 run and their mean), ``single`` (rows of ``ddp`` runs as they are), ``seeds`` (convergence
 runs, one row per method over seeds: :func:`gradcomp_bench.report.over_seeds`; with
 ``by_steps`` one table per step count and the specs with options apart from the defaults),
-``kernels``, ``ops``, ``plan``, ``plan_check`` and ``longrun``.
+``kernels``, ``ops``, ``launches`` (bench/launches.py's GPU-path counts), ``plan``, ``plan_check``,
+``longrun`` and ``syncs``.
 """
 from __future__ import annotations
 
