@@ -260,31 +260,27 @@ def test_terngrad_keeps_no_residual_by_default():
 
 
 def test_sparse_error_feedback_keeps_what_was_not_sent_bit_for_bit():
-    """Sparse error feedback's update (keep_unsent, and top-k's and DGC's message encoder
-    sparse_encode, reference and Triton): y less each sent value at its index, what rounding
-    took kept, 0 at the dense parameters, and the padding slots (value 0 at index 0) change
-    no bit, not even a -0.0 at index 0; with error feedback off (y is x) it writes nothing."""
-    from gradcomp.compressors.base import ParamSlice, keep_unsent
-    y = torch.tensor([-0.0, 1.5, -2.25, 3.0, 7.0, 8.0])
-    x = y.clone()
+    """Sparse error feedback's update (top-k's and DGC's message encoder sparse_encode,
+    reference and Triton): y less each sent value at its index, what rounding took kept, 0
+    at the dense parameters (positions 4 and 5), and the padding slots (value 0 at index 0)
+    change no bit, not even a -0.0 at index 0; with error feedback off (no y) it writes
+    nothing."""
+    x = torch.tensor([-0.0, 1.5, -2.25, 3.0, 7.0, 8.0])
     sent = torch.tensor([1.5, -2.0, 0.0, 0.0])  # -2.25 went as -2 (rounded): -0.25 stays
     idx = torch.tensor([1, 2, 0, 0])
-    dense = [ParamSlice("bias", (2,), 4, 2)]
-    keep_unsent(y, x, idx, sent, dense)
     want = torch.tensor([-0.0, 0.0, -0.25, 3.0, 0.0, 0.0])
-    assert torch.equal(y.view(torch.int32), want.view(torch.int32))
-    before = x.clone()
-    keep_unsent(x, x, idx, sent, dense)
-    assert torch.equal(x, before)
     from gradcomp.kernels import reference
     from gradcomp.kernels import triton as tk
     for mod in (reference, tk):
-        y = x.clone()
-        out = torch.empty(4, dtype=torch.int32), torch.empty(4), torch.empty(2)
-        mod.sparse_encode(sent, sent, idx, y, x, torch.tensor([4, 5]), *out,
-                          torch.empty(0, dtype=torch.uint8))
-        assert torch.equal(y.view(torch.int32), want.view(torch.int32)), mod
-        assert torch.equal(out[0], idx.int()) and torch.equal(out[2], x[4:])
+        for y in (x.clone(), None):
+            before = x.clone()
+            out = torch.empty(4, dtype=torch.int32), torch.empty(4), torch.empty(2)
+            mod.sparse_encode(sent, sent, idx, y, x, torch.tensor([4, 5]), *out,
+                              torch.empty(0, dtype=torch.uint8))
+            if y is not None:
+                assert torch.equal(y.view(torch.int32), want.view(torch.int32)), mod
+            assert torch.equal(x.view(torch.int32), before.view(torch.int32)), mod
+            assert torch.equal(out[0], idx.int()) and torch.equal(out[2], x[4:])
 
 
 @pytest.mark.parametrize("n", [300, 257, 129])

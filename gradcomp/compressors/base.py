@@ -208,7 +208,8 @@ class Compressor(ABC):
         """Error feedback's input: y = x + decay * this rank's memory ``slot`` (``decay``: the
         error feedback's decay, SparseLoCo's; 1 keeps all of it), written into the
         next memory's buffer (``memory_next``), which then keeps y less what is sent
-        (:func:`keep_unsent`, or the method's encoder); x itself, unchanged, with
+        (the method's encoder: :func:`gradcomp.kernels.sparse_encode` for the sparse
+        methods); x itself, unchanged, with
         ``error_feedback`` off. x is left as it was: the caller may read it again (at the
         dense parameters, whose memory is 0) and overwrite it with the result."""
         if not self.config.error_feedback:
@@ -342,18 +343,6 @@ def put_dense(rows: torch.Tensor, params, out: torch.Tensor) -> None:
     rows = rows.contiguous().view(torch.float32)
     total = sum_ranks(rows)  # in rank order
     out.index_copy_(0, _positions(params, out.device), total.div_(rows.shape[0]))
-
-
-def keep_unsent(y: torch.Tensor, x: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor,
-                dense) -> None:
-    """Error feedback's update after a sparse send: y (from :meth:`Compressor.add_residual`)
-    less the values sent at idx (what rounding took from them stays), 0 at the parameters
-    sent dense. Nothing when y is x (error feedback off). Padding slots carry value 0 at
-    index 0: y + (-0) there, the same bits as ``index_put_`` with accumulate."""
-    if y is x:
-        return
-    y.index_add_(0, idx, vals, alpha=-1)
-    zero_dense(y, dense)
 
 
 def zero_dense(e: torch.Tensor, params) -> None:
